@@ -1,0 +1,68 @@
+SHELL := /bin/bash
+
+# ngx_http_llama_session_module
+#
+#   make            build objs/ngx_http_llama_session_module.so against the
+#                   distro nginx (Debian nginx-dev, /usr/share/nginx/src)
+#   make deps       install what the build and the tests need (apt-get)
+#   make rig        build llama-server and the test model (cached)
+#   make test       build + rig + prove
+#   make demo       run llama-server + nginx with the module and show it
+#   make asan       nginx 1.22.1 from Debian's source with AddressSanitizer
+#   make clean
+
+NGINX_SRC   ?= /usr/share/nginx/src
+NGINX       ?= /usr/sbin/nginx
+MODULE      := objs/ngx_http_llama_session_module.so
+SOURCES     := config $(wildcard ngx_http_llama_session_module/*.[ch])
+CFLAGS_EXTRA := -Wall -Wextra -Wno-unused-parameter -Werror
+DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev cmake git npm \
+                python3-numpy perl build-essential curl ca-certificates \
+                dpkg-dev valgrind
+PROVE_FLAGS ?= -v
+
+.PHONY: all deps rig test demo asan clean
+
+all: $(MODULE)
+
+objs/Makefile: config
+	@test -f $(NGINX_SRC)/conf_flags || { \
+	    echo "$(NGINX_SRC) is missing: run 'make deps' (Debian nginx-dev)"; \
+	    exit 1; }
+	cd $(NGINX_SRC) && . ./conf_flags && ./configure \
+	    --with-cc-opt="$$(dpkg-buildflags --get CFLAGS) -fPIC $(CFLAGS_EXTRA)" \
+	    --with-ld-opt="$$(dpkg-buildflags --get LDFLAGS) -fPIC" \
+	    "$${NGX_CONF_FLAGS[@]}" \
+	    --add-dynamic-module="$(CURDIR)" --builddir="$(CURDIR)/objs" \
+	    > "$(CURDIR)/objs.configure.log" 2>&1 \
+	    || { tail -n 30 "$(CURDIR)/objs.configure.log"; exit 1; }
+
+$(MODULE): objs/Makefile $(SOURCES)
+	$(MAKE) -f "$(CURDIR)/objs/Makefile" -C $(NGINX_SRC) modules
+
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
+	        | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	    echo "installing:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	        apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+rig: deps
+	rig/build-llama-server.sh
+	rig/make-model.sh
+
+test: deps $(MODULE) rig
+	prove $(PROVE_FLAGS) t/
+
+demo: deps $(MODULE) rig
+	examples/demo.sh
+
+asan: deps
+	rig/build-asan-nginx.sh
+
+clean:
+	rm -rf objs objs.configure.log

@@ -1,0 +1,641 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * Which requests use a slot, and which session a request belongs to:
+ * headers, then JSON body fields, then a hash of the system prompt, else
+ * "default".  The session's key, the only thing that ever reaches a file
+ * name, is derived from the client's id through a strict charset and a
+ * SHA-256 over (namespace, model, id).
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+#include <cjson/cJSON.h>
+#include <openssl/evp.h>
+
+
+static ngx_int_t ngx_http_llama_session_read_body(ngx_http_request_t *r,
+    size_t max, ngx_str_t *body);
+static ngx_int_t ngx_http_llama_session_from_headers(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_array_t *names);
+static ngx_int_t ngx_http_llama_session_from_json(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_loc_conf_t *llcf, cJSON *json);
+static ngx_int_t ngx_http_llama_session_system_text(ngx_http_request_t *r,
+    cJSON *json, ngx_str_t *text);
+static ngx_int_t ngx_http_llama_session_append_text(ngx_http_request_t *r,
+    cJSON *content, ngx_str_t *text);
+static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
+    cJSON *item, ngx_str_t *s);
+static ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
+
+
+static ngx_str_t  ngx_http_llama_session_no_slot[] = {
+    ngx_string("tokenize"),
+    ngx_string("detokenize"),
+    ngx_string("apply-template"),
+    ngx_string("count_tokens"),
+    ngx_string("props"),
+    ngx_string("slots"),
+    ngx_string("health"),
+    ngx_string("models"),
+    ngx_string("metrics"),
+    ngx_string("lora-adapters"),
+    ngx_string("show"),
+    ngx_string("tags"),
+    ngx_null_string
+};
+
+
+static ngx_str_t  ngx_http_llama_session_no_session[] = {
+    ngx_string("embedding"),
+    ngx_string("embeddings"),
+    ngx_string("rerank"),
+    ngx_string("reranking"),
+    ngx_null_string
+};
+
+
+/*
+ * Only POSTs run inference.  Among them, llama-server's endpoints that never
+ * touch a slot pass by; embeddings and rerank use the slot but carry no
+ * conversation, so they count as "default".
+ */
+
+ngx_uint_t
+ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char     *p, *last;
+    ngx_str_t   name, *s;
+
+    if (r->method != NGX_HTTP_POST) {
+        return 0;
+    }
+
+    last = r->uri.data + r->uri.len;
+
+    while (last > r->uri.data && last[-1] == '/') {
+        last--;
+    }
+
+    for (p = last; p > r->uri.data && p[-1] != '/'; p--) { /* void */ }
+
+    name.data = p;
+    name.len = last - p;
+
+    for (s = ngx_http_llama_session_no_slot; s->len; s++) {
+        if (s->len == name.len
+            && ngx_strncasecmp(s->data, name.data, name.len) == 0)
+        {
+            return 0;
+        }
+    }
+
+    for (s = ngx_http_llama_session_no_session; s->len; s++) {
+        if (s->len == name.len
+            && ngx_strncasecmp(s->data, name.data, name.len) == 0)
+        {
+            ctx->use_default = 1;
+            break;
+        }
+    }
+
+    return 1;
+}
+
+
+ngx_int_t
+ngx_http_llama_session_identify(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    cJSON                              *json, *model;
+    ngx_int_t                           rc;
+    ngx_str_t                           body, ns;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    ngx_str_null(&ns);
+
+    if (llcf->namespace
+        && ngx_http_complex_value(r, llcf->namespace, &ns) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    if (ctx->use_default) {
+        goto fallback;
+    }
+
+    rc = ngx_http_llama_session_from_headers(r, ctx, llcf->id_headers);
+
+    if (rc == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+    rc = ngx_http_llama_session_read_body(r, llcf->body_max, &body);
+
+    if (rc == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+    if (rc == NGX_DECLINED || body.len == 0) {
+        goto fallback;
+    }
+
+    json = cJSON_ParseWithLength((const char *) body.data, body.len);
+
+    if (json == NULL || !cJSON_IsObject(json)) {
+        ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: the body is not a JSON object");
+        cJSON_Delete(json);
+        goto fallback;
+    }
+
+    model = cJSON_GetObjectItemCaseSensitive(json, "model");
+
+    if (model
+        && ngx_http_llama_session_json_str(r, model, &ctx->model) == NGX_ERROR)
+    {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    if (ctx->id.len == 0) {
+        rc = ngx_http_llama_session_from_json(r, ctx, llcf, json);
+
+    } else {
+        rc = NGX_OK;
+    }
+
+    cJSON_Delete(json);
+
+    if (rc == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+fallback:
+
+    if (ctx->id.len == 0) {
+        ngx_str_set(&ctx->id, "default");
+        ngx_str_set(&ctx->source, "default");
+        ctx->default_session = 1;
+    }
+
+    return ngx_http_llama_session_make_key(r, ctx, &ns);
+}
+
+
+/* NGX_OK: the whole body in one piece; NGX_DECLINED: none or too large */
+
+static ngx_int_t
+ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
+    ngx_str_t *body)
+{
+    u_char       *p;
+    off_t         len, size;
+    ssize_t       n;
+    ngx_buf_t    *b;
+    ngx_chain_t  *cl;
+
+    ngx_str_null(body);
+
+    if (r->request_body == NULL || r->request_body->bufs == NULL) {
+        return NGX_DECLINED;
+    }
+
+    len = 0;
+
+    for (cl = r->request_body->bufs; cl; cl = cl->next) {
+        len += ngx_buf_size(cl->buf);
+    }
+
+    if (len == 0) {
+        return NGX_DECLINED;
+    }
+
+    if ((size_t) len > max) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: the body of %O bytes is larger than "
+                      "llama_session_body_max, it is not parsed", len);
+        return NGX_DECLINED;
+    }
+
+    cl = r->request_body->bufs;
+
+    if (cl->next == NULL && ngx_buf_in_memory(cl->buf)) {
+        body->data = cl->buf->pos;
+        body->len = len;
+        return NGX_OK;
+    }
+
+    p = ngx_pnalloc(r->pool, len);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    body->data = p;
+    body->len = len;
+
+    for ( /* void */ ; cl; cl = cl->next) {
+        b = cl->buf;
+
+        if (ngx_buf_in_memory(b)) {
+            p = ngx_cpymem(p, b->pos, b->last - b->pos);
+            continue;
+        }
+
+        if (b->in_file) {
+            size = b->file_last - b->file_pos;
+
+            n = ngx_read_file(b->file, p, size, b->file_pos);
+
+            if (n != size) {
+                ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                              "llama_session: cannot read the body from "
+                              "\"%V\", it is not parsed", &b->file->name);
+                return NGX_DECLINED;
+            }
+
+            p += n;
+        }
+    }
+
+    body->len = p - body->data;
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_from_headers(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_array_t *names)
+{
+    u_char           *p, *last;
+    ngx_str_t        *name;
+    ngx_uint_t        i, n;
+    ngx_list_part_t  *part;
+    ngx_table_elt_t  *h;
+
+    name = names->elts;
+
+    for (n = 0; n < names->nelts; n++) {
+
+        part = &r->headers_in.headers.part;
+        h = part->elts;
+
+        for (i = 0; /* void */; i++) {
+
+            if (i >= part->nelts) {
+                if (part->next == NULL) {
+                    break;
+                }
+
+                part = part->next;
+                h = part->elts;
+                i = 0;
+            }
+
+            if (h[i].key.len != name[n].len
+                || ngx_strncmp(h[i].lowcase_key, name[n].data, name[n].len)
+                   != 0)
+            {
+                continue;
+            }
+
+            p = h[i].value.data;
+            last = p + h[i].value.len;
+
+            while (p < last && (*p == ' ' || *p == '\t')) { p++; }
+            while (last > p && (last[-1] == ' ' || last[-1] == '\t')) {
+                last--;
+            }
+
+            if (p == last) {
+                continue;
+            }
+
+            ctx->id.data = p;
+            ctx->id.len = last - p;
+            ctx->source.len = sizeof("header:") - 1 + name[n].len;
+            ctx->source.data = ngx_pnalloc(r->pool, ctx->source.len);
+            if (ctx->source.data == NULL) {
+                return NGX_ERROR;
+            }
+
+            ngx_sprintf(ctx->source.data, "header:%V", &name[n]);
+
+            return NGX_OK;
+        }
+    }
+
+    return NGX_DECLINED;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_from_json(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_loc_conf_t *llcf, cJSON *json)
+{
+    u_char         *p, *last, *dot, hash[32], name[128];
+    cJSON          *item;
+    ngx_str_t      *field, text;
+    ngx_uint_t      n;
+    unsigned int    hlen;
+
+    field = llcf->id_fields->elts;
+
+    for (n = 0; n < llcf->id_fields->nelts; n++) {
+
+        item = json;
+        p = field[n].data;
+        last = p + field[n].len;
+
+        while (item && p < last) {
+            dot = ngx_strlchr(p, last, '.');
+            if (dot == NULL) {
+                dot = last;
+            }
+
+            if ((size_t) (dot - p) >= sizeof(name)) {
+                item = NULL;
+                break;
+            }
+
+            ngx_memcpy(name, p, dot - p);
+            name[dot - p] = '\0';
+
+            item = cJSON_IsObject(item)
+                   ? cJSON_GetObjectItemCaseSensitive(item, (char *) name)
+                   : NULL;
+
+            p = dot + 1;
+        }
+
+        if (item == NULL) {
+            continue;
+        }
+
+        if (ngx_http_llama_session_json_str(r, item, &ctx->id) == NGX_ERROR) {
+            return NGX_ERROR;
+        }
+
+        if (ctx->id.len) {
+            ctx->source.len = sizeof("body:") - 1 + field[n].len;
+            ctx->source.data = ngx_pnalloc(r->pool, ctx->source.len);
+            if (ctx->source.data == NULL) {
+                return NGX_ERROR;
+            }
+
+            ngx_sprintf(ctx->source.data, "body:%V", &field[n]);
+
+            return NGX_OK;
+        }
+    }
+
+    if (llcf->fallback != NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM) {
+        return NGX_DECLINED;
+    }
+
+    if (ngx_http_llama_session_system_text(r, json, &text) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (text.len == 0) {
+        return NGX_DECLINED;
+    }
+
+    if (EVP_Digest(text.data, text.len, hash, &hlen, EVP_sha256(), NULL)
+        != 1)
+    {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: SHA-256 failed");
+        return NGX_ERROR;
+    }
+
+    ctx->id.data = ngx_pnalloc(r->pool, sizeof("sys-") - 1 + 16);
+    if (ctx->id.data == NULL) {
+        return NGX_ERROR;
+    }
+
+    p = ngx_cpymem(ctx->id.data, "sys-", sizeof("sys-") - 1);
+    p = ngx_hex_dump(p, hash, 8);
+    ctx->id.len = p - ctx->id.data;
+
+    ngx_str_set(&ctx->source, "system_hash");
+
+    return NGX_OK;
+}
+
+
+/*
+ * The system prompt: Anthropic's top-level "system" (a string or text
+ * blocks; also Ollama's /api/generate "system"), then every message with
+ * role "system" (OpenAI, Ollama /api/chat), joined by newlines.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_system_text(ngx_http_request_t *r, cJSON *json,
+    ngx_str_t *text)
+{
+    cJSON  *system, *messages, *message, *role;
+
+    ngx_str_null(text);
+
+    system = cJSON_GetObjectItemCaseSensitive(json, "system");
+
+    if (system
+        && ngx_http_llama_session_append_text(r, system, text) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    messages = cJSON_GetObjectItemCaseSensitive(json, "messages");
+
+    if (!cJSON_IsArray(messages)) {
+        return NGX_OK;
+    }
+
+    cJSON_ArrayForEach(message, messages) {
+
+        if (!cJSON_IsObject(message)) {
+            continue;
+        }
+
+        role = cJSON_GetObjectItemCaseSensitive(message, "role");
+
+        if (!cJSON_IsString(role) || ngx_strcmp(role->valuestring, "system"))
+        {
+            continue;
+        }
+
+        if (ngx_http_llama_session_append_text(r,
+                     cJSON_GetObjectItemCaseSensitive(message, "content"),
+                     text)
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_append_text(ngx_http_request_t *r, cJSON *content,
+    ngx_str_t *text)
+{
+    u_char  *p;
+    cJSON   *part, *t;
+    size_t   len;
+
+    if (cJSON_IsArray(content)) {
+        cJSON_ArrayForEach(part, content) {
+            t = cJSON_IsObject(part)
+                ? cJSON_GetObjectItemCaseSensitive(part, "text") : part;
+
+            if (cJSON_IsString(t)
+                && ngx_http_llama_session_append_text(r, t, text) != NGX_OK)
+            {
+                return NGX_ERROR;
+            }
+        }
+
+        return NGX_OK;
+    }
+
+    if (!cJSON_IsString(content) || content->valuestring[0] == '\0') {
+        return NGX_OK;
+    }
+
+    len = ngx_strlen(content->valuestring);
+
+    p = ngx_pnalloc(r->pool, text->len + 1 + len);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (text->len) {
+        ngx_memcpy(p, text->data, text->len);
+        p[text->len++] = '\n';
+    }
+
+    ngx_memcpy(p + text->len, content->valuestring, len);
+
+    text->data = p;
+    text->len += len;
+
+    return NGX_OK;
+}
+
+
+/* a string, or an integer as its decimal digits; else empty */
+
+static ngx_int_t
+ngx_http_llama_session_json_str(ngx_http_request_t *r, cJSON *item,
+    ngx_str_t *s)
+{
+    size_t  len;
+
+    ngx_str_null(s);
+
+    if (cJSON_IsString(item)) {
+        len = ngx_strlen(item->valuestring);
+
+        s->data = ngx_pnalloc(r->pool, len);
+        if (s->data == NULL) {
+            return NGX_ERROR;
+        }
+
+        s->len = len;
+        ngx_memcpy(s->data, item->valuestring, len);
+
+        return NGX_OK;
+    }
+
+    if (cJSON_IsNumber(item) && item->valuedouble == (double) item->valueint)
+    {
+        s->data = ngx_pnalloc(r->pool, NGX_INT_T_LEN);
+        if (s->data == NULL) {
+            return NGX_ERROR;
+        }
+
+        s->len = ngx_sprintf(s->data, "%i", (ngx_int_t) item->valueint)
+                 - s->data;
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * key = up to 32 characters of the id from [A-Za-z0-9_-] (others become
+ * "_"), "-", and 24 hex digits of SHA-256(namespace \0 model \0 id): safe
+ * as a file name, readable, and different for different tenants, models
+ * and ids.  The "default" session's key is "default".
+ */
+
+static ngx_int_t
+ngx_http_llama_session_make_key(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
+{
+    u_char         *p, c, hash[EVP_MAX_MD_SIZE];
+    size_t          i, n;
+    EVP_MD_CTX     *md;
+    unsigned int    hlen;
+
+    if (ctx->default_session) {
+        p = ngx_cpymem(ctx->key, "default", sizeof("default") - 1);
+        ctx->key_len = p - ctx->key;
+        return NGX_OK;
+    }
+
+    md = EVP_MD_CTX_new();
+    if (md == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (EVP_DigestInit_ex(md, EVP_sha256(), NULL) != 1
+        || EVP_DigestUpdate(md, ns->data, ns->len) != 1
+        || EVP_DigestUpdate(md, "", 1) != 1
+        || EVP_DigestUpdate(md, ctx->model.data, ctx->model.len) != 1
+        || EVP_DigestUpdate(md, "", 1) != 1
+        || EVP_DigestUpdate(md, ctx->id.data, ctx->id.len) != 1
+        || EVP_DigestFinal_ex(md, hash, &hlen) != 1)
+    {
+        EVP_MD_CTX_free(md);
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: SHA-256 failed");
+        return NGX_ERROR;
+    }
+
+    EVP_MD_CTX_free(md);
+
+    p = ctx->key;
+    n = ngx_min(ctx->id.len, NGX_HTTP_LLAMA_SESSION_SAFE_MAX);
+
+    for (i = 0; i < n; i++) {
+        c = ctx->id.data[i];
+
+        *p++ = ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+                || (c >= '0' && c <= '9') || c == '-' || c == '_')
+               ? c : '_';
+    }
+
+    *p++ = '-';
+    p = ngx_hex_dump(p, hash, NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
+
+    ctx->key_len = p - ctx->key;
+
+    ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "llama_session: session from %V, key \"%*s\"",
+                   &ctx->source, ctx->key_len, ctx->key);
+
+    return NGX_OK;
+}

@@ -1,0 +1,923 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * The request's way through the module, in the precontent phase (after all
+ * of nginx's access control):
+ *
+ *   read the body -> find the session -> wait for the slot (FIFO, timers)
+ *   -> if the slot holds another session: GET /slots, save it, restore ours
+ *      (or erase) through subrequests -> let proxy_pass carry the request
+ *   -> give the slot back when the request's pool goes (any end).
+ *
+ * The handler is re-entered by ngx_http_core_run_phases() after the body,
+ * after each timer and after each subrequest; ctx->state says where it is.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+
+#define NGX_HTTP_LLAMA_SESSION_POLL_MIN    2
+#define NGX_HTTP_LLAMA_SESSION_POLL_MAX    20
+#define NGX_HTTP_LLAMA_SESSION_BUSY_DELAY  25
+
+
+static ngx_int_t ngx_http_llama_session_start(ngx_http_request_t *r,
+    ngx_http_llama_session_loc_conf_t *llcf);
+static void ngx_http_llama_session_body_handler(ngx_http_request_t *r);
+static ngx_int_t ngx_http_llama_session_wait(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_uint_t ngx_http_llama_session_has_file(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_checked(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_saved(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_load(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_loaded(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
+static void ngx_http_llama_session_wake(ngx_event_t *ev);
+static void ngx_http_llama_session_wake_local(void);
+static ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, const char *what);
+static ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
+    char *message, time_t retry_after);
+static void ngx_http_llama_session_cleanup(void *data);
+
+
+static ngx_str_t  ngx_http_llama_session_call_names[] = {
+    ngx_null_string,
+    ngx_string("GET /slots"),
+    ngx_string("save"),
+    ngx_string("restore"),
+    ngx_string("erase")
+};
+
+
+/* requests of this worker that wait for a slot, woken on a local release */
+
+static ngx_queue_t  ngx_http_llama_session_waiting = {
+    &ngx_http_llama_session_waiting, &ngx_http_llama_session_waiting
+};
+
+
+ngx_int_t
+ngx_http_llama_session_handler(ngx_http_request_t *r)
+{
+    ngx_http_llama_session_ctx_t       *ctx;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    if (r != r->main) {
+        return NGX_DECLINED;
+    }
+
+    ctx = ngx_http_llama_session_get_ctx(r);
+
+    if (ctx == NULL) {
+        llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+        if (!llcf->enable) {
+            return NGX_DECLINED;
+        }
+
+        return ngx_http_llama_session_start(r, llcf);
+    }
+
+    switch (ctx->state) {
+
+    case NGX_HTTP_LLAMA_SESSION_ST_BODY:
+        return NGX_DONE;
+
+    case NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE:
+        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_wait(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_CHECK:
+        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
+            return NGX_AGAIN;
+        }
+
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+            /* after a pause while the backend still ran the slot */
+            return ngx_http_llama_session_call(r, ctx,
+                                               NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                               NULL, 0);
+        }
+
+        if (!ctx->call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_checked(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
+        if (!ctx->call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_saved(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_LOAD:
+        if (!ctx->call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_loaded(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
+        return NGX_DECLINED;
+
+    default: /* NGX_HTTP_LLAMA_SESSION_ST_DONE */
+        return ctx->status ? ctx->status : NGX_DECLINED;
+    }
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_start(ngx_http_request_t *r,
+    ngx_http_llama_session_loc_conf_t *llcf)
+{
+    ngx_int_t                      rc;
+    ngx_pool_cleanup_t            *cln;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_ctx_t));
+    if (ctx == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    ctx->request = r;
+    ctx->zone = llcf->zone;
+    ctx->start = ngx_current_msec;
+    ctx->deadline = ctx->start + llcf->wait_timeout;
+    ctx->slot_tokens = -1;
+
+    ctx->wait_ev.handler = ngx_http_llama_session_wake;
+    ctx->wait_ev.data = r;
+    ctx->wait_ev.log = r->connection->log;
+
+    /* the pool cleanup gives the slot back on every end of the request */
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cln->handler = ngx_http_llama_session_cleanup;
+    cln->data = ctx;
+
+    ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
+
+    if (!ngx_http_llama_session_uses_slot(r, ctx)) {
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bypass);
+        return NGX_DECLINED;
+    }
+
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_BODY;
+
+    rc = ngx_http_read_client_request_body(r,
+                                         ngx_http_llama_session_body_handler);
+
+    if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+        return rc;
+    }
+
+    ngx_http_finalize_request(r, NGX_DONE);
+
+    return NGX_DONE;
+}
+
+
+static void
+ngx_http_llama_session_body_handler(ngx_http_request_t *r)
+{
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
+
+        if (ngx_http_llama_session_identify(r, ctx) != NGX_OK) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
+
+        } else {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+        }
+    }
+
+    r->preserve_body = 1;
+
+    r->write_event_handler = ngx_http_core_run_phases;
+    ngx_http_core_run_phases(r);
+}
+
+
+/* takes the slot, or waits for it in arrival order */
+
+static ngx_int_t
+ngx_http_llama_session_wait(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t   rc;
+    ngx_msec_t  now, delay;
+
+    rc = ngx_http_llama_session_acquire(ctx);
+
+    now = ngx_current_msec;
+
+    if (rc == NGX_OK) {
+        ctx->waiting = 0;
+        ctx->wait_ms = now - ctx->start;
+
+        if (ctx->local.next) {
+            ngx_queue_remove(&ctx->local);
+            ctx->local.next = NULL;
+        }
+
+        return ngx_http_llama_session_plan(r, ctx);
+    }
+
+    if (rc == NGX_ERROR || (ngx_msec_int_t) (now - ctx->deadline) >= 0) {
+
+        ngx_http_llama_session_dequeue(ctx);
+
+        if (ctx->local.next) {
+            ngx_queue_remove(&ctx->local);
+            ctx->local.next = NULL;
+        }
+
+        ctx->wait_ms = now - ctx->start;
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.wait_timeouts);
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: session \"%*s\" waited %M ms for slot "
+                      "%ui of zone \"%V\" in vain", ctx->key_len, ctx->key,
+                      ctx->wait_ms,
+                      ctx->slot, &ctx->zone->name);
+
+        return ngx_http_llama_session_error(r, ctx,
+                                  NGX_HTTP_SERVICE_UNAVAILABLE,
+                                  "unavailable_error",
+                                  "the model is busy with other sessions, "
+                                  "retry later", 1);
+    }
+
+    /* poll: quickly at first, then every NGX_HTTP_LLAMA_SESSION_POLL_MAX */
+
+    if (!ctx->waiting) {
+        ctx->waiting = 1;
+        ctx->delay = NGX_HTTP_LLAMA_SESSION_POLL_MIN;
+
+        ngx_queue_insert_tail(&ngx_http_llama_session_waiting, &ctx->local);
+
+        ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: session \"%*s\" waits, ticket %uA",
+                       ctx->key_len, ctx->key, ctx->ticket);
+
+    } else if (ctx->delay < NGX_HTTP_LLAMA_SESSION_POLL_MAX) {
+        ctx->delay *= 2;
+    }
+
+    delay = ngx_min(ctx->delay, ctx->deadline - now);
+
+    return ngx_http_llama_session_sleep(r, ctx, delay);
+}
+
+
+/*
+ * Is there a file to restore?  The zone's record says; without one, the
+ * store folder says; without a store folder, a restore is tried (a missing
+ * file only costs a 400 and leaves the slot empty, as an erase would).
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_has_file(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char           *path;
+    ngx_int_t         rc;
+    ngx_str_t        *store;
+    ngx_file_info_t   fi;
+
+    rc = ngx_http_llama_session_file_known(ctx, ctx->key, ctx->key_len);
+
+    if (rc != -1) {
+        return rc;
+    }
+
+    store = &ctx->zone->store;
+
+    if (store->len == 0) {
+        return 1;
+    }
+
+    path = ngx_pnalloc(r->pool, store->len + ctx->key_len + sizeof("/.bin"));
+    if (path == NULL) {
+        return 1;
+    }
+
+    ngx_sprintf(path, "%V/%*s.bin%Z", store, ctx->key_len, ctx->key);
+
+    return ngx_file_info(path, &fi) != NGX_FILE_ERROR;
+}
+
+
+/* the request holds the slot: decide what the swap needs */
+
+static ngx_int_t
+ngx_http_llama_session_plan(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.hits);
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
+    ctx->swap_start = ngx_current_msec;
+    ctx->swapped = 1;
+
+    if (!ctx->default_session) {
+        ctx->load_file = ngx_http_llama_session_has_file(r, ctx);
+    }
+
+    if (!ctx->save_pending && !ctx->load_file && ctx->slot_tokens == 0) {
+        /* a known empty slot and nothing to bring in */
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
+    /*
+     * ask the backend first: the slot must be idle before a slot action
+     * (llama-server parks actions on busy slots), and a save is only worth
+     * it when the slot really holds tokens
+     */
+
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+
+    return ngx_http_llama_session_call(r, ctx, NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                       NULL, 0);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_checked(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t   rc;
+    ngx_uint_t  processing;
+
+    if (ctx->call_status == 0 || ctx->call_status == NGX_HTTP_UNAUTHORIZED
+        || ctx->call_status == NGX_HTTP_FORBIDDEN
+        || ctx->call_status == NGX_HTTP_NOT_FOUND
+        || ctx->call_status >= NGX_HTTP_INTERNAL_SERVER_ERROR)
+    {
+        if (ctx->call_status != NGX_HTTP_NOT_IMPLEMENTED) {
+            return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
+        }
+    }
+
+    processing = 0;
+
+    if (ctx->call_status == NGX_HTTP_OK) {
+        rc = ngx_http_llama_session_parse_slots(r, ctx, &processing);
+
+        if (rc != NGX_OK) {
+            return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
+        }
+
+    } else {
+        /* --no-slots: we cannot look, so we assume the slot holds tokens */
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: GET /slots answered %i, the module "
+                      "cannot check the slot: start llama-server with "
+                      "--slots", ctx->call_status);
+        ctx->slot_tokens = -1;
+    }
+
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    if (processing) {
+        /*
+         * the backend still runs a request on the slot that the module
+         * already let go (a client that left mid-stream): wait for it
+         */
+
+        if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) >= 0) {
+            ngx_http_llama_session_release(ctx,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            ngx_http_llama_session_wake_local();
+
+            return ngx_http_llama_session_error(r, ctx,
+                                  NGX_HTTP_SERVICE_UNAVAILABLE,
+                                  "unavailable_error",
+                                  "the model's slot is still busy, "
+                                  "retry later", 1);
+        }
+
+        return ngx_http_llama_session_sleep(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_BUSY_DELAY);
+    }
+
+    if (ctx->save_pending && ctx->slot_tokens != 0) {
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_SAVE;
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
+                                           ctx->out_key, ctx->out_len);
+    }
+
+    ctx->save_pending = 0;
+
+    return ngx_http_llama_session_load(r, ctx);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_saved(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_uint_t  tokens;
+
+    if (ctx->call_status == 0) {
+        return ngx_http_llama_session_backend_error(r, ctx, "save");
+    }
+
+    if (ctx->call_status == NGX_HTTP_OK
+        && ngx_http_llama_session_parse_action(r, ctx, &tokens,
+                                               &ctx->saved_bytes,
+                                               &ctx->save_ms)
+           == NGX_OK
+        && ngx_http_llama_session_store_commit(r, ctx, ctx->out_key,
+                                               ctx->out_len)
+           == NGX_OK)
+    {
+        ctx->saved_tokens = tokens;
+
+        ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 1,
+                                          tokens, ctx->saved_bytes);
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
+
+    } else {
+        /* the session's previous file, if any, stays as it was */
+
+        ctx->save_pending = 0;
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
+
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: saving session \"%*s\" from slot %ui "
+                      "failed (%i: \"%*s\"), its previous file is kept and "
+                      "its latest turns are lost",
+                      ctx->out_len, ctx->out_key, ctx->slot,
+                      ctx->call_status,
+                      ctx->call_reply
+                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                                200)
+                      : 0,
+                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
+    }
+
+    return ngx_http_llama_session_load(r, ctx);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_load(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_LOAD;
+
+    if (ctx->load_file) {
+        return ngx_http_llama_session_call(r, ctx,
+                                          NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
+                                          ctx->key, ctx->key_len);
+    }
+
+    if (ctx->slot_tokens == 0) {
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
+    return ngx_http_llama_session_call(r, ctx,
+                                       NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
+                                       NULL, 0);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_loaded(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    off_t       bytes;
+    double      ms;
+    ngx_uint_t  tokens, call, level;
+
+    call = ctx->call;
+
+    if (ctx->call_status == 0
+        || ctx->call_status == NGX_HTTP_UNAUTHORIZED
+        || ctx->call_status == NGX_HTTP_FORBIDDEN
+        || ctx->call_status == NGX_HTTP_NOT_FOUND
+        || ctx->call_status == NGX_HTTP_NOT_IMPLEMENTED
+        || ctx->call_status == NGX_HTTP_BAD_GATEWAY
+        || ctx->call_status == NGX_HTTP_SERVICE_UNAVAILABLE
+        || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+    {
+        return ngx_http_llama_session_backend_error(r, ctx,
+                               (char *) ngx_http_llama_session_call_names[call]
+                                                                   .data);
+    }
+
+    tokens = 0;
+    bytes = 0;
+    ms = 0;
+
+    if (ctx->call_status == NGX_HTTP_OK
+        && ngx_http_llama_session_parse_action(r, ctx, &tokens, &bytes, &ms)
+           == NGX_OK)
+    {
+        if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE) {
+            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE;
+            ctx->loaded_tokens = tokens;
+            ctx->loaded_bytes = bytes;
+            ctx->load_ms = ms;
+            ngx_http_llama_session_stat(ctx,
+                                        &ctx->zone->sh->stats.restores);
+
+        } else {
+            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
+        }
+
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
+    /*
+     * a failed restore leaves the slot empty in llama-server (missing,
+     * foreign or damaged file): the request goes on with a fresh slot
+     */
+
+    ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
+
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE) {
+        ngx_http_llama_session_file_saved(ctx, ctx->key, ctx->key_len, 0, 0,
+                                          0);
+
+        if (ctx->call_status != NGX_HTTP_BAD_REQUEST
+            || ngx_http_llama_session_file_known(ctx, ctx->key,
+                                                 ctx->key_len) != -1)
+        {
+            ngx_http_llama_session_stat(ctx,
+                                       &ctx->zone->sh->stats.restore_errors);
+        }
+
+        level = ctx->zone->store.len ? NGX_LOG_WARN : NGX_LOG_INFO;
+
+        ngx_log_error(level, r->connection->log, 0,
+                      "llama_session: restoring session \"%*s\" into slot "
+                      "%ui failed (%i: \"%*s\"), it starts fresh",
+                      ctx->key_len, ctx->key, ctx->slot, ctx->call_status,
+                      ctx->call_reply
+                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                                200)
+                      : 0,
+                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
+
+    } else {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: erasing slot %ui failed (%i), the "
+                      "request goes on", ctx->slot, ctx->call_status);
+    }
+
+    return ngx_http_llama_session_proxy(r, ctx);
+}
+
+
+/* the slot is ready: record it and let proxy_pass carry the request */
+
+static ngx_int_t
+ngx_http_llama_session_proxy(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_sh_t  *sh;
+
+    sh = ctx->zone->sh;
+
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    /* whatever runs now leaves the slot holding this session's tokens */
+
+    ngx_http_llama_session_slot_set(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
+                                    ctx->key, ctx->key_len, 1);
+
+    if (!ctx->swapped) {
+        return NGX_DECLINED;
+    }
+
+    ctx->swap_ms = ngx_current_msec - ctx->swap_start;
+
+    ngx_http_llama_session_stat(ctx, &sh->stats.swaps);
+
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_FRESH) {
+        ngx_http_llama_session_stat(ctx, &sh->stats.fresh);
+    }
+
+    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                  "llama_session: swap on slot %ui of zone \"%V\": "
+                  "out \"%*s\" (%s %ui tokens, %O bytes, %.1f ms), "
+                  "in \"%*s\" (%s %ui tokens, %O bytes, %.1f ms), "
+                  "%M ms in all",
+                  ctx->slot, &ctx->zone->name,
+                  ctx->out_len ? ctx->out_len : 1,
+                  ctx->out_len ? ctx->out_key : (u_char *) "-",
+                  ctx->save_pending ? "saved" : "not saved",
+                  ctx->saved_tokens, ctx->saved_bytes, ctx->save_ms,
+                  ctx->key_len, ctx->key,
+                  ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
+                  ? "restored" : "fresh",
+                  ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms,
+                  ctx->swap_ms);
+
+    return NGX_DECLINED;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_sleep(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay)
+{
+    /* a client that leaves while waiting ends the request (499) */
+
+    r->read_event_handler = ngx_http_test_reading;
+    r->write_event_handler = ngx_http_core_run_phases;
+
+    ngx_add_timer(&ctx->wait_ev, delay ? delay : 1);
+
+    return NGX_AGAIN;
+}
+
+
+static void
+ngx_http_llama_session_wake(ngx_event_t *ev)
+{
+    ngx_connection_t    *c;
+    ngx_http_request_t  *r;
+
+    r = ev->data;
+    c = r->connection;
+
+    if (ev->timer_set) {
+        ngx_del_timer(ev);
+    }
+
+    if (ev->posted) {
+        ngx_delete_posted_event(ev);
+    }
+
+    ngx_http_set_log_request(c->log, r);
+
+    r->write_event_handler(r);
+
+    ngx_http_run_posted_requests(c);
+}
+
+
+static void
+ngx_http_llama_session_wake_local(void)
+{
+    ngx_queue_t                   *q;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    for (q = ngx_queue_head(&ngx_http_llama_session_waiting);
+         q != ngx_queue_sentinel(&ngx_http_llama_session_waiting);
+         q = ngx_queue_next(q))
+    {
+        ctx = ngx_queue_data(q, ngx_http_llama_session_ctx_t, local);
+
+        if (!ctx->wait_ev.posted) {
+            ngx_post_event(&ctx->wait_ev, &ngx_posted_events);
+        }
+    }
+}
+
+
+/* the backend could not be reached or refused a slot call: 502 */
+
+static ngx_int_t
+ngx_http_llama_session_backend_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, const char *what)
+{
+    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
+
+    if (ctx->call_status == 0) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: slot call \"%s\" for session \"%*s\" "
+                      "got no answer from the backend through \"%V\"",
+                      what, ctx->key_len, ctx->key, &ctx->call_uri);
+
+    } else {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: slot call \"%s\" for session \"%*s\" "
+                      "through \"%V\" answered %i: \"%*s\"",
+                      what, ctx->key_len, ctx->key, &ctx->call_uri,
+                      ctx->call_status,
+                      ctx->call_reply
+                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                                200)
+                      : 0,
+                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
+    }
+
+    /* a failed call leaves a slot nobody can vouch for */
+
+    ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+    ngx_http_llama_session_wake_local();
+
+    return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
+                                        "server_error",
+                                        "the model server did not answer "
+                                        "a slot call", 0);
+}
+
+
+/* an OpenAI-style JSON error to the client */
+
+static ngx_int_t
+ngx_http_llama_session_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
+    char *message, time_t retry_after)
+{
+    size_t            len;
+    ngx_int_t         rc;
+    ngx_buf_t        *b;
+    ngx_chain_t       out;
+    ngx_table_elt_t  *h;
+
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+    ctx->status = NGX_DONE;
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    len = sizeof("{\"error\":{\"code\":,\"message\":\"\",\"type\":\"\"}}\n")
+          - 1 + NGX_INT_T_LEN + ngx_strlen(message) + ngx_strlen(type);
+
+    b = ngx_create_temp_buf(r->pool, len);
+    if (b == NULL) {
+        ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
+        return NGX_DONE;
+    }
+
+    b->last = ngx_sprintf(b->last,
+                          "{\"error\":{\"code\":%ui,\"message\":\"%s\","
+                          "\"type\":\"%s\"}}\n", status, message, type);
+    b->last_buf = 1;
+    b->last_in_chain = 1;
+
+    r->headers_out.status = status;
+    r->headers_out.content_length_n = b->last - b->pos;
+    ngx_str_set(&r->headers_out.content_type, "application/json");
+    r->headers_out.content_type_len = r->headers_out.content_type.len;
+    r->headers_out.content_type_lowcase = NULL;
+
+    if (retry_after) {
+        h = ngx_list_push(&r->headers_out.headers);
+        if (h == NULL) {
+            ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
+            return NGX_DONE;
+        }
+
+        h->hash = 1;
+        ngx_str_set(&h->key, "Retry-After");
+        h->value.data = ngx_pnalloc(r->pool, NGX_TIME_T_LEN);
+        if (h->value.data == NULL) {
+            ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
+            return NGX_DONE;
+        }
+
+        h->value.len = ngx_sprintf(h->value.data, "%T", retry_after)
+                       - h->value.data;
+    }
+
+    rc = ngx_http_send_header(r);
+
+    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
+        ngx_http_finalize_request(r, rc);
+        return NGX_DONE;
+    }
+
+    out.buf = b;
+    out.next = NULL;
+
+    ngx_http_finalize_request(r, ngx_http_output_filter(r, &out));
+
+    return NGX_DONE;
+}
+
+
+/*
+ * The context survives internal redirects, which wipe r->ctx, through its
+ * pool cleanup (as the realip module does), so no request acquires twice.
+ */
+
+ngx_http_llama_session_ctx_t *
+ngx_http_llama_session_get_ctx(ngx_http_request_t *r)
+{
+    ngx_pool_cleanup_t            *cln;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r->main, ngx_http_llama_session_module);
+
+    if (ctx || !(r->main->internal || r->main->filter_finalize)) {
+        return ctx;
+    }
+
+    for (cln = r->main->pool->cleanup; cln; cln = cln->next) {
+        if (cln->handler == ngx_http_llama_session_cleanup) {
+            ctx = cln->data;
+            ngx_http_set_ctx(r->main, ctx, ngx_http_llama_session_module);
+            return ctx;
+        }
+    }
+
+    return NULL;
+}
+
+
+static void
+ngx_http_llama_session_cleanup(void *data)
+{
+    ngx_http_llama_session_ctx_t *ctx = data;
+
+    ngx_uint_t           state;
+    ngx_http_request_t  *r;
+
+    r = ctx->request;
+
+    if (ctx->wait_ev.timer_set) {
+        ngx_del_timer(&ctx->wait_ev);
+    }
+
+    if (ctx->wait_ev.posted) {
+        ngx_delete_posted_event(&ctx->wait_ev);
+    }
+
+    if (ctx->local.next) {
+        ngx_queue_remove(&ctx->local);
+        ctx->local.next = NULL;
+    }
+
+    ngx_http_llama_session_dequeue(ctx);
+
+    if (!ctx->acquired || ctx->released) {
+        return;
+    }
+
+    state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
+
+    if (ctx->call_inflight
+        && ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_GET
+        && ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_SAVE)
+    {
+        /* a restore or erase that did not finish: anything may be there */
+        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+
+    } else if (ctx->call_inflight
+               && ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
+               && ctx->zone->store.len == 0)
+    {
+        /* the interrupted save may have truncated the session's file */
+        ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 0,
+                                          0, 0);
+
+    } else if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
+               && r->upstream
+               && (r->upstream->headers_in.status_n == 0
+                   || r->upstream->headers_in.status_n
+                      >= NGX_HTTP_INTERNAL_SERVER_ERROR))
+    {
+        /* the backend failed or vanished while it ran the request */
+        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+    }
+
+    ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "llama_session: session \"%*s\" releases slot %ui (%ui)",
+                   ctx->key_len, ctx->key, ctx->slot, state);
+
+    ngx_http_llama_session_release(ctx, state);
+    ngx_http_llama_session_wake_local();
+}

@@ -1,0 +1,648 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * Directives, configuration and registration.  The request's way through
+ * the module starts in ngx_http_llama_session_handler.c.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+
+static ngx_int_t ngx_http_llama_session_init(ngx_conf_t *cf);
+static void *ngx_http_llama_session_create_main_conf(ngx_conf_t *cf);
+static void *ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf);
+static char *ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf,
+    void *parent, void *child);
+static char *ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static char *ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static char *ngx_http_llama_session_slots_uri(ngx_conf_t *cf,
+    ngx_command_t *cmd, void *conf);
+static char *ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+
+
+static ngx_conf_enum_t  ngx_http_llama_session_fallbacks[] = {
+    { ngx_string("system_hash"), NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM },
+    { ngx_string("off"), NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF },
+    { ngx_null_string, 0 }
+};
+
+
+static ngx_command_t  ngx_http_llama_session_commands[] = {
+
+    { ngx_string("llama_session_zone"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_1MORE,
+      ngx_http_llama_session_zone,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("llama_session"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_http_llama_session,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("llama_session_slots_uri"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_http_llama_session_slots_uri,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, slots_uri),
+      NULL },
+
+    { ngx_string("llama_session_id_headers"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_1MORE,
+      ngx_http_llama_session_list,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, id_headers),
+      NULL },
+
+    { ngx_string("llama_session_id_fields"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_1MORE,
+      ngx_http_llama_session_list,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, id_fields),
+      NULL },
+
+    { ngx_string("llama_session_id_fallback"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_enum_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, fallback),
+      &ngx_http_llama_session_fallbacks },
+
+    { ngx_string("llama_session_namespace"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_http_set_complex_value_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, namespace),
+      NULL },
+
+    { ngx_string("llama_session_wait_timeout"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_msec_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, wait_timeout),
+      NULL },
+
+    { ngx_string("llama_session_body_max"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_size_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, body_max),
+      NULL },
+
+      ngx_null_command
+};
+
+
+static ngx_http_module_t  ngx_http_llama_session_module_ctx = {
+    ngx_http_llama_session_add_variables,  /* preconfiguration */
+    ngx_http_llama_session_init,           /* postconfiguration */
+
+    ngx_http_llama_session_create_main_conf, /* create main configuration */
+    NULL,                                  /* init main configuration */
+
+    NULL,                                  /* create server configuration */
+    NULL,                                  /* merge server configuration */
+
+    ngx_http_llama_session_create_loc_conf, /* create location configuration */
+    ngx_http_llama_session_merge_loc_conf  /* merge location configuration */
+};
+
+
+ngx_module_t  ngx_http_llama_session_module = {
+    NGX_MODULE_V1,
+    &ngx_http_llama_session_module_ctx,    /* module context */
+    ngx_http_llama_session_commands,       /* module directives */
+    NGX_HTTP_MODULE,                       /* module type */
+    NULL,                                  /* init master */
+    NULL,                                  /* init module */
+    NULL,                                  /* init process */
+    NULL,                                  /* init thread */
+    NULL,                                  /* exit thread */
+    NULL,                                  /* exit process */
+    NULL,                                  /* exit master */
+    NGX_MODULE_V1_PADDING
+};
+
+
+static ngx_str_t  ngx_http_llama_session_default_headers[] = {
+    ngx_string("x-session-id"),
+    ngx_string("x-conversation-id"),
+    ngx_string("session-id"),
+    ngx_string("conversation-id"),
+    ngx_string("x-openwebui-chat-id"),
+    ngx_null_string
+};
+
+
+static ngx_str_t  ngx_http_llama_session_default_fields[] = {
+    ngx_string("session_id"),
+    ngx_string("conversation_id"),
+    ngx_string("chat_id"),
+    ngx_string("prompt_cache_key"),
+    ngx_string("metadata.session_id"),
+    ngx_null_string
+};
+
+
+static void *
+ngx_http_llama_session_create_main_conf(ngx_conf_t *cf)
+{
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    lmcf = ngx_pcalloc(cf->pool, sizeof(ngx_http_llama_session_main_conf_t));
+    if (lmcf == NULL) {
+        return NULL;
+    }
+
+    if (ngx_array_init(&lmcf->zones, cf->pool, 2,
+                       sizeof(ngx_http_llama_session_zone_t *))
+        != NGX_OK)
+    {
+        return NULL;
+    }
+
+    return lmcf;
+}
+
+
+static void *
+ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
+{
+    ngx_http_llama_session_loc_conf_t  *conf;
+
+    conf = ngx_pcalloc(cf->pool, sizeof(ngx_http_llama_session_loc_conf_t));
+    if (conf == NULL) {
+        return NULL;
+    }
+
+    /*
+     * set by ngx_pcalloc():
+     *
+     *     conf->zone = NULL;
+     *     conf->slots_uri = { 0, NULL };
+     *     conf->namespace = NULL;
+     */
+
+    conf->enable = NGX_CONF_UNSET;
+    conf->id_headers = NGX_CONF_UNSET_PTR;
+    conf->id_fields = NGX_CONF_UNSET_PTR;
+    conf->fallback = NGX_CONF_UNSET_UINT;
+    conf->wait_timeout = NGX_CONF_UNSET_MSEC;
+    conf->body_max = NGX_CONF_UNSET_SIZE;
+
+    return conf;
+}
+
+
+static ngx_array_t *
+ngx_http_llama_session_default_list(ngx_conf_t *cf, ngx_str_t *names)
+{
+    ngx_str_t    *s;
+    ngx_array_t  *a;
+
+    a = ngx_array_create(cf->pool, 5, sizeof(ngx_str_t));
+    if (a == NULL) {
+        return NULL;
+    }
+
+    for ( /* void */ ; names->len; names++) {
+        s = ngx_array_push(a);
+        if (s == NULL) {
+            return NULL;
+        }
+
+        *s = *names;
+    }
+
+    return a;
+}
+
+
+static char *
+ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
+    void *child)
+{
+    ngx_http_llama_session_loc_conf_t *prev = parent;
+    ngx_http_llama_session_loc_conf_t *conf = child;
+
+    if (conf->enable == NGX_CONF_UNSET) {
+        conf->enable = prev->enable;
+        conf->zone = prev->zone;
+    }
+
+    if (conf->enable == NGX_CONF_UNSET) {
+        conf->enable = 0;
+    }
+
+    ngx_conf_merge_str_value(conf->slots_uri, prev->slots_uri,
+                             "/_llama_slots");
+
+    if (conf->id_headers == NGX_CONF_UNSET_PTR) {
+        if (prev->id_headers == NGX_CONF_UNSET_PTR) {
+            prev->id_headers = ngx_http_llama_session_default_list(cf,
+                                        ngx_http_llama_session_default_headers);
+            if (prev->id_headers == NULL) {
+                return NGX_CONF_ERROR;
+            }
+        }
+
+        conf->id_headers = prev->id_headers;
+    }
+
+    if (conf->id_fields == NGX_CONF_UNSET_PTR) {
+        if (prev->id_fields == NGX_CONF_UNSET_PTR) {
+            prev->id_fields = ngx_http_llama_session_default_list(cf,
+                                        ngx_http_llama_session_default_fields);
+            if (prev->id_fields == NULL) {
+                return NGX_CONF_ERROR;
+            }
+        }
+
+        conf->id_fields = prev->id_fields;
+    }
+
+    ngx_conf_merge_uint_value(conf->fallback, prev->fallback,
+                              NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM);
+
+    if (conf->namespace == NULL) {
+        conf->namespace = prev->namespace;
+    }
+
+    ngx_conf_merge_msec_value(conf->wait_timeout, prev->wait_timeout, 60000);
+    ngx_conf_merge_size_value(conf->body_max, prev->body_max,
+                              16 * 1024 * 1024);
+
+    return NGX_CONF_OK;
+}
+
+
+/*
+ * llama_session_zone zone=name:size [slots=N] [store=path];
+ */
+
+static char *
+ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_llama_session_main_conf_t *lmcf = conf;
+
+    u_char                          *p;
+    ssize_t                          size;
+    ngx_int_t                        n;
+    ngx_str_t                       *value, name, s, store;
+    ngx_uint_t                       i, nslots;
+    ngx_shm_zone_t                  *shm_zone;
+    ngx_http_llama_session_zone_t   *zone, **zp;
+
+    value = cf->args->elts;
+
+    size = 0;
+    nslots = 1;
+    name.len = 0;
+    ngx_str_null(&store);
+
+    for (i = 1; i < cf->args->nelts; i++) {
+
+        if (ngx_strncmp(value[i].data, "zone=", 5) == 0) {
+
+            name.data = value[i].data + 5;
+
+            p = (u_char *) ngx_strchr(name.data, ':');
+
+            if (p == NULL) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid zone size \"%V\": "
+                                   "use zone=name:size", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            name.len = p - name.data;
+
+            s.data = p + 1;
+            s.len = value[i].data + value[i].len - s.data;
+
+            size = ngx_parse_size(&s);
+
+            if (size == NGX_ERROR) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid zone size \"%V\"", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            if (size < (ssize_t) (8 * ngx_pagesize
+                                  + sizeof(ngx_http_llama_session_sh_t)))
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "zone \"%V\" is too small, the minimum "
+                                   "is %uzk", &value[i],
+                                   (8 * ngx_pagesize
+                                    + sizeof(ngx_http_llama_session_sh_t))
+                                   / 1024 + 1);
+                return NGX_CONF_ERROR;
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "slots=", 6) == 0) {
+
+            n = ngx_atoi(value[i].data + 6, value[i].len - 6);
+
+            if (n == NGX_ERROR || n < 1) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid number of slots \"%V\"",
+                                   &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            if (n > 1) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "\"%V\": this version keeps sessions on "
+                                   "one slot only; run llama-server with "
+                                   "-np 1 and use slots=1", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            nslots = n;
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "store=", 6) == 0) {
+
+            store.data = value[i].data + 6;
+            store.len = value[i].len - 6;
+
+            if (store.len == 0) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "empty \"store=\" path");
+                return NGX_CONF_ERROR;
+            }
+
+            if (ngx_conf_full_name(cf->cycle, &store, 0) != NGX_OK) {
+                return NGX_CONF_ERROR;
+            }
+
+            while (store.len > 1 && store.data[store.len - 1] == '/') {
+                store.len--;
+            }
+
+            continue;
+        }
+
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid parameter \"%V\"", &value[i]);
+        return NGX_CONF_ERROR;
+    }
+
+    if (name.len == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"%V\" must have \"zone=name:size\" parameter",
+                           &cmd->name);
+        return NGX_CONF_ERROR;
+    }
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->name.len == name.len
+            && ngx_strncmp(zp[i]->name.data, name.data, name.len) == 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "duplicate llama_session_zone \"%V\"", &name);
+            return NGX_CONF_ERROR;
+        }
+    }
+
+    zone = ngx_pcalloc(cf->pool, sizeof(ngx_http_llama_session_zone_t));
+    if (zone == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    shm_zone = ngx_shared_memory_add(cf, &name, size,
+                                     &ngx_http_llama_session_module);
+    if (shm_zone == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (shm_zone->data) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "shared memory zone \"%V\" is already used "
+                           "by another module", &name);
+        return NGX_CONF_ERROR;
+    }
+
+    zone->name = name;
+    zone->nslots = nslots;
+    zone->store = store;
+    zone->shm_zone = shm_zone;
+
+    shm_zone->init = ngx_http_llama_session_init_zone;
+    shm_zone->data = zone;
+
+    zp = ngx_array_push(&lmcf->zones);
+    if (zp == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    *zp = zone;
+
+    return NGX_CONF_OK;
+}
+
+
+/*
+ * llama_session <zone> | off;
+ */
+
+static char *
+ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_llama_session_loc_conf_t *llcf = conf;
+
+    ngx_str_t                           *value;
+    ngx_uint_t                           i;
+    ngx_http_llama_session_zone_t      **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    if (llcf->enable != NGX_CONF_UNSET) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (ngx_strcmp(value[1].data, "off") == 0) {
+        llcf->enable = 0;
+        llcf->zone = NULL;
+        return NGX_CONF_OK;
+    }
+
+    lmcf = ngx_http_conf_get_module_main_conf(cf,
+                                              ngx_http_llama_session_module);
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->name.len == value[1].len
+            && ngx_strncmp(zp[i]->name.data, value[1].data, value[1].len)
+               == 0)
+        {
+            llcf->enable = 1;
+            llcf->zone = zp[i];
+            return NGX_CONF_OK;
+        }
+    }
+
+    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                       "unknown llama_session zone \"%V\": declare it with "
+                       "\"llama_session_zone zone=%V:size\" before use",
+                       &value[1], &value[1]);
+
+    return NGX_CONF_ERROR;
+}
+
+
+static char *
+ngx_http_llama_session_slots_uri(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf)
+{
+    ngx_http_llama_session_loc_conf_t *llcf = conf;
+
+    ngx_str_t  *value;
+
+    if (llcf->slots_uri.data) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (value[1].len == 0 || value[1].data[0] != '/') {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid slots uri \"%V\": it must start "
+                           "with \"/\"", &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    if (ngx_strlchr(value[1].data, value[1].data + value[1].len, '?')
+        || ngx_strlchr(value[1].data, value[1].data + value[1].len, '$'))
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid slots uri \"%V\": arguments and "
+                           "variables are not allowed", &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    llcf->slots_uri = value[1];
+
+    while (llcf->slots_uri.len > 1
+           && llcf->slots_uri.data[llcf->slots_uri.len - 1] == '/')
+    {
+        llcf->slots_uri.len--;
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+/*
+ * llama_session_id_headers name ... | off;
+ * llama_session_id_fields name ... | off;
+ */
+
+static char *
+ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    char  *p = conf;
+
+    u_char        *c;
+    ngx_str_t     *value, *s;
+    ngx_uint_t     i, j, header;
+    ngx_array_t  **a;
+
+    a = (ngx_array_t **) (p + cmd->offset);
+
+    if (*a != NGX_CONF_UNSET_PTR) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    *a = ngx_array_create(cf->pool, cf->args->nelts, sizeof(ngx_str_t));
+    if (*a == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (cf->args->nelts == 2 && ngx_strcmp(value[1].data, "off") == 0) {
+        return NGX_CONF_OK;
+    }
+
+    header = (cmd->offset
+              == offsetof(ngx_http_llama_session_loc_conf_t, id_headers));
+
+    for (i = 1; i < cf->args->nelts; i++) {
+
+        c = value[i].data;
+
+        for (j = 0; j < value[i].len; j++) {
+            if (!((c[j] >= 'a' && c[j] <= 'z') || (c[j] >= 'A' && c[j] <= 'Z')
+                  || (c[j] >= '0' && c[j] <= '9') || c[j] == '-'
+                  || c[j] == '_' || (!header && c[j] == '.')))
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid %s name \"%V\"",
+                                   header ? "header" : "field", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+        }
+
+        if (value[i].len == 0 || c[0] == '.' || c[value[i].len - 1] == '.') {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid %s name \"%V\"",
+                               header ? "header" : "field", &value[i]);
+            return NGX_CONF_ERROR;
+        }
+
+        s = ngx_array_push(*a);
+        if (s == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        *s = value[i];
+
+        if (header) {
+            ngx_strlow(s->data, s->data, s->len);
+        }
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_init(ngx_conf_t *cf)
+{
+    ngx_http_handler_pt        *h;
+    ngx_http_core_main_conf_t  *cmcf;
+
+    cmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_core_module);
+
+    /*
+     * the precontent phase runs after the whole access phase, so a request
+     * that allow/deny, auth_basic or auth_request refuse never moves a slot
+     */
+
+    h = ngx_array_push(&cmcf->phases[NGX_HTTP_PRECONTENT_PHASE].handlers);
+    if (h == NULL) {
+        return NGX_ERROR;
+    }
+
+    *h = ngx_http_llama_session_handler;
+
+    return ngx_http_llama_session_capture_init(cf);
+}

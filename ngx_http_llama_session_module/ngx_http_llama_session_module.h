@@ -1,0 +1,288 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ */
+
+
+#ifndef _NGX_HTTP_LLAMA_SESSION_MODULE_H_INCLUDED_
+#define _NGX_HTTP_LLAMA_SESSION_MODULE_H_INCLUDED_
+
+
+#include <ngx_config.h>
+#include <ngx_core.h>
+#include <ngx_http.h>
+
+
+#define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
+#define NGX_HTTP_LLAMA_SESSION_VERSION     1
+
+#define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
+#define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
+#define NGX_HTTP_LLAMA_SESSION_HASH_HEX    24
+#define NGX_HTTP_LLAMA_SESSION_SLOTS_MAX   64
+
+#define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
+#define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
+
+
+/* what the request did to the slot, for $llama_session_action */
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_ACTION_NONE = 0,
+    NGX_HTTP_LLAMA_SESSION_ACTION_HIT,
+    NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE,
+    NGX_HTTP_LLAMA_SESSION_ACTION_FRESH,
+    NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS
+} ngx_http_llama_session_action_e;
+
+
+/* what a slot holds, as far as the module can vouch for it */
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN = 0,
+    NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
+    NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+} ngx_http_llama_session_slot_state_e;
+
+
+/* the request's way through the module, see the handler */
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_ST_BODY = 0,
+    NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE,
+    NGX_HTTP_LLAMA_SESSION_ST_CHECK,
+    NGX_HTTP_LLAMA_SESSION_ST_SAVE,
+    NGX_HTTP_LLAMA_SESSION_ST_LOAD,
+    NGX_HTTP_LLAMA_SESSION_ST_PROXY,
+    NGX_HTTP_LLAMA_SESSION_ST_DONE
+} ngx_http_llama_session_state_e;
+
+
+/* slot calls */
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_CALL_NONE = 0,
+    NGX_HTTP_LLAMA_SESSION_CALL_GET,
+    NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
+    NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
+    NGX_HTTP_LLAMA_SESSION_CALL_ERASE
+} ngx_http_llama_session_call_e;
+
+
+/* shared memory */
+
+typedef struct {
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    u_short                         key_len;
+    u_char                          state;
+    u_char                          dirty;      /* changed since last save */
+    u_char                          saveable;   /* not "default" */
+    u_char                          busy;       /* a request holds it */
+    ngx_pid_t                       owner;
+    ngx_atomic_uint_t               batch;      /* tickets of the session
+                                                   swapped in that may still
+                                                   go before the next swap */
+    ngx_msec_t                      last_used;
+} ngx_http_llama_session_slot_t;
+
+
+typedef struct {
+    ngx_queue_t                     queue;
+    ngx_atomic_uint_t               ticket;
+    ngx_pid_t                       pid;
+    u_short                         key_len;
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+} ngx_http_llama_session_waiter_t;
+
+
+typedef struct {
+    ngx_rbtree_node_t               node;       /* key: crc32 of the key */
+    ngx_queue_t                     lru;
+    u_short                         key_len;
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    u_char                          saved;      /* a file exists */
+    off_t                           bytes;
+    ngx_uint_t                      tokens;
+    time_t                          saved_at;
+    time_t                          used_at;
+} ngx_http_llama_session_node_t;
+
+
+typedef struct {
+    ngx_atomic_uint_t               requests;
+    ngx_atomic_uint_t               hits;
+    ngx_atomic_uint_t               restores;
+    ngx_atomic_uint_t               fresh;
+    ngx_atomic_uint_t               bypass;
+    ngx_atomic_uint_t               swaps;
+    ngx_atomic_uint_t               saves;
+    ngx_atomic_uint_t               save_errors;
+    ngx_atomic_uint_t               restore_errors;
+    ngx_atomic_uint_t               wait_timeouts;
+    ngx_atomic_uint_t               backend_errors;
+} ngx_http_llama_session_stats_t;
+
+
+typedef struct {
+    uint32_t                        magic;
+    uint32_t                        version;
+    ngx_uint_t                      nslots;
+    ngx_atomic_uint_t               next_ticket;
+    ngx_uint_t                      nwaiters;
+    ngx_queue_t                     waiters;
+    ngx_rbtree_t                    rbtree;
+    ngx_rbtree_node_t               sentinel;
+    ngx_queue_t                     lru;
+    ngx_uint_t                      nsessions;
+    ngx_http_llama_session_stats_t  stats;
+    ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+} ngx_http_llama_session_sh_t;
+
+
+typedef struct {
+    ngx_str_t                       name;
+    ngx_uint_t                      nslots;
+    ngx_str_t                       store;      /* empty: not visible */
+    ngx_shm_zone_t                 *shm_zone;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_slab_pool_t                *shpool;
+} ngx_http_llama_session_zone_t;
+
+
+/* configuration */
+
+typedef struct {
+    ngx_array_t                     zones;      /* zone pointers */
+} ngx_http_llama_session_main_conf_t;
+
+
+typedef struct {
+    ngx_http_llama_session_zone_t  *zone;       /* NULL: off */
+    ngx_str_t                       slots_uri;
+    ngx_array_t                    *id_headers; /* ngx_str_t, lowercase */
+    ngx_array_t                    *id_fields;  /* ngx_str_t, a.b paths */
+    ngx_uint_t                      fallback;
+    ngx_http_complex_value_t       *namespace;
+    ngx_msec_t                      wait_timeout;
+    size_t                          body_max;
+    ngx_flag_t                      enable;
+} ngx_http_llama_session_loc_conf_t;
+
+
+/* a request */
+
+typedef struct ngx_http_llama_session_ctx_s  ngx_http_llama_session_ctx_t;
+
+struct ngx_http_llama_session_ctx_s {
+    ngx_http_request_t             *request;
+    ngx_http_llama_session_zone_t  *zone;
+
+    ngx_str_t                       id;         /* as the client gave it */
+    ngx_str_t                       source;     /* where it came from */
+    ngx_str_t                       model;
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    size_t                          key_len;
+
+    /* the session that leaves the slot on a swap */
+    u_char                          out_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    size_t                          out_len;
+
+    ngx_uint_t                      state;
+    ngx_uint_t                      action;
+    ngx_uint_t                      slot;
+    ngx_atomic_uint_t               ticket;
+    ngx_int_t                       status;     /* to finish with */
+
+    ngx_msec_t                      start;
+    ngx_msec_t                      deadline;
+    ngx_msec_t                      wait_ms;
+    ngx_msec_t                      swap_start;
+    ngx_msec_t                      swap_ms;
+    ngx_msec_t                      delay;
+
+    ngx_event_t                     wait_ev;
+    ngx_queue_t                     local;      /* this worker's waiters */
+
+    /* the slot call in flight and its reply */
+    ngx_uint_t                      call;
+    ngx_str_t                       call_uri;
+    ngx_int_t                       call_status;
+    ngx_buf_t                      *call_reply;
+    ngx_int_t                       slot_tokens; /* -1: unknown */
+
+    /* from the replies, for the swap log line */
+    ngx_uint_t                      saved_tokens;
+    off_t                           saved_bytes;
+    double                          save_ms;
+    ngx_uint_t                      loaded_tokens;
+    off_t                           loaded_bytes;
+    double                          load_ms;
+
+    unsigned                        default_session:1;
+    unsigned                        use_default:1;
+    unsigned                        queued:1;
+    unsigned                        acquired:1;
+    unsigned                        waiting:1;
+    unsigned                        call_done:1;
+    unsigned                        call_inflight:1;
+    unsigned                        swapped:1;
+    unsigned                        save_pending:1;
+    unsigned                        load_file:1;
+    unsigned                        released:1;
+};
+
+
+/* the capture of a slot call's reply, set on the subrequest */
+
+typedef struct {
+    ngx_http_llama_session_ctx_t   *parent;
+    ngx_buf_t                      *buf;
+} ngx_http_llama_session_capture_t;
+
+
+ngx_int_t ngx_http_llama_session_handler(ngx_http_request_t *r);
+ngx_int_t ngx_http_llama_session_add_variables(ngx_conf_t *cf);
+ngx_int_t ngx_http_llama_session_capture_init(ngx_conf_t *cf);
+ngx_http_llama_session_ctx_t *ngx_http_llama_session_get_ctx(
+    ngx_http_request_t *r);
+
+/* body.c: identity */
+ngx_int_t ngx_http_llama_session_identify(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+
+/* shm.c: shared state */
+ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,
+    void *data);
+ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state);
+void ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state, u_char *key, size_t len, ngx_uint_t dirty);
+ngx_int_t ngx_http_llama_session_file_known(
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+void ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
+    u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens,
+    off_t bytes);
+void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
+    ngx_atomic_uint_t *counter);
+
+/* slots.c: slot calls */
+ngx_int_t ngx_http_llama_session_call(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
+    size_t len);
+ngx_int_t ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing);
+ngx_int_t ngx_http_llama_session_parse_action(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
+    double *ms);
+ngx_int_t ngx_http_llama_session_store_commit(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+
+
+extern ngx_module_t  ngx_http_llama_session_module;
+
+
+#endif /* _NGX_HTTP_LLAMA_SESSION_MODULE_H_INCLUDED_ */

@@ -1,0 +1,566 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * Slot calls: subrequests to the operator's internal location
+ * (llama_session_slots_uri), each with its own method, JSON body and
+ * headers, so nothing of the client's request (Content-Length,
+ * Authorization, body) leaks into them.  A body filter captures the reply.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+#include <cjson/cJSON.h>
+
+
+#define NGX_HTTP_LLAMA_SESSION_REPLY_MAX  (4 * 1024 * 1024)
+
+
+static ngx_int_t ngx_http_llama_session_call_done(ngx_http_request_t *sr,
+    void *data, ngx_int_t rc);
+static ngx_int_t ngx_http_llama_session_capture_filter(ngx_http_request_t *r,
+    ngx_chain_t *in);
+static ngx_int_t ngx_http_llama_session_capture_append(ngx_http_request_t *r,
+    ngx_http_llama_session_capture_t *cap, u_char *data, size_t size);
+static cJSON *ngx_http_llama_session_reply_json(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+
+
+static ngx_http_output_body_filter_pt  ngx_http_next_body_filter;
+
+
+static ngx_str_t  ngx_http_llama_session_actions[] = {
+    ngx_null_string,
+    ngx_null_string,
+    ngx_string("action=save"),
+    ngx_string("action=restore"),
+    ngx_string("action=erase")
+};
+
+
+ngx_int_t
+ngx_http_llama_session_capture_init(ngx_conf_t *cf)
+{
+    ngx_http_next_body_filter = ngx_http_top_body_filter;
+    ngx_http_top_body_filter = ngx_http_llama_session_capture_filter;
+
+    return NGX_OK;
+}
+
+
+/*
+ * Starts a slot call; the handler is run again when it is done.
+ * key: the session to save or restore (the file is "<key>.bin").
+ */
+
+ngx_int_t
+ngx_http_llama_session_call(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
+    size_t len)
+{
+    u_char                             *p;
+    size_t                              blen;
+    ngx_str_t                           uri, *args;
+    ngx_buf_t                          *b;
+    ngx_chain_t                        *cl;
+    ngx_table_elt_t                    *h;
+    ngx_http_request_t                 *sr;
+    ngx_http_core_main_conf_t          *cmcf;
+    ngx_http_post_subrequest_t         *ps;
+    ngx_http_request_body_t            *rb;
+    ngx_http_llama_session_capture_t   *cap;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    uri.len = llcf->slots_uri.len + sizeof("/slots/") - 1 + NGX_INT_T_LEN;
+    uri.data = ngx_pnalloc(r->pool, uri.len);
+    if (uri.data == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        p = ngx_sprintf(uri.data, "%V/slots", &llcf->slots_uri);
+
+    } else {
+        p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
+                        ctx->slot);
+    }
+
+    uri.len = p - uri.data;
+    args = &ngx_http_llama_session_actions[call];
+
+    ctx->call_uri = uri;
+
+    ps = ngx_palloc(r->pool, sizeof(ngx_http_post_subrequest_t));
+    if (ps == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    ps->handler = ngx_http_llama_session_call_done;
+    ps->data = ctx;
+
+    if (ngx_http_subrequest(r, &uri, args->len ? args : NULL, &sr, ps,
+                            NGX_HTTP_SUBREQUEST_WAITED)
+        != NGX_OK)
+    {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    /* its own method, headers and body */
+
+    cmcf = ngx_http_get_module_main_conf(r, ngx_http_core_module);
+
+    sr->variables = ngx_pcalloc(r->pool, cmcf->variables.nelts
+                                         * sizeof(ngx_http_variable_value_t));
+    if (sr->variables == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    ngx_memzero(&sr->headers_in, sizeof(ngx_http_headers_in_t));
+
+    if (ngx_list_init(&sr->headers_in.headers, r->pool, 2,
+                      sizeof(ngx_table_elt_t))
+        != NGX_OK)
+    {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    sr->headers_in.server = r->headers_in.server;
+    sr->headers_in.content_length_n = -1;
+    sr->headers_in.keep_alive_n = -1;
+
+    rb = ngx_pcalloc(r->pool, sizeof(ngx_http_request_body_t));
+    if (rb == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    sr->request_body = rb;
+
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        sr->method = NGX_HTTP_GET;
+        ngx_str_set(&sr->method_name, "GET");
+
+    } else {
+        sr->method = NGX_HTTP_POST;
+        ngx_str_set(&sr->method_name, "POST");
+
+        blen = sizeof("{\"filename\":\".bin\"}") - 1 + len;
+
+        if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && ctx->zone->store.len) {
+            blen += sizeof(".tmp") - 1;
+        }
+
+        b = ngx_create_temp_buf(r->pool, blen);
+        if (b == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        if (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE) {
+            b->last = ngx_cpymem(b->last, "{}", 2);
+
+        } else {
+            /* the key has only [A-Za-z0-9_-] in it */
+
+            b->last = ngx_sprintf(b->last, "{\"filename\":\"%*s.bin%s\"}",
+                                  len, key,
+                                  (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
+                                   && ctx->zone->store.len)
+                                  ? ".tmp" : "");
+        }
+
+        b->last_buf = 1;
+        b->last_in_chain = 1;
+
+        cl = ngx_alloc_chain_link(r->pool);
+        if (cl == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cl->buf = b;
+        cl->next = NULL;
+
+        rb->bufs = cl;
+        sr->headers_in.content_length_n = b->last - b->pos;
+
+        h = ngx_list_push(&sr->headers_in.headers);
+        if (h == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        ngx_str_set(&h->key, "Content-Type");
+        ngx_str_set(&h->value, "application/json");
+        h->lowcase_key = (u_char *) "content-type";
+        h->hash = ngx_hash_key(h->lowcase_key, h->key.len);
+#if (nginx_version >= 1023000)
+        h->next = NULL;
+#endif
+
+        sr->headers_in.content_type = h;
+    }
+
+    cap = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_capture_t));
+    if (cap == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cap->parent = ctx;
+
+    ngx_http_set_ctx(sr, cap, ngx_http_llama_session_module);
+
+    ctx->call = call;
+    ctx->call_done = 0;
+    ctx->call_inflight = 1;
+    ctx->call_status = 0;
+    ctx->call_reply = NULL;
+
+    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "llama_session: slot call %V?%V", &uri, args);
+
+    return NGX_AGAIN;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
+    ngx_int_t rc)
+{
+    ngx_http_llama_session_ctx_t *ctx = data;
+
+    ngx_http_llama_session_capture_t  *cap;
+
+    if (ctx->call_done) {
+        return rc;
+    }
+
+    ctx->call_done = 1;
+    ctx->call_inflight = 0;
+
+    cap = ngx_http_get_module_ctx(sr, ngx_http_llama_session_module);
+
+    ctx->call_reply = cap ? cap->buf : NULL;
+
+    if (sr->upstream) {
+        /* 0: no answer from the backend (refused, reset, timed out) */
+        ctx->call_status = sr->upstream->headers_in.status_n;
+
+    } else {
+        /* the location does not proxy: a misconfiguration */
+        ctx->call_status = sr->headers_out.status ? sr->headers_out.status
+                                                  : NGX_HTTP_NOT_FOUND;
+        if (ctx->call_status < NGX_HTTP_BAD_REQUEST) {
+            ctx->call_status = NGX_HTTP_NOT_FOUND;
+        }
+
+        ngx_log_error(NGX_LOG_ERR, sr->connection->log, 0,
+                      "llama_session: \"%V\" is not proxied to llama-server, "
+                      "check llama_session_slots_uri and its location",
+                      &sr->uri);
+    }
+
+    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, sr->connection->log, 0,
+                   "llama_session: slot call done: %i, rc %i",
+                   ctx->call_status, rc);
+
+    return rc;
+}
+
+
+/* keeps the reply of our slot calls instead of sending it anywhere */
+
+static ngx_int_t
+ngx_http_llama_session_capture_filter(ngx_http_request_t *r, ngx_chain_t *in)
+{
+    off_t                              size;
+    ssize_t                            n;
+    u_char                            *p;
+    ngx_buf_t                         *b;
+    ngx_chain_t                       *cl;
+    ngx_http_llama_session_capture_t  *cap;
+
+    if (r == r->main) {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    cap = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    if (cap == NULL) {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    for (cl = in; cl; cl = cl->next) {
+        b = cl->buf;
+
+        if (ngx_buf_in_memory(b)) {
+            if (ngx_http_llama_session_capture_append(r, cap, b->pos,
+                                                      b->last - b->pos)
+                != NGX_OK)
+            {
+                return NGX_ERROR;
+            }
+
+            b->pos = b->last;
+
+        } else if (b->in_file) {
+            size = b->file_last - b->file_pos;
+
+            if (size > NGX_HTTP_LLAMA_SESSION_REPLY_MAX) {
+                size = NGX_HTTP_LLAMA_SESSION_REPLY_MAX;
+            }
+
+            p = ngx_pnalloc(r->pool, size);
+            if (p == NULL) {
+                return NGX_ERROR;
+            }
+
+            n = ngx_read_file(b->file, p, size, b->file_pos);
+
+            if (n == NGX_ERROR) {
+                return NGX_ERROR;
+            }
+
+            if (ngx_http_llama_session_capture_append(r, cap, p, n)
+                != NGX_OK)
+            {
+                return NGX_ERROR;
+            }
+
+            b->file_pos = b->file_last;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_capture_append(ngx_http_request_t *r,
+    ngx_http_llama_session_capture_t *cap, u_char *data, size_t size)
+{
+    size_t      want;
+    ngx_buf_t  *b;
+
+    if (size == 0) {
+        return NGX_OK;
+    }
+
+    b = cap->buf;
+
+    if (b == NULL || (size_t) (b->end - b->last) < size) {
+
+        want = b ? (size_t) (b->last - b->pos) + size : size;
+
+        if (want > NGX_HTTP_LLAMA_SESSION_REPLY_MAX) {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: a slot call's reply is larger "
+                          "than %d bytes, the rest is dropped",
+                          NGX_HTTP_LLAMA_SESSION_REPLY_MAX);
+            return NGX_OK;
+        }
+
+        want = ngx_max(want * 2, 4096);
+
+        b = ngx_create_temp_buf(r->pool, want);
+        if (b == NULL) {
+            return NGX_ERROR;
+        }
+
+        if (cap->buf) {
+            b->last = ngx_cpymem(b->last, cap->buf->pos,
+                                 cap->buf->last - cap->buf->pos);
+        }
+
+        cap->buf = b;
+    }
+
+    b->last = ngx_cpymem(b->last, data, size);
+
+    return NGX_OK;
+}
+
+
+static cJSON *
+ngx_http_llama_session_reply_json(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    cJSON  *json;
+
+    if (ctx->call_reply == NULL) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: empty reply to a slot call");
+        return NULL;
+    }
+
+    json = cJSON_ParseWithLength((const char *) ctx->call_reply->pos,
+                                 ctx->call_reply->last - ctx->call_reply->pos);
+
+    if (json == NULL) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: the reply to a slot call is not "
+                      "JSON: \"%*s\"",
+                      ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                              200),
+                      ctx->call_reply->pos);
+    }
+
+    return json;
+}
+
+
+/* GET /slots: is the slot running, how many tokens does it hold */
+
+ngx_int_t
+ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing)
+{
+    cJSON  *json, *slot, *id, *tokens;
+
+    json = ngx_http_llama_session_reply_json(r, ctx);
+    if (json == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (!cJSON_IsArray(json)) {
+        cJSON_Delete(json);
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: GET /slots did not answer an array");
+        return NGX_ERROR;
+    }
+
+    cJSON_ArrayForEach(slot, json) {
+        id = cJSON_GetObjectItemCaseSensitive(slot, "id");
+
+        if (!cJSON_IsNumber(id) || (ngx_uint_t) id->valueint != ctx->slot) {
+            continue;
+        }
+
+        *processing = cJSON_IsTrue(
+                  cJSON_GetObjectItemCaseSensitive(slot, "is_processing"));
+
+        tokens = cJSON_GetObjectItemCaseSensitive(slot, "n_prompt_tokens");
+
+        /* a slot that never ran a task shows no n_prompt_tokens */
+
+        ctx->slot_tokens = cJSON_IsNumber(tokens) ? tokens->valueint : 0;
+
+        cJSON_Delete(json);
+
+        return NGX_OK;
+    }
+
+    cJSON_Delete(json);
+
+    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                  "llama_session: the backend has no slot %ui: does "
+                  "llama_session_zone's slots= match llama-server's -np?",
+                  ctx->slot);
+
+    return NGX_ERROR;
+}
+
+
+/* the reply to save, restore or erase */
+
+ngx_int_t
+ngx_http_llama_session_parse_action(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
+    double *ms)
+{
+    cJSON  *json, *item, *timings;
+
+    json = ngx_http_llama_session_reply_json(r, ctx);
+    if (json == NULL) {
+        return NGX_ERROR;
+    }
+
+    *tokens = 0;
+    *bytes = 0;
+    *ms = 0;
+
+    item = cJSON_GetObjectItemCaseSensitive(json, "n_saved");
+    if (item == NULL) {
+        item = cJSON_GetObjectItemCaseSensitive(json, "n_restored");
+    }
+    if (item == NULL) {
+        item = cJSON_GetObjectItemCaseSensitive(json, "n_erased");
+    }
+
+    if (!cJSON_IsNumber(item)) {
+        cJSON_Delete(json);
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: unexpected reply to a slot call: "
+                      "\"%*s\"",
+                      ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                              200),
+                      ctx->call_reply->pos);
+        return NGX_ERROR;
+    }
+
+    *tokens = (ngx_uint_t) item->valuedouble;
+
+    item = cJSON_GetObjectItemCaseSensitive(json, "n_written");
+    if (item == NULL) {
+        item = cJSON_GetObjectItemCaseSensitive(json, "n_read");
+    }
+
+    if (cJSON_IsNumber(item)) {
+        *bytes = (off_t) item->valuedouble;
+    }
+
+    timings = cJSON_GetObjectItemCaseSensitive(json, "timings");
+
+    if (cJSON_IsObject(timings)) {
+        item = cJSON_GetObjectItemCaseSensitive(timings, "save_ms");
+        if (item == NULL) {
+            item = cJSON_GetObjectItemCaseSensitive(timings, "restore_ms");
+        }
+
+        if (cJSON_IsNumber(item)) {
+            *ms = item->valuedouble;
+        }
+    }
+
+    cJSON_Delete(json);
+
+    return NGX_OK;
+}
+
+
+/*
+ * With store= the save went to "<key>.bin.tmp": move it into place, so a
+ * save that fails or dies half way never harms the previous file.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_commit(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    u_char     *from, *to;
+    ngx_str_t  *store;
+
+    store = &ctx->zone->store;
+
+    if (store->len == 0) {
+        return NGX_OK;
+    }
+
+    to = ngx_pnalloc(r->pool, 2 * (store->len + len) + 2 * sizeof("/.bin.tmp"));
+    if (to == NULL) {
+        return NGX_ERROR;
+    }
+
+    from = ngx_sprintf(to, "%V/%*s.bin%Z", store, len, key);
+    ngx_sprintf(from, "%V/%*s.bin.tmp%Z", store, len, key);
+
+    if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, ngx_errno,
+                      ngx_rename_file_n " \"%s\" to \"%s\" failed: is "
+                      "store= the folder of llama-server's --slot-save-path "
+                      "and writable by nginx's workers?", from, to);
+        (void) ngx_delete_file(from);
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}

@@ -1,0 +1,372 @@
+#!/usr/bin/perl
+
+# A scriptable fake llama-server for the faults the real one cannot be made
+# to show: slow or failing save/restore/erase, resets, restarts with empty
+# slots.  It speaks enough of llama-server's API for the module:
+#
+#   GET  /health, /props, /slots
+#   POST /slots/N?action=save|restore|erase   {"filename": "..."}
+#   POST /completion, /v1/completions, /v1/chat/completions, /v1/embeddings
+#        and anything else under POST: an inference with a fake cache
+#
+# Its "KV cache" per slot is the request's prompt text; cache_n is the
+# length of the common prefix (in characters) with the slot's text.  Save
+# writes that text to the save folder, restore reads it back (400 and an
+# empty slot when the file is missing), as the real server does.
+#
+# The fault script (--script, a JSON file read on every request) may hold,
+# for "save", "restore", "erase", "slots" (GET /slots) and "completion":
+#   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
+# close: drop the connection without an answer; processing: GET /slots
+# shows the slot busy.  Every request is appended to --calls as JSON.
+
+use strict;
+use warnings;
+
+use Fcntl qw(:flock);
+use Getopt::Long;
+use IO::Socket::INET;
+use JSON::PP;
+use POSIX qw(:sys_wait_h);
+use Time::HiRes qw(sleep time);
+
+my %o = (np => 1);
+GetOptions(\%o, 'port=i', 'np=i', 'slots=s', 'state=s', 'script=s',
+           'calls=s') or die "usage\n";
+
+my $json = JSON::PP->new->canonical->allow_nonref;
+
+$SIG{CHLD} = sub { 1 while waitpid(-1, WNOHANG) > 0 };
+$SIG{PIPE} = 'IGNORE';
+
+# a new process starts with empty slots, as a restarted llama-server does
+write_state({ start => time, slots => [ map { { text => '', n => 0 } }
+                                          1 .. $o{np} ] });
+
+my $server = IO::Socket::INET->new(LocalAddr => '127.0.0.1',
+                                   LocalPort => $o{port}, Listen => 128,
+                                   ReuseAddr => 1, Proto => 'tcp')
+    or die "listen: $!";
+
+while (1) {
+    my $c = $server->accept or next;
+    my $pid = fork();
+    if (defined $pid && $pid == 0) {
+        close $server;
+        serve($c);
+        exit 0;
+    }
+    close $c;
+}
+
+sub serve {
+    my ($c) = @_;
+    binmode $c;
+
+    while (1) {
+        my $req = read_request($c) or return;
+        my $keep = handle($c, $req);
+        return unless $keep;
+    }
+}
+
+sub read_request {
+    my ($c) = @_;
+    my $head = '';
+    while ($head !~ /\r\n\r\n/) {
+        my $n = sysread($c, my $buf, 4096);
+        return undef unless $n;
+        $head .= $buf;
+    }
+    my ($h, $rest) = split /\r\n\r\n/, $head, 2;
+    my ($line, @lines) = split /\r\n/, $h;
+    my ($method, $target) = split / /, $line;
+    my %headers;
+    for (@lines) {
+        my ($k, $v) = split /:\s*/, $_, 2;
+        $headers{lc $k} = $v;
+    }
+    my $body = $rest // '';
+    if (($headers{'transfer-encoding'} // '') =~ /chunked/i) {
+        my $raw = $body;
+        my $out = '';
+        while (1) {
+            while ($raw !~ /^([0-9a-fA-F]+)\r\n/) {
+                sysread($c, my $b, 65536) or last;
+                $raw .= $b;
+            }
+            $raw =~ s/^([0-9a-fA-F]+)\r\n// or last;
+            my $len = hex $1;
+            while (length($raw) < $len + 2) {
+                sysread($c, my $b, 65536) or last;
+                $raw .= $b;
+            }
+            $out .= substr($raw, 0, $len);
+            $raw = substr($raw, $len + 2);
+            last if $len == 0;
+        }
+        $body = $out;
+    } else {
+        my $len = $headers{'content-length'} // 0;
+        while (length($body) < $len) {
+            my $n = sysread($c, my $buf, $len - length($body));
+            return undef unless $n;
+            $body .= $buf;
+        }
+    }
+    my ($path, $query) = split /\?/, $target, 2;
+    return { method => $method, path => $path, query => $query // '',
+             headers => \%headers, body => $body };
+}
+
+sub script {
+    open my $fh, '<', $o{script} or return {};
+    local $/;
+    my $s = eval { $json->decode(<$fh>) } // {};
+    close $fh;
+    return $s;
+}
+
+sub log_call {
+    my ($req) = @_;
+    open my $fh, '>>', $o{calls} or return;
+    flock $fh, LOCK_EX;
+    my %h = %{ $req->{headers} };
+    print $fh $json->encode({
+        method => $req->{method}, path => $req->{path},
+        query => $req->{query}, headers => \%h,
+        body_len => length $req->{body},
+        body => length($req->{body}) <= 65536 ? $req->{body} : undef,
+        time => time,
+    }), "\n";
+    close $fh;
+}
+
+sub with_state {
+    my ($code) = @_;
+    open my $lock, '>>', "$o{state}.lock" or die;
+    flock $lock, LOCK_EX;
+    my $st = read_state();
+    my @r = $code->($st);
+    write_state($st);
+    close $lock;
+    return wantarray ? @r : $r[0];
+}
+
+sub read_state {
+    open my $fh, '<', $o{state} or return {};
+    local $/;
+    my $s = $json->decode(<$fh>);
+    close $fh;
+    return $s;
+}
+
+sub write_state {
+    my ($st) = @_;
+    open my $fh, '>', "$o{state}.tmp" or die;
+    print $fh $json->encode($st);
+    close $fh;
+    rename "$o{state}.tmp", $o{state};
+}
+
+sub reply {
+    my ($c, $status, $body, %h) = @_;
+    $body = $json->encode($body) if ref $body;
+    my $hdr = join '', map { "$_: $h{$_}\r\n" } sort keys %h;
+    print $c "HTTP/1.1 $status X\r\nContent-Type: application/json\r\n"
+           . "Content-Length: " . length($body) . "\r\n$hdr"
+           . "Connection: keep-alive\r\n\r\n$body";
+    return 1;
+}
+
+sub error {
+    my ($c, $status, $msg, $type) = @_;
+    return reply($c, $status, { error => { code => $status, message => $msg,
+                                           type => $type // 'server_error' } });
+}
+
+sub fault {
+    my ($c, $f) = @_;
+    return 0 unless $f;
+    sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
+    if ($f->{close}) { close $c; return 2; }
+    if ($f->{status} && $f->{status} != 200) {
+        error($c, $f->{status}, $f->{message} // 'scripted failure');
+        return 1;
+    }
+    return 0;
+}
+
+sub handle {
+    my ($c, $req) = @_;
+    log_call($req);
+    my $script = script();
+    my ($m, $p) = ($req->{method}, $req->{path});
+
+    if ($m eq 'GET' && $p =~ m{^/(v1/)?health$}) {
+        return reply($c, 200, { status => 'ok' });
+    }
+
+    if ($m eq 'GET' && $p eq '/props') {
+        return reply($c, 200, { total_slots => $o{np},
+                                model_path => 'fake.gguf',
+                                default_generation_settings =>
+                                    { n_ctx => 16384 } });
+    }
+
+    if ($m eq 'GET' && $p eq '/slots') {
+        my $f = fault($c, $script->{slots});
+        return $f == 1 if $f;
+        my $st = read_state();
+        my $i = 0;
+        return reply($c, 200, [ map {
+            { id => $i++, n_ctx => 16384, speculative => JSON::PP::false,
+              is_processing => ($script->{slots}{processing}
+                                || $_->{busy}) ? JSON::PP::true
+                                               : JSON::PP::false,
+              $_->{ran} ? (n_prompt_tokens => $_->{n}) : () } }
+            @{ $st->{slots} } ]);
+    }
+
+    if ($m eq 'POST' && $p =~ m{^/slots/(\d+)$}) {
+        my $id = $1 % $o{np};
+        my ($action) = $req->{query} =~ /action=(\w+)/;
+        $action //= '';
+        return error($c, 400, 'Invalid action', 'invalid_request_error')
+            unless $action =~ /^(save|restore|erase)$/;
+        my $f = fault($c, $script->{$action});
+        return $f == 1 if $f;
+        my $body = eval { $json->decode($req->{body} || '{}') };
+        return error($c, 500, 'bad json') unless ref $body eq 'HASH';
+
+        if ($action eq 'erase') {
+            my $n = with_state(sub {
+                my $s = $_[0]{slots}[$id];
+                my $n = $s->{n};
+                @$s{qw(text n)} = ('', 0);
+                return $n;
+            });
+            return reply($c, 200, { id_slot => $id, n_erased => $n });
+        }
+
+        my $name = $body->{filename};
+        return error($c, 500, 'filename missing') unless defined $name;
+        return error($c, 400, 'Invalid filename', 'invalid_request_error')
+            if $name =~ m{[/\\]|\.\.} || $name eq '';
+        my $file = "$o{slots}/$name";
+
+        if ($action eq 'save') {
+            my ($text, $n) = with_state(sub {
+                my $s = $_[0]{slots}[$id];
+                return ($s->{text}, $s->{n});
+            });
+            open my $fh, '>', $file
+                or return error($c, 500, 'Unable to save slot');
+            print $fh $json->encode({ text => $text, n => $n });
+            close $fh;
+            return reply($c, 200, { id_slot => $id, filename => $name,
+                                    n_saved => $n,
+                                    n_written => -s $file,
+                                    timings => { save_ms => 1.5 } });
+        }
+
+        # restore
+        my $data;
+        if (open my $fh, '<', $file) {
+            local $/;
+            $data = eval { $json->decode(<$fh>) };
+            close $fh;
+        }
+        if (!$data) {
+            with_state(sub { @{ $_[0]{slots}[$id] }{qw(text n)} = ('', 0) });
+            return error($c, 400, 'Unable to restore slot: No available '
+                         . 'space in KV cache or invalid slot save file',
+                         'invalid_request_error');
+        }
+        with_state(sub { @{ $_[0]{slots}[$id] }{qw(text n)}
+                           = ($data->{text}, $data->{n}) });
+        return reply($c, 200, { id_slot => $id, filename => $name,
+                                n_restored => $data->{n},
+                                n_read => -s $file,
+                                timings => { restore_ms => 0.5 } });
+    }
+
+    if ($m eq 'POST') {
+        return completion($c, $req, $script->{completion});
+    }
+
+    return error($c, 404, 'File Not Found', 'not_found_error');
+}
+
+sub completion {
+    my ($c, $req, $f) = @_;
+
+    my $body = eval { $json->decode($req->{body}) } // {};
+    my $id = defined $body->{id_slot} && $body->{id_slot} >= 0
+             ? $body->{id_slot} % $o{np} : 0;
+    my $text = ref $body eq 'HASH'
+               ? $json->encode($body->{messages} // $body->{prompt}
+                               // $body->{input} // $body->{system} // '')
+               : $req->{body};
+
+    # the slot is taken while the request runs
+    my $cache_n = with_state(sub {
+        my $s = $_[0]{slots}[$id];
+        my $old = $s->{text};
+        my $n = 0;
+        $n++ while $n < length($old) && $n < length($text)
+                   && substr($old, $n, 1) eq substr($text, $n, 1);
+        $s->{busy} = 1;
+        return $n;
+    });
+
+    my $done = sub {
+        with_state(sub {
+            my $s = $_[0]{slots}[$id];
+            @$s{qw(text n busy ran)} = ($text, length $text, 0, 1);
+        });
+    };
+
+    if ($f) {
+        sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
+        if ($f->{close}) { $done->(); close $c; return 0; }
+        if ($f->{status} && $f->{status} != 200) {
+            $done->();
+            return error($c, $f->{status}, 'scripted failure');
+        }
+    }
+
+    my %timings = (cache_n => $cache_n, prompt_n => length($text) - $cache_n);
+    my $usage = { prompt_tokens => length $text, completion_tokens => 1,
+                  prompt_tokens_details => { cached_tokens => $cache_n } };
+    my %echo = (body_len => length $req->{body},
+                slot => $id,
+                session => $req->{headers}{'x-session-id'});
+
+    if ($body->{stream}) {
+        print $c "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+               . "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        my $n = $f->{chunks} // 3;
+        for my $i (1 .. $n) {
+            my $ev = "data: " . $json->encode({
+                content => "tok$i", choices => [ { delta =>
+                    { content => "tok$i" } } ],
+                ($i == $n ? (timings => \%timings, usage => $usage) : ()),
+                %echo }) . "\n\n";
+            printf $c "%x\r\n%s\r\n", length $ev, $ev or last;
+            sleep(($f->{chunk_ms} // 10) / 1000);
+        }
+        my $end = "data: [DONE]\n\n";
+        printf $c "%x\r\n%s\r\n0\r\n\r\n", length $end, $end;
+        $done->();
+        return 0;
+    }
+
+    $done->();
+
+    return reply($c, 200, {
+        content => 'ok', timings => \%timings, usage => $usage,
+        choices => [ { message => { role => 'assistant',
+                                    content => 'ok' } } ],
+        %echo });
+}

@@ -1,0 +1,462 @@
+package LlamaTest;
+
+# The test rig: a temp dir per test file, nginx (master + workers) with the
+# module, a real llama-server or the scriptable fake one, on free loopback
+# ports; everything is stopped at the end, even when a test dies, and the
+# temp dir is kept (and named) when a test failed.
+#
+# Environment:
+#   LLAMA_SERVER      llama-server binary (default: the rig's cached build)
+#   LLAMA_MODEL       model file (default: the rig's cached model)
+#   NGINX_BINARY      nginx (default /usr/sbin/nginx)
+#   NGINX_MODULE      the module (default objs/ngx_http_llama_session_module.so)
+#   TEST_NGINX_VALGRIND=1   run nginx under valgrind (t/valgrind.supp)
+#   TEST_KEEP=1       keep the temp dir even when all passed
+
+use strict;
+use warnings;
+
+use Cwd qw(abs_path);
+use File::Basename qw(dirname);
+use File::Path qw(make_path remove_tree);
+use File::Temp qw(tempdir);
+use HTTP::Tiny;
+use IO::Socket::INET;
+use JSON::PP;
+use POSIX qw(:sys_wait_h);
+use Test::More;
+use Time::HiRes qw(sleep time);
+
+our $ROOT = abs_path(dirname(__FILE__) . '/../..');
+our $JSON = JSON::PP->new->canonical->allow_nonref;
+
+my @ALL;
+
+sub new {
+    my ($class, %opts) = @_;
+
+    make_path('/tmp/llama-session-tests');
+    my $dir = tempdir('XXXXXX', DIR => '/tmp/llama-session-tests');
+    chmod 0755, $dir;
+
+    my $self = bless {
+        dir      => $dir,
+        workers  => $opts{workers} // 2,
+        pids     => {},
+        http     => HTTP::Tiny->new(timeout => $opts{timeout} // 120,
+                                    keep_alive => 0),
+    }, $class;
+
+    push @ALL, $self;
+    return $self;
+}
+
+sub dir { $_[0]{dir} }
+
+sub port {
+    my $s = IO::Socket::INET->new(LocalAddr => '127.0.0.1', LocalPort => 0,
+                                  Proto => 'tcp', Listen => 1, ReuseAddr => 1)
+        or die "no free port: $!";
+    my $port = $s->sockport;
+    close $s;
+    return $port;
+}
+
+sub rig_path {
+    my ($script) = @_;
+    my $out = `$ROOT/rig/$script 2>/dev/null`;
+    chomp $out;
+    die "rig/$script failed: run 'make rig'\n" unless $out && -e $out;
+    return $out;
+}
+
+sub llama_binary { $ENV{LLAMA_SERVER} // rig_path('build-llama-server.sh') }
+sub llama_model  { $ENV{LLAMA_MODEL} // rig_path('make-model.sh') }
+
+sub spawn {
+    my ($self, $name, $log, @cmd) = @_;
+
+    my $pid = fork();
+    die "fork: $!" unless defined $pid;
+
+    if ($pid == 0) {
+        setpgrp(0, 0);
+        open STDIN, '<', '/dev/null';
+        open STDOUT, '>>', $log or die;
+        open STDERR, '>&', \*STDOUT or die;
+        exec @cmd or die "exec $cmd[0]: $!";
+    }
+
+    $self->{pids}{$name} = $pid;
+    return $pid;
+}
+
+sub wait_port {
+    my ($self, $port, $timeout, $name) = @_;
+    my $end = time + ($timeout // 30);
+
+    while (time < $end) {
+        my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
+                                      PeerPort => $port, Proto => 'tcp');
+        if ($s) { close $s; return 1; }
+        if ($name && $self->{pids}{$name}
+            && waitpid($self->{pids}{$name}, WNOHANG) > 0)
+        {
+            delete $self->{pids}{$name};
+            die "$name exited at start, see $self->{dir}\n";
+        }
+        sleep 0.05;
+    }
+
+    die "nothing listens on port $port after ${\($timeout // 30)}s\n";
+}
+
+# a real llama-server: returns its port.  Options: np, ctx, args (array),
+# slots (save folder, default DIR/slots), name
+sub llama {
+    my ($self, %o) = @_;
+
+    my $name = $o{name} // 'llama';
+    my $port = $o{port} // port();
+    my $slots = $o{slots} // "$self->{dir}/slots";
+    make_path($slots);
+
+    my @cmd = (llama_binary(), '-m', llama_model(),
+               '--host', '127.0.0.1', '--port', $port,
+               '-np', $o{np} // 1, '-c', $o{ctx} // 16384,
+               '--slot-save-path', $slots,
+               '--no-kv-unified', '--no-cache-idle-slots', '-sps', 0,
+               '--cache-ram', $o{cache_ram} // 0, '-t', 2, '--no-webui',
+               @{ $o{args} // [] });
+
+    $self->spawn($name, "$self->{dir}/$name.log", @cmd);
+    $self->wait_port($port, 60, $name);
+
+    # the port opens before the model is loaded: wait for /health 200
+    my $end = time + 60;
+    while (time < $end) {
+        my $r = $self->{http}->get("http://127.0.0.1:$port/health");
+        last if $r->{status} == 200;
+        sleep 0.1;
+    }
+
+    $self->{llama_port}{$name} = $port;
+    $self->{slots} = $slots;
+    return $port;
+}
+
+# the scriptable fake llama-server (t/fake-llama-server.pl): returns its port
+sub fake {
+    my ($self, %o) = @_;
+
+    my $name = $o{name} // 'fake';
+    my $port = $o{port} // port();
+    my $slots = $o{slots} // "$self->{dir}/slots";
+    make_path($slots);
+
+    $self->{fake_script}{$name} = "$self->{dir}/$name.script.json";
+    $self->fake_script($o{script} // {}, $name);
+
+    $self->spawn($name, "$self->{dir}/$name.log", $^X,
+                 "$ROOT/t/fake-llama-server.pl", '--port', $port,
+                 '--np', $o{np} // 1, '--slots', $slots,
+                 '--state', "$self->{dir}/$name.state",
+                 '--script', $self->{fake_script}{$name},
+                 '--calls', "$self->{dir}/$name.calls");
+    $self->wait_port($port, 10, $name);
+
+    $self->{llama_port}{$name} = $port;
+    $self->{slots} = $slots;
+    return $port;
+}
+
+# rewrites the fake backend's fault script; it reads it on every request
+sub fake_script {
+    my ($self, $script, $name) = @_;
+    $name //= 'fake';
+    my $f = $self->{fake_script}{$name};
+    open my $fh, '>', "$f.tmp" or die;
+    print $fh $JSON->encode($script);
+    close $fh;
+    rename "$f.tmp", $f or die;
+}
+
+# the calls the fake backend got, in order: [{method, path, query, headers,
+# body}, ...]
+sub fake_calls {
+    my ($self, $name) = @_;
+    my $f = "$self->{dir}/" . ($name // 'fake') . '.calls';
+    return [] unless -e $f;
+    open my $fh, '<', $f or die;
+    my @calls = map { $JSON->decode($_) } grep { /\S/ } <$fh>;
+    close $fh;
+    return \@calls;
+}
+
+sub stop_proc {
+    my ($self, $name, $sig) = @_;
+    my $pid = delete $self->{pids}{$name} or return;
+
+    kill $sig // 'TERM', $pid;
+
+    my $end = time + 10;
+    while (time < $end) {
+        return if waitpid($pid, WNOHANG) != 0;
+        sleep 0.05;
+    }
+
+    kill 'KILL', -$pid;
+    kill 'KILL', $pid;
+    waitpid($pid, 0);
+}
+
+sub stop_llama { $_[0]->stop_proc($_[1] // 'llama', 'TERM') }
+
+sub module_path {
+    return $ENV{NGINX_MODULE}
+        // "$ROOT/objs/ngx_http_llama_session_module.so";
+}
+
+# writes DIR/nginx.conf from the template and starts nginx.  In the template:
+# %%PORT%% nginx's port, %%LLAMA%% the backend's port (or %%LLAMA:name%%),
+# %%DIR%%, %%SLOTS%%; the events and http {} wrappers are added.
+sub nginx {
+    my ($self, $http, %o) = @_;
+
+    $self->{nginx_port} //= port();
+    my $conf = $self->expand($http);
+    my $dir = $self->{dir};
+    my $workers = $o{workers} // $self->{workers};
+    my $module = module_path();
+
+    make_path("$dir/tmp");
+
+    open my $fh, '>', "$dir/nginx.conf" or die;
+    print $fh <<"EOF";
+load_module $module;
+worker_processes $workers;
+daemon off;
+master_process on;
+pid $dir/nginx.pid;
+error_log $dir/error.log ${\($o{log_level} // 'info')};
+user root;
+
+events { worker_connections 1024; }
+
+http {
+    access_log $dir/access.log;
+    client_body_temp_path $dir/tmp/body;
+    proxy_temp_path $dir/tmp/proxy;
+    fastcgi_temp_path $dir/tmp/fastcgi;
+    uwsgi_temp_path $dir/tmp/uwsgi;
+    scgi_temp_path $dir/tmp/scgi;
+
+$conf
+}
+EOF
+    close $fh;
+
+    return $self if $o{write_only};
+
+    my @cmd = ($ENV{NGINX_BINARY} // '/usr/sbin/nginx',
+               '-p', "$dir/", '-c', "$dir/nginx.conf", '-e', "$dir/error.log");
+
+    if ($ENV{TEST_NGINX_VALGRIND}) {
+        unshift @cmd, 'valgrind', '-q', '--leak-check=full',
+            '--show-possibly-lost=no', '--trace-children=yes',
+            "--suppressions=$ROOT/t/valgrind.supp",
+            "--log-file=$dir/valgrind.%p.log", '--error-exitcode=7';
+    }
+
+    $self->spawn('nginx', "$dir/nginx.out", @cmd);
+    $self->wait_port($self->{nginx_port},
+                     $ENV{TEST_NGINX_VALGRIND} ? 60 : 10, 'nginx');
+
+    return $self;
+}
+
+sub expand {
+    my ($self, $text) = @_;
+    my $dir = $self->{dir};
+    $text =~ s/%%PORT%%/$self->{nginx_port}/g;
+    $text =~ s/%%LLAMA:(\w+)%%/$self->{llama_port}{$1} \/\/ die "no backend $1"/ge;
+    $text =~ s/%%LLAMA%%/(values %{ $self->{llama_port} })[0]/ge;
+    $text =~ s/%%DIR%%/$dir/g;
+    $text =~ s/%%SLOTS%%/$self->{slots} \/\/ "$dir\/slots"/ge;
+    return $text;
+}
+
+# nginx -t on a configuration: returns (exit code, output)
+sub nginx_test {
+    my ($self, $http) = @_;
+    $self->nginx($http, write_only => 1);
+    my $dir = $self->{dir};
+    my $out = `${\($ENV{NGINX_BINARY} // '/usr/sbin/nginx')} -t -p $dir/ -c $dir/nginx.conf -e $dir/nginx-t.log 2>&1`;
+    return ($? >> 8, $out);
+}
+
+sub reload {
+    my ($self) = @_;
+    my $log = $self->read_file('error.log');
+    my $before = () = $log =~ /reconfiguring/g;
+    kill 'HUP', $self->{pids}{nginx};
+    my $end = time + 10;
+    while (time < $end) {
+        my $n = () = $self->read_file('error.log') =~ /reconfiguring/g;
+        return 1 if $n > $before;
+        sleep 0.05;
+    }
+    die "nginx did not reload\n";
+}
+
+sub stop_nginx {
+    my ($self) = @_;
+    my $pid = $self->{pids}{nginx} or return;
+    kill 'QUIT', $pid;
+    my $end = time + ($ENV{TEST_NGINX_VALGRIND} ? 60 : 15);
+    while (time < $end) {
+        if (waitpid($pid, WNOHANG) != 0) {
+            delete $self->{pids}{nginx};
+            return;
+        }
+        sleep 0.05;
+    }
+    $self->stop_proc('nginx', 'KILL');
+}
+
+sub url {
+    my ($self, $path) = @_;
+    return "http://127.0.0.1:$self->{nginx_port}$path";
+}
+
+# a request through nginx: returns HTTP::Tiny's response with ->{json}
+sub request {
+    my ($self, $method, $path, %o) = @_;
+
+    my %h = %{ $o{headers} // {} };
+    my $content = $o{body};
+    if (ref $content) {
+        $content = $JSON->encode($content);
+        $h{'content-type'} //= 'application/json';
+    }
+
+    my $url = $o{port} ? "http://127.0.0.1:$o{port}$path" : $self->url($path);
+    my $r = $self->{http}->request($method, $url,
+                                   { headers => \%h,
+                                     defined $content
+                                       ? (content => $content) : () });
+    $r->{json} = eval { $JSON->decode($r->{content}) }
+        if ($r->{headers}{'content-type'} // '') =~ /json/;
+    return $r;
+}
+
+sub post { my ($self, $path, $body, %o) = @_;
+           $self->request('POST', $path, body => $body, %o) }
+sub get  { my ($self, $path, %o) = @_; $self->request('GET', $path, %o) }
+
+# a streamed (SSE) request: returns (status, [events], raw text)
+sub stream {
+    my ($self, $path, $body, %o) = @_;
+    my $buf = '';
+    my $r = $self->{http}->request('POST', $self->url($path), {
+        headers => { 'content-type' => 'application/json',
+                     %{ $o{headers} // {} } },
+        content => $JSON->encode($body),
+        data_callback => sub { $buf .= $_[0] },
+    });
+    my @events;
+    for my $line (split /\n/, $buf) {
+        next unless $line =~ /^data: (.*)/;
+        next if $1 eq '[DONE]';
+        push @events, eval { $JSON->decode($1) } // $1;
+    }
+    return ($r->{status}, \@events, $buf, $r);
+}
+
+# a raw request on a socket: returns the socket, for tests that leave
+sub raw_open {
+    my ($self, $method, $path, $body, %o) = @_;
+    my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
+                                  PeerPort => $o{port} // $self->{nginx_port},
+                                  Proto => 'tcp') or die "connect: $!";
+    my $h = join '', map { "$_: $o{headers}{$_}\r\n" }
+                     sort keys %{ $o{headers} // {} };
+    $body = $JSON->encode($body) if ref $body;
+    $body //= '';
+    print $s "$method $path HTTP/1.1\r\nHost: localhost\r\n"
+           . "Content-Type: application/json\r\n$h"
+           . "Content-Length: " . length($body) . "\r\n"
+           . "Connection: close\r\n\r\n$body";
+    return $s;
+}
+
+sub read_file {
+    my ($self, $name) = @_;
+    my $f = $name =~ m{^/} ? $name : "$self->{dir}/$name";
+    open my $fh, '<', $f or return '';
+    local $/;
+    my $s = <$fh>;
+    close $fh;
+    return $s;
+}
+
+# error.log lines that match
+sub log_lines {
+    my ($self, $re) = @_;
+    return grep { /$re/ } split /\n/, $self->read_file('error.log');
+}
+
+sub wait_for {
+    my ($self, $cond, $timeout) = @_;
+    my $end = time + ($timeout // 10);
+    while (time < $end) {
+        return 1 if $cond->();
+        sleep 0.05;
+    }
+    return 0;
+}
+
+sub stop {
+    my ($self) = @_;
+    return if $self->{stopped}++;
+
+    $self->stop_nginx;
+    $self->stop_proc($_, 'TERM') for keys %{ $self->{pids} };
+
+    my $log = $self->read_file('error.log');
+    my @bad = grep { /\[(alert|emerg)\]|Sanitizer|segfault|signal 11/ }
+              split /\n/, $log;
+    for my $re (@{ $self->{allow_alerts} // [] }) {
+        @bad = grep { !/$re/ } @bad;
+    }
+    ok(!@bad, 'no alerts in error.log') or diag join "\n", @bad[0 .. ($#bad > 9 ? 9 : $#bad)];
+
+    if ($ENV{TEST_NGINX_VALGRIND}) {
+        my @reports;
+        for my $f (glob "$self->{dir}/valgrind.*.log") {
+            my $v = $self->read_file($f);
+            push @reports, $v if $v =~ /\S/;
+        }
+        ok(!@reports, 'valgrind found nothing') or diag $reports[0];
+    }
+
+    if (!Test::More->builder->is_passing || $ENV{TEST_KEEP}) {
+        diag "kept the test's files in $self->{dir}";
+    } else {
+        remove_tree($self->{dir});
+    }
+}
+
+sub allow_alerts { my ($self, @re) = @_; push @{ $self->{allow_alerts} }, @re }
+
+sub DESTROY { $_[0]->stop }
+
+END {
+    my $rc = $?;
+    $_->stop for @ALL;
+    $? = $rc;
+}
+
+$SIG{INT} = $SIG{TERM} = sub { $_->stop for @ALL; exit 1 };
+
+1;
