@@ -9,6 +9,8 @@ SHELL := /bin/bash
 #   make test       build + rig + prove
 #   make demo       run llama-server + nginx with the module and show it
 #   make asan       nginx 1.22.1 from Debian's source with AddressSanitizer
+#   make test-asan  the suite under that nginx
+#   make test-valgrind  the suite with nginx under valgrind
 #   make clean
 
 NGINX_SRC   ?= /usr/share/nginx/src
@@ -16,12 +18,15 @@ NGINX       ?= /usr/sbin/nginx
 MODULE      := objs/ngx_http_llama_session_module.so
 SOURCES     := config $(wildcard ngx_http_llama_session_module/*.[ch])
 CFLAGS_EXTRA := -Wall -Wextra -Wno-unused-parameter -Werror
-DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev cmake git npm \
-                python3-numpy perl build-essential curl ca-certificates \
-                dpkg-dev valgrind
+DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev python3-numpy perl \
+                dpkg-dev
+# command:package, installed when the command is missing (npm may come
+# with a nodejs of another origin)
+DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
+                g++:g++ make:make valgrind:valgrind prove:perl
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps rig test demo asan clean
+.PHONY: all deps rig test demo asan test-asan test-valgrind clean
 
 all: $(MODULE)
 
@@ -41,9 +46,13 @@ $(MODULE): objs/Makefile $(SOURCES)
 	$(MAKE) -f "$(CURDIR)/objs/Makefile" -C $(NGINX_SRC) modules
 
 deps:
-	@missing=""; for p in $(DEB_PACKAGES); do \
+	@missing=""; \
+	for p in $(DEB_PACKAGES); do \
 	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
 	        | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	for c in $(DEB_COMMANDS); do \
+	    command -v $${c%%:*} >/dev/null || missing="$$missing $${c##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
 	    echo "installing:$$missing"; \
@@ -63,6 +72,16 @@ demo: deps $(MODULE) rig
 
 asan: deps
 	rig/build-asan-nginx.sh
+
+# the suite with nginx under AddressSanitizer (after make asan)
+test-asan: asan rig
+	eval "$$(rig/build-asan-nginx.sh)"; \
+	export NGINX_BINARY NGINX_MODULE; \
+	ASAN_OPTIONS=detect_odr_violation=0:detect_leaks=0 prove $(PROVE_FLAGS) t/
+
+# the suite with nginx under valgrind
+test-valgrind: deps $(MODULE) rig
+	TEST_NGINX_VALGRIND=1 prove $(PROVE_FLAGS) t/
 
 clean:
 	rm -rf objs objs.configure.log

@@ -601,7 +601,9 @@ ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             }
         }
 
-        if (value[i].len == 0 || c[0] == '.' || c[value[i].len - 1] == '.') {
+        if (value[i].len == 0 || c[0] == '.' || c[value[i].len - 1] == '.'
+            || ngx_strnstr(c, "..", value[i].len))
+        {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "invalid %s name \"%V\"",
                                header ? "header" : "field", &value[i]);

@@ -423,7 +423,7 @@ sub stop {
     $self->stop_nginx;
     $self->stop_proc($_, 'TERM') for keys %{ $self->{pids} };
 
-    my $log = $self->read_file('error.log');
+    my $log = $self->read_file('error.log') . $self->read_file('nginx.out');
     my @bad = grep { /\[(alert|emerg)\]|Sanitizer|segfault|signal 11/ }
               split /\n/, $log;
     for my $re (@{ $self->{allow_alerts} // [] }) {

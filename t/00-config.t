@@ -1,0 +1,116 @@
+#!/usr/bin/perl
+
+# The module loads into the stock nginx, nginx -t accepts the example
+# configuration, and wrong configurations fail nginx -t with an error that
+# names the problem.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new;
+my $module = LlamaTest::module_path();
+my $nginx = $ENV{NGINX_BINARY} // '/usr/sbin/nginx';
+my $dir = $t->dir;
+
+ok(-f $module, 'the module is built');
+
+# load_module and nothing else, as Debian's module packaging checks it
+open my $fh, '>', "$dir/load.conf" or die;
+print $fh "load_module $module;\nevents {}\n";
+close $fh;
+my $out = `$nginx -q -t -p $dir/ -c $dir/load.conf -e $dir/t.log -g 'pid $dir/t.pid;' 2>&1`;
+is($?, 0, 'the module loads into nginx') or diag $out;
+
+# the example configuration, with the built module
+my $example = $t->read_file("$LlamaTest::ROOT/examples/nginx.conf");
+$example =~ s{/usr/lib/nginx/modules/ngx_http_llama_session_module\.so}{$module};
+$example =~ s{/var/log/nginx/}{$dir/}g;
+$example =~ s{/var/cache/llama-slots}{$dir/slots}g;
+$example =~ s{^(events)}{pid $dir/t.pid;\nerror_log $dir/t.log;\n$1}m;
+$example =~ s{^(http \{)}{$1\n    client_body_temp_path $dir/body;\n    proxy_temp_path $dir/proxy;}m;
+open $fh, '>', "$dir/example.conf" or die;
+print $fh $example;
+close $fh;
+$out = `$nginx -t -p $dir/ -c $dir/example.conf -e $dir/t.log 2>&1`;
+is($?, 0, 'nginx -t accepts examples/nginx.conf') or diag $out;
+like($out, qr/syntax is ok/, 'nginx -t says the syntax is ok');
+
+# a minimal configuration: the zone, llama_session and the slots location
+my $minimal = <<'EOF';
+    llama_session_zone zone=llama:1m;
+    server {
+        listen 127.0.0.1:%%PORT%%;
+        location / { llama_session llama; proxy_pass http://127.0.0.1:1; }
+        location /_llama_slots/ { internal; proxy_pass http://127.0.0.1:1/; }
+    }
+EOF
+my ($rc, $msg) = $t->nginx_test($minimal);
+is($rc, 0, 'the minimal configuration is accepted') or diag $msg;
+
+my @bad = (
+    [ 'llama_session_zone llama:1m;',
+      qr/invalid parameter "llama:1m"/, 'zone without zone=' ],
+    [ 'llama_session_zone slots=1;',
+      qr/must have "zone=name:size" parameter/, 'no zone= at all' ],
+    [ 'llama_session_zone zone=llama;',
+      qr/invalid zone size "zone=llama": use zone=name:size/, 'zone without size' ],
+    [ 'llama_session_zone zone=llama:1k;',
+      qr/zone "zone=llama:1k" is too small/, 'zone too small' ],
+    [ 'llama_session_zone zone=llama:1m slots=0;',
+      qr/invalid number of slots "slots=0"/, 'slots=0' ],
+    [ 'llama_session_zone zone=llama:1m slots=x;',
+      qr/invalid number of slots "slots=x"/, 'slots=x' ],
+    [ 'llama_session_zone zone=llama:1m max_files=x;',
+      qr/invalid parameter "max_files=x"/, 'unknown parameter' ],
+    [ "llama_session_zone zone=llama:1m;\nllama_session_zone zone=llama:1m;",
+      qr/duplicate llama_session_zone "llama"/, 'duplicate zone' ],
+    [ 'llama_session nope;',
+      qr/unknown llama_session zone "nope"/, 'unknown zone' ],
+    [ "llama_session_zone zone=llama:1m;\nllama_session llama;\nllama_session off;",
+      qr/"llama_session" directive is duplicate/, 'duplicate llama_session' ],
+    [ 'llama_session_slots_uri slots;',
+      qr/invalid slots uri "slots": it must start with "\/"/, 'relative slots uri' ],
+    [ 'llama_session_slots_uri /x?y;',
+      qr/arguments and variables are not allowed/, 'slots uri with args' ],
+    [ 'llama_session_id_headers "X Session";',
+      qr/invalid header name "X Session"/, 'bad header name' ],
+    [ 'llama_session_id_fields "a..b" ".x";',
+      qr/invalid field name "a\.\.b"/, 'bad field name' ],
+    [ 'llama_session_id_fallback maybe;',
+      qr/invalid value "maybe"/, 'bad fallback' ],
+    [ 'llama_session_wait_timeout soon;',
+      qr/"llama_session_wait_timeout" directive invalid value/, 'bad timeout' ],
+    [ 'llama_session_body_max lots;',
+      qr/"llama_session_body_max" directive invalid value/, 'bad body_max' ],
+);
+
+for my $case (@bad) {
+    my ($conf, $re, $name) = @$case;
+    my ($rc, $msg) = $t->nginx_test("$conf\n");
+    isnt($rc, 0, "nginx -t refuses: $name");
+    like($msg, $re, "the error names it: $name");
+}
+
+($rc, $msg) = $t->nginx_test(<<'EOF');
+    llama_session_zone zone=llama:1m;
+    server {
+        listen 127.0.0.1:%%PORT%%;
+        llama_session_id_headers off;
+        llama_session_id_fields off;
+        llama_session_id_fallback off;
+        llama_session_namespace $remote_user;
+        llama_session_wait_timeout 5s;
+        llama_session_body_max 1m;
+        location / { llama_session llama; proxy_pass http://127.0.0.1:1; }
+    }
+EOF
+is($rc, 0, 'every identity directive can be set') or diag $msg;
+
+$t->stop;
+done_testing;
