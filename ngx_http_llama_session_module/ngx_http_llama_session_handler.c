@@ -477,6 +477,7 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
         /* the session's previous file, if any, stays as it was */
 
         ctx->save_pending = 0;
+        ctx->save_failed = 1;
 
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
 
@@ -614,6 +615,8 @@ static ngx_int_t
 ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    u_char                       *p, *last, out[256], in[256];
+    size_t                        out_len;
     ngx_http_llama_session_sh_t  *sh;
 
     sh = ctx->zone->sh;
@@ -638,21 +641,45 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
         ngx_http_llama_session_stat(ctx, &sh->stats.fresh);
     }
 
+    p = out;
+    last = out + sizeof(out);
+
+    if (ctx->out_len == 0) {
+        p = ngx_slprintf(p, last, "nothing known");
+
+    } else if (ctx->save_pending) {
+        p = ngx_slprintf(p, last, "\"%*s\" saved %ui tokens, %O bytes in "
+                         "%.1f ms", ctx->out_len, ctx->out_key,
+                         ctx->saved_tokens, ctx->saved_bytes, ctx->save_ms);
+
+    } else {
+        p = ngx_slprintf(p, last, "\"%*s\" not saved (%s)",
+                         ctx->out_len, ctx->out_key,
+                         ctx->save_failed ? "the save failed"
+                         : (ctx->out_len == sizeof("default") - 1
+                            && ngx_strncmp(ctx->out_key, "default",
+                                           ctx->out_len) == 0)
+                           ? "default" : "unchanged or empty");
+    }
+
+    out_len = p - out;
+
+    p = in;
+    last = in + sizeof(in);
+
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE) {
+        p = ngx_slprintf(p, last, "\"%*s\" restored %ui tokens, %O bytes in "
+                         "%.1f ms", ctx->key_len, ctx->key,
+                         ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms);
+
+    } else {
+        p = ngx_slprintf(p, last, "\"%*s\" fresh", ctx->key_len, ctx->key);
+    }
+
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                  "llama_session: swap on slot %ui of zone \"%V\": "
-                  "out \"%*s\" (%s %ui tokens, %O bytes, %.1f ms), "
-                  "in \"%*s\" (%s %ui tokens, %O bytes, %.1f ms), "
-                  "%M ms in all",
-                  ctx->slot, &ctx->zone->name,
-                  ctx->out_len ? ctx->out_len : 1,
-                  ctx->out_len ? ctx->out_key : (u_char *) "-",
-                  ctx->save_pending ? "saved" : "not saved",
-                  ctx->saved_tokens, ctx->saved_bytes, ctx->save_ms,
-                  ctx->key_len, ctx->key,
-                  ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
-                  ? "restored" : "fresh",
-                  ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms,
-                  ctx->swap_ms);
+                  "llama_session: swap on slot %ui of zone \"%V\": out %*s, "
+                  "in %*s, %M ms in all", ctx->slot, &ctx->zone->name,
+                  out_len, out, p - in, in, ctx->swap_ms);
 
     return NGX_DECLINED;
 }

@@ -227,6 +227,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        call_inflight:1;
     unsigned                        swapped:1;
     unsigned                        save_pending:1;
+    unsigned                        save_failed:1;
     unsigned                        load_file:1;
     unsigned                        released:1;
 };

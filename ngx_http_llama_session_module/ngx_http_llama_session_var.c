@@ -12,6 +12,8 @@
 
 static ngx_int_t ngx_http_llama_session_var(ngx_http_request_t *r,
     ngx_http_variable_value_t *v, uintptr_t data);
+static ngx_int_t ngx_http_llama_session_var_id(ngx_http_request_t *r,
+    ngx_http_variable_value_t *v, ngx_str_t *id);
 
 
 enum {
@@ -103,9 +105,7 @@ ngx_http_llama_session_var(ngx_http_request_t *r,
             return NGX_OK;
         }
 
-        v->data = ctx->id.data;
-        v->len = ctx->id.len;
-        return NGX_OK;
+        return ngx_http_llama_session_var_id(r, v, &ctx->id);
 
     case NGX_HTTP_LLAMA_SESSION_VAR_KEY:
         if (ctx->key_len == 0) {
@@ -161,6 +161,60 @@ ngx_http_llama_session_var(ngx_http_request_t *r,
     default: /* NGX_HTTP_LLAMA_SESSION_VAR_SWAP_MS */
         p = ngx_sprintf(p, "%M", ctx->swap_ms);
         break;
+    }
+
+    v->len = p - v->data;
+
+    return NGX_OK;
+}
+
+
+/*
+ * The id as the client gave it, but with control characters as \xHH: it
+ * may come from a JSON body, and operators put it in headers and logs.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_var_id(ngx_http_request_t *r,
+    ngx_http_variable_value_t *v, ngx_str_t *id)
+{
+    u_char      *p, c;
+    size_t       i, n;
+    static u_char  hex[] = "0123456789abcdef";
+
+    n = 0;
+
+    for (i = 0; i < id->len; i++) {
+        if (id->data[i] < 0x20 || id->data[i] == 0x7f) {
+            n++;
+        }
+    }
+
+    if (n == 0) {
+        v->data = id->data;
+        v->len = id->len;
+        return NGX_OK;
+    }
+
+    p = ngx_pnalloc(r->pool, id->len + 3 * n);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    v->data = p;
+
+    for (i = 0; i < id->len; i++) {
+        c = id->data[i];
+
+        if (c < 0x20 || c == 0x7f) {
+            *p++ = '\\';
+            *p++ = 'x';
+            *p++ = hex[c >> 4];
+            *p++ = hex[c & 0xf];
+
+        } else {
+            *p++ = c;
+        }
     }
 
     v->len = p - v->data;

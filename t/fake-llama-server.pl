@@ -34,7 +34,7 @@ my %o = (np => 1);
 GetOptions(\%o, 'port=i', 'np=i', 'slots=s', 'state=s', 'script=s',
            'calls=s') or die "usage\n";
 
-my $json = JSON::PP->new->canonical->allow_nonref;
+my $json = JSON::PP->new->utf8->canonical->allow_nonref;
 
 $SIG{CHLD} = sub { 1 while waitpid(-1, WNOHANG) > 0 };
 $SIG{PIPE} = 'IGNORE';

@@ -28,7 +28,7 @@ use Test::More;
 use Time::HiRes qw(sleep time);
 
 our $ROOT = abs_path(dirname(__FILE__) . '/../..');
-our $JSON = JSON::PP->new->canonical->allow_nonref;
+our $JSON = JSON::PP->new->utf8->canonical->allow_nonref;
 
 my @ALL;
 
