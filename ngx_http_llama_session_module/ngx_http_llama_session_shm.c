@@ -118,7 +118,7 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 ngx_int_t
 ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_uint_t                        grant, hit;
+    ngx_uint_t                        grant, hit, batch;
     ngx_queue_t                      *q;
     ngx_http_llama_session_sh_t      *sh;
     ngx_http_llama_session_slot_t    *slot;
@@ -178,17 +178,37 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 
         ngx_http_llama_session_prune(zone, ctx->request->connection->log);
 
-        head = NULL;
-
-        if (!ngx_queue_empty(&sh->waiters)) {
-            head = ngx_queue_data(ngx_queue_head(&sh->waiters),
-                                  ngx_http_llama_session_waiter_t, queue);
-        }
-
-        if (head == NULL || head->ticket == ctx->ticket
-            || (hit && ctx->ticket < slot->batch))
-        {
+        if (hit && ctx->ticket < slot->batch) {
+            /* waited already when its session was swapped in */
             grant = 1;
+
+        } else {
+            head = NULL;
+            batch = 0;
+
+            for (q = ngx_queue_head(&sh->waiters);
+                 q != ngx_queue_sentinel(&sh->waiters);
+                 q = ngx_queue_next(q))
+            {
+                w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+                if (head == NULL) {
+                    head = w;
+                }
+
+                if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                    && w->ticket < slot->batch
+                    && w->key_len == slot->key_len
+                    && ngx_memcmp(w->key, slot->key, w->key_len) == 0)
+                {
+                    batch = 1;
+                    break;
+                }
+            }
+
+            if (!batch && (head == NULL || head->ticket == ctx->ticket)) {
+                grant = 1;
+            }
         }
     }
 

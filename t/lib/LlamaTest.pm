@@ -390,6 +390,47 @@ sub raw_open {
     return $s;
 }
 
+# a request in a child process: returns a handle for async_wait
+sub async_post {
+    my ($self, $path, $body, %o) = @_;
+
+    my $file = "$self->{dir}/async." . ++$self->{async} . '.json';
+    my $pid = fork();
+    die "fork: $!" unless defined $pid;
+
+    if ($pid == 0) {
+        my $t0 = time;
+        my $r = $self->post($path, $body, %o);
+        open my $fh, '>', "$file.tmp" or die;
+        print $fh $JSON->encode({ status => $r->{status},
+                                  headers => $r->{headers},
+                                  json => $r->{json},
+                                  content => $r->{content},
+                                  start => $t0, end => time });
+        close $fh;
+        rename "$file.tmp", $file;
+        $self->{stopped} = 1;    # the parent owns the processes
+        POSIX::_exit(0);
+    }
+
+    return { pid => $pid, file => $file };
+}
+
+sub async_wait {
+    my ($self, $h, $timeout) = @_;
+    my $end = time + ($timeout // 120);
+    while (time < $end) {
+        if (waitpid($h->{pid}, WNOHANG) != 0) {
+            my $s = $self->read_file($h->{file});
+            return $s ? $JSON->decode($s) : { status => 0 };
+        }
+        sleep 0.02;
+    }
+    kill 'KILL', $h->{pid};
+    waitpid($h->{pid}, 0);
+    return { status => 0, timeout => 1 };
+}
+
 sub read_file {
     my ($self, $name) = @_;
     my $f = $name =~ m{^/} ? $name : "$self->{dir}/$name";
