@@ -45,6 +45,13 @@ $t->nginx(<<'EOF');
             proxy_pass http://llama/;
         }
 
+        location /spool/ {
+            llama_session llama;
+            client_max_body_size 16m;
+            client_body_buffer_size 16k;
+            proxy_pass http://llama/;
+        }
+
         location /tenant/ {
             llama_session llama;
             llama_session_namespace $http_x_tenant;
@@ -185,6 +192,21 @@ is_deeply([ grep { !/^[A-Za-z0-9_-]{1,32}-[0-9a-f]{24}\.bin$/ } @files ], [],
           'every file in the save folder has a safe name');
 ok(!-e '/etc/passwd.bin' && !-e $t->dir . '/passwd.bin',
    'nothing was written outside the save folder');
+
+# bodies from 1 KB to 8 MB, in memory or spooled to a temp file: the id
+# comes from the body either way, and the body arrives unchanged
+for my $size (1024, 16 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024) {
+    my $body = $JSON->encode({ session_id => "size-$size", %$chat,
+                               pad => 'z' x $size });
+    my $r = ask($body, path => '/spool/v1/chat/completions',
+                'Content-Type' => 'application/json');
+    is($r->{id}, "size-$size", "a body of $size bytes: the id from the body");
+    my ($call) = grep { $_->{path} eq '/v1/chat/completions' }
+                 reverse @{ $t->fake_calls };
+    is($call->{body_len}, length $body, "a body of $size bytes arrives whole");
+}
+ok($t->log_lines(qr/a client request body is buffered to a temporary file/),
+   'the large bodies went through temp files');
 
 # the model and the namespace are in the key
 my $k1 = ask({ %$chat, model => 'model-one' }, 'X-Session-Id' => 'same')->{key};

@@ -53,6 +53,17 @@ $t->nginx(<<'EOF');
             proxy_pass http://llama/;
         }
 
+        location /redirect/ {
+            proxy_intercept_errors on;
+            error_page 500 = @again;
+            proxy_pass http://llama/;
+        }
+
+        location @again {
+            rewrite ^ /v1/completions break;
+            proxy_pass http://llama;
+        }
+
         location /denied/ {
             deny all;
             proxy_pass http://llama/;
@@ -237,6 +248,15 @@ isnt($r->{headers}{'x-s-action'}, 'hit', 'the next request is no hit');
 ok(!(grep { $_->{query} eq 'action=save' }
      (slot_calls())[ $n .. scalar(slot_calls()) - 1 ]),
    'and nothing was saved from the unknown slot');
+
+# an internal redirect does not acquire twice (it would wait on itself)
+$t->fake_script({ completion => { status => 500,
+                                  path => '/v1/chat/completions' } });
+$t0 = time;
+$r = ask('redirected', path => '/redirect/v1/chat/completions');
+$t->fake_script({});
+is($r->{status}, 200, 'an internal redirect after an error is served');
+cmp_ok(time - $t0, '<', 5, 'at once, without waiting for itself');
 
 # an upstream timeout releases the slot too
 $t->fake_script({ completion => { delay_ms => 1500 } });

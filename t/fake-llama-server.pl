@@ -18,7 +18,8 @@
 # for "save", "restore", "erase", "slots" (GET /slots) and "completion":
 #   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
 # close: drop the connection without an answer; processing: GET /slots
-# shows the slot busy.  Every request is appended to --calls as JSON.
+# shows the slot busy; path: the completion fault applies to that path only;
+# chunks, chunk_ms: the shape of a streamed reply.  Every request is appended to --calls as JSON.
 
 use strict;
 use warnings;
@@ -326,6 +327,8 @@ sub completion {
             @$s{qw(text n busy ran)} = ($text, length $text, 0, 1);
         });
     };
+
+    $f = undef if $f && $f->{path} && $f->{path} ne $req->{path};
 
     if ($f) {
         sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
