@@ -161,7 +161,6 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
     ctx->request = r;
     ctx->zone = llcf->zone;
     ctx->start = ngx_current_msec;
-    ctx->deadline = ctx->start + llcf->wait_timeout;
     ctx->slot_tokens = -1;
 
     ctx->wait_ev.handler = ngx_http_llama_session_wake;
@@ -206,7 +205,8 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 static void
 ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 {
-    ngx_http_llama_session_ctx_t  *ctx;
+    ngx_http_llama_session_ctx_t       *ctx;
+    ngx_http_llama_session_loc_conf_t  *llcf;
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
@@ -218,6 +218,13 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 
         } else {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+
+            /* the wait is counted from here, after the body */
+            llcf = ngx_http_get_module_loc_conf(r,
+                                                ngx_http_llama_session_module);
+
+            ctx->start = ngx_current_msec;
+            ctx->deadline = ctx->start + llcf->wait_timeout;
         }
     }
 

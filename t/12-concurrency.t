@@ -109,7 +109,8 @@ for my $sid (@sessions) {
     my $r = $t->post('/v1/chat/completions', body($sid, 999),
                      headers => { 'X-Session-Id' => $sid });
     is($r->{status}, 200, "$sid answers afterwards");
-    is($r->{headers}{'x-s-wait'}, '0', "$sid did not wait");
+    cmp_ok($r->{headers}{'x-s-wait'}, '<', 1000,
+           "$sid did not wait behind anything stuck");
 }
 
 $t->stop;
