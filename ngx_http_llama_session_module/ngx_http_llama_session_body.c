@@ -87,6 +87,18 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     name.data = p;
     name.len = last - p;
 
+    /*
+     * POST .../slots/N is llama-server's slot API: a client could save,
+     * restore or erase other sessions' states with it
+     */
+
+    if (p - r->uri.data >= 7
+        && ngx_strncasecmp(p - 7, (u_char *) "/slots/", 7) == 0)
+    {
+        ctx->refuse = 1;
+        return 0;
+    }
+
     for (s = ngx_http_llama_session_no_slot; s->len; s++) {
         if (s->len == name.len
             && ngx_strncasecmp(s->data, name.data, name.len) == 0)

@@ -180,6 +180,16 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
     if (!ngx_http_llama_session_uses_slot(r, ctx)) {
+
+        if (ctx->refuse) {
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: refused a client's call to the "
+                          "slot API \"%V\"", &r->uri);
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->status = NGX_HTTP_FORBIDDEN;
+            return NGX_HTTP_FORBIDDEN;
+        }
+
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
         ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bypass);

@@ -220,6 +220,7 @@ struct ngx_http_llama_session_ctx_s {
 
     unsigned                        default_session:1;
     unsigned                        use_default:1;
+    unsigned                        refuse:1;
     unsigned                        queued:1;
     unsigned                        acquired:1;
     unsigned                        waiting:1;

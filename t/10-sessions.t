@@ -34,6 +34,8 @@ $t->nginx(<<'EOF');
             proxy_buffering off;
             proxy_read_timeout 300s;
             add_header X-S-Action $llama_session_action always;
+            add_header X-S-Slot $llama_session_slot always;
+            add_header X-S-Swap $llama_session_swap_ms always;
         }
 
         location /_llama_slots/ {
@@ -71,10 +73,14 @@ sub turn {
         { role => 'assistant',
           content => $r->{json}{choices}[0]{message}{content} };
 
+    $conv->{last} = $r->{headers};
+
     return ($r->{json}{usage}{prompt_tokens},
             $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
             $r->{headers}{'x-s-action'});
 }
+
+my $last_headers;
 
 sub run_sequence {
     my (%o) = @_;
@@ -84,6 +90,7 @@ sub run_sequence {
     my (@log, %prev);
     for my $sid (qw(A B A B A)) {
         my ($prompt, $cached, $action) = turn($conv{$sid}, $sid, %o);
+        $last_headers = $conv{$sid}{last};
         push @log, { sid => $sid, prompt => $prompt, cached => $cached,
                      prev => $prev{$sid}, action => $action };
         $prev{$sid} = $prompt;
@@ -106,6 +113,11 @@ for my $i (2 .. 4) {
            "turn $i: $s->{sid} finds its whole previous prompt "
            . "($s->{cached} cached of $s->{prev})");
 }
+
+is($last_headers->{'x-s-slot'}, '0', '$llama_session_slot is the slot');
+like($last_headers->{'x-s-swap'}, qr/^\d+$/, '$llama_session_swap_ms is set');
+ok($t->log_lines(qr/llama_session: swap .* in "conv-A-\w+" restored \d+ tokens, \d+ bytes in [\d.]+ ms, (\d+) ms in all/),
+   'the swap line has the time of the whole swap');
 
 my @files = map { s{.*/}{}r } glob($t->dir . '/slots/*.bin');
 ok((grep { /^conv-A-[0-9a-f]{24}\.bin$/ } @files), 'A has a file');

@@ -247,6 +247,16 @@ is(scalar(grep { $_->{path} =~ m{^/slots} } @after), 0,
    'they made no slot call');
 is(scalar @after, 7, 'and all reached the backend');
 
+# clients cannot drive llama-server's slot API through the module
+$before = scalar @{ $t->fake_calls };
+for my $path ('/slots/0?action=restore', '/slots/0?action=erase',
+              '/v1/../slots/0?action=save', '/SLOTS/1?action=save') {
+    my $r = $t->request('POST', $path,
+                        body => { filename => 'keep-me-x.bin' });
+    is($r->{status}, 403, "POST $path is refused");
+}
+is(scalar @{ $t->fake_calls }, $before, 'none reached the backend');
+
 # embeddings use the slot as default, whatever they name
 $r = ask({ input => 'text' }, path => '/v1/embeddings',
          'X-Session-Id' => 'emb');
