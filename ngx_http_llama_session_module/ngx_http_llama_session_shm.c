@@ -18,6 +18,8 @@ static ngx_http_llama_session_node_t *ngx_http_llama_session_node(
     ngx_http_llama_session_zone_t *zone, u_char *key, size_t len);
 static void ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log);
+static void ngx_http_llama_session_unqueue_locked(
+    ngx_http_llama_session_zone_t *zone, ngx_atomic_uint_t ticket);
 static ngx_uint_t ngx_http_llama_session_alive(ngx_pid_t pid);
 
 
@@ -218,20 +220,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     }
 
     if (ctx->queued) {
-        for (q = ngx_queue_head(&sh->waiters);
-             q != ngx_queue_sentinel(&sh->waiters);
-             q = ngx_queue_next(q))
-        {
-            w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
-
-            if (w->ticket == ctx->ticket) {
-                ngx_queue_remove(q);
-                ngx_slab_free_locked(zone->shpool, w);
-                sh->nwaiters--;
-                break;
-            }
-        }
-
+        ngx_http_llama_session_unqueue_locked(zone, ctx->ticket);
         ctx->queued = 0;
     }
 
@@ -271,19 +260,31 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 void
 ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_queue_t                      *q;
-    ngx_http_llama_session_sh_t      *sh;
-    ngx_http_llama_session_zone_t    *zone;
-    ngx_http_llama_session_waiter_t  *w;
+    ngx_http_llama_session_zone_t  *zone;
 
     if (!ctx->queued) {
         return;
     }
 
     zone = ctx->zone;
-    sh = zone->sh;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
+    ngx_http_llama_session_unqueue_locked(zone, ctx->ticket);
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    ctx->queued = 0;
+}
+
+
+static void
+ngx_http_llama_session_unqueue_locked(ngx_http_llama_session_zone_t *zone,
+    ngx_atomic_uint_t ticket)
+{
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_sh_t      *sh;
+    ngx_http_llama_session_waiter_t  *w;
+
+    sh = zone->sh;
 
     for (q = ngx_queue_head(&sh->waiters);
          q != ngx_queue_sentinel(&sh->waiters);
@@ -291,17 +292,13 @@ ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx)
     {
         w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
 
-        if (w->ticket == ctx->ticket) {
+        if (w->ticket == ticket) {
             ngx_queue_remove(q);
             ngx_slab_free_locked(zone->shpool, w);
             sh->nwaiters--;
-            break;
+            return;
         }
     }
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    ctx->queued = 0;
 }
 
 
