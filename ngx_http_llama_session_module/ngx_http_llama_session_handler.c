@@ -32,6 +32,10 @@ static ngx_uint_t ngx_http_llama_session_has_file(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_props(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_files(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_checked(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_saved(ngx_http_request_t *r,
@@ -103,6 +107,13 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         }
 
         return ngx_http_llama_session_wait(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_PROPS:
+        if (!ctx->call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_props(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_CHECK:
         if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
@@ -345,12 +356,15 @@ ngx_http_llama_session_has_file(ngx_http_request_t *r,
         return 1;
     }
 
-    path = ngx_pnalloc(r->pool, store->len + ctx->key_len + sizeof("/.bin"));
+    path = ngx_pnalloc(r->pool, store->len + ctx->key_len
+                                + NGX_HTTP_LLAMA_SESSION_FP_LEN
+                                + sizeof("/..bin"));
     if (path == NULL) {
         return 1;
     }
 
-    ngx_sprintf(path, "%V/%*s.bin%Z", store, ctx->key_len, ctx->key);
+    ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, ctx->key_len, ctx->key,
+                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
 
     return ngx_file_info(path, &fi) != NGX_FILE_ERROR;
 }
@@ -370,8 +384,55 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
     ctx->swap_start = ngx_current_msec;
     ctx->swapped = 1;
 
+    /*
+     * file names carry the backend's configuration: learn it after a
+     * start, and whenever the slot's content is unknown (the backend may
+     * have restarted with another one)
+     */
+
+    if (!ngx_http_llama_session_fingerprint(ctx)
+        || ctx->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
+    {
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+                                           NULL, 0);
+    }
+
+    return ngx_http_llama_session_files(r, ctx);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_props(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->call_status != NGX_HTTP_OK
+        || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
+    {
+        return ngx_http_llama_session_backend_error(r, ctx, "GET /props");
+    }
+
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    return ngx_http_llama_session_files(r, ctx);
+}
+
+
+/* which files the swap involves, then what the slot holds */
+
+static ngx_int_t
+ngx_http_llama_session_files(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
     if (!ctx->default_session) {
+        ngx_http_llama_session_remember(ctx);
         ctx->load_file = ngx_http_llama_session_has_file(r, ctx);
+    }
+
+    if (ctx->restarted) {
+        /* the slot was checked already: llama-server restarted */
+        return ngx_http_llama_session_load(r, ctx);
     }
 
     if (!ctx->save_pending && !ctx->load_file && ctx->slot_tokens == 0) {
@@ -429,6 +490,27 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     }
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    if (ctx->call_status == NGX_HTTP_OK
+        && ngx_http_llama_session_slot_task(ctx, ctx->slot_task)
+        && !processing)
+    {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: llama-server restarted (slot %ui shows "
+                      "task %i), the slot no longer holds \"%*s\"",
+                      ctx->slot, ctx->slot_task,
+                      ctx->out_len ? ctx->out_len : 1,
+                      ctx->out_len ? ctx->out_key : (u_char *) "-");
+
+        ctx->restarted = 1;
+        ctx->save_pending = 0;
+        ctx->out_len = 0;
+
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+                                           NULL, 0);
+    }
 
     if (processing) {
         /*
@@ -490,11 +572,27 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
                                           tokens, ctx->saved_bytes);
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
 
+        if (ctx->zone->store.len) {
+            u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+
+            (void) ngx_http_llama_session_store_meta(r->connection->log,
+                       ctx->zone, name,
+                       ngx_http_llama_session_file_name(name, ctx->out_key,
+                                                        ctx->out_len,
+                                                        ctx->fp));
+        }
+
+        ngx_http_llama_session_evict(r->connection->log, ctx->zone,
+                                     ctx->key, ctx->key_len);
+
     } else {
         /* the session's previous file, if any, stays as it was */
 
         ctx->save_pending = 0;
         ctx->save_failed = 1;
+
+        ngx_http_llama_session_store_drop_tmp(r, ctx, ctx->out_key,
+                                              ctx->out_len);
 
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
 

@@ -285,7 +285,8 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
 
 /*
- * llama_session_zone zone=name:size [slots=N] [store=path];
+ * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
+ *     [max_size=size] [save_idle=time backend=host:port [api_key=key]];
  */
 
 static char *
@@ -294,10 +295,15 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_http_llama_session_main_conf_t *lmcf = conf;
 
     u_char                          *p;
+    off_t                            max_size;
     ssize_t                          size;
     ngx_int_t                        n;
-    ngx_str_t                       *value, name, s, store;
-    ngx_uint_t                       i, nslots;
+    ngx_str_t                       *value, name, s, store, api_key;
+    ngx_str_t                        backend_name;
+    ngx_url_t                        u;
+    ngx_uint_t                       i, nslots, max_files;
+    ngx_msec_t                       save_idle;
+    ngx_addr_t                      *backend;
     ngx_shm_zone_t                  *shm_zone;
     ngx_http_llama_session_zone_t   *zone, **zp;
 
@@ -306,7 +312,13 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     size = 0;
     nslots = 1;
     name.len = 0;
+    max_files = 0;
+    max_size = 0;
+    save_idle = 0;
+    backend = NULL;
     ngx_str_null(&store);
+    ngx_str_null(&api_key);
+    ngx_str_null(&backend_name);
 
     for (i = 1; i < cf->args->nelts; i++) {
 
@@ -396,6 +408,79 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
+        if (ngx_strncmp(value[i].data, "max_files=", 10) == 0) {
+
+            n = ngx_atoi(value[i].data + 10, value[i].len - 10);
+
+            if (n == NGX_ERROR) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid number of files \"%V\"",
+                                   &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            max_files = n;
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "max_size=", 9) == 0) {
+
+            s.data = value[i].data + 9;
+            s.len = value[i].len - 9;
+
+            max_size = ngx_parse_offset(&s);
+
+            if (max_size == NGX_ERROR) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid size \"%V\"", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "save_idle=", 10) == 0) {
+
+            s.data = value[i].data + 10;
+            s.len = value[i].len - 10;
+
+            save_idle = ngx_parse_time(&s, 0);
+
+            if (save_idle == (ngx_msec_t) NGX_ERROR || save_idle == 0) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid time \"%V\"", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "backend=", 8) == 0) {
+
+            ngx_memzero(&u, sizeof(ngx_url_t));
+
+            u.url.data = value[i].data + 8;
+            u.url.len = value[i].len - 8;
+            u.no_resolve = 0;
+
+            if (ngx_parse_url(cf->pool, &u) != NGX_OK || u.naddrs == 0) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid backend \"%V\"%s%s", &value[i],
+                                   u.err ? ": " : "", u.err ? u.err : "");
+                return NGX_CONF_ERROR;
+            }
+
+            backend = &u.addrs[0];
+            backend_name = u.url;
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "api_key=", 8) == 0) {
+            api_key.data = value[i].data + 8;
+            api_key.len = value[i].len - 8;
+            continue;
+        }
+
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "invalid parameter \"%V\"", &value[i]);
         return NGX_CONF_ERROR;
@@ -438,9 +523,30 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_ERROR;
     }
 
+    if (save_idle && backend == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"save_idle=\" needs \"backend=host:port\": "
+                           "idle saves have no client request to go through "
+                           "nginx's slots location");
+        return NGX_CONF_ERROR;
+    }
+
+    if ((max_files || max_size) && store.len == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"max_files=\" and \"max_size=\" need "
+                           "\"store=\": the module deletes files there");
+        return NGX_CONF_ERROR;
+    }
+
     zone->name = name;
     zone->nslots = nslots;
     zone->store = store;
+    zone->max_files = max_files;
+    zone->max_size = max_size;
+    zone->save_idle = save_idle;
+    zone->backend = backend;
+    zone->backend_name = backend_name;
+    zone->api_key = api_key;
     zone->shm_zone = shm_zone;
 
     shm_zone->init = ngx_http_llama_session_init_zone;

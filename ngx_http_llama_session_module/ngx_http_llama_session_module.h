@@ -14,12 +14,17 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     1
+#define NGX_HTTP_LLAMA_SESSION_VERSION     2
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
 #define NGX_HTTP_LLAMA_SESSION_HASH_HEX    24
 #define NGX_HTTP_LLAMA_SESSION_SLOTS_MAX   64
+#define NGX_HTTP_LLAMA_SESSION_FP_LEN      8      /* hex digits */
+#define NGX_HTTP_LLAMA_SESSION_NAME_MAX    96     /* "<key>.<fp>" */
+#define NGX_HTTP_LLAMA_SESSION_ID_SHOW     96
+#define NGX_HTTP_LLAMA_SESSION_MODEL_SHOW  64
+#define NGX_HTTP_LLAMA_SESSION_PATH_SHOW   200
 
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
@@ -50,6 +55,7 @@ typedef enum {
 typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_BODY = 0,
     NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE,
+    NGX_HTTP_LLAMA_SESSION_ST_PROPS,
     NGX_HTTP_LLAMA_SESSION_ST_CHECK,
     NGX_HTTP_LLAMA_SESSION_ST_SAVE,
     NGX_HTTP_LLAMA_SESSION_ST_LOAD,
@@ -65,7 +71,8 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_CALL_GET,
     NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
     NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
-    NGX_HTTP_LLAMA_SESSION_CALL_ERASE
+    NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
+    NGX_HTTP_LLAMA_SESSION_CALL_PROPS
 } ngx_http_llama_session_call_e;
 
 
@@ -83,6 +90,8 @@ typedef struct {
                                                    swapped in that may still
                                                    go before the next swap */
     ngx_msec_t                      last_used;
+    time_t                          used_at;
+    ngx_int_t                       task;       /* last id_task seen, -1 */
 } ngx_http_llama_session_slot_t;
 
 
@@ -95,12 +104,18 @@ typedef struct {
 } ngx_http_llama_session_waiter_t;
 
 
+/* a session's state for one backend configuration: "<key>.<fp>" */
+
 typedef struct {
-    ngx_rbtree_node_t               node;       /* key: crc32 of the key */
+    ngx_rbtree_node_t               node;       /* key: crc32 of the name */
     ngx_queue_t                     lru;
-    u_short                         key_len;
-    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    u_char                          name_len;
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     u_char                          saved;      /* a file exists */
+    u_char                          id_len;
+    u_char                          id[NGX_HTTP_LLAMA_SESSION_ID_SHOW];
+    u_char                          model_len;
+    u_char                          model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW];
     off_t                           bytes;
     ngx_uint_t                      tokens;
     time_t                          saved_at;
@@ -120,6 +135,9 @@ typedef struct {
     ngx_atomic_uint_t               restore_errors;
     ngx_atomic_uint_t               wait_timeouts;
     ngx_atomic_uint_t               backend_errors;
+    ngx_atomic_uint_t               evictions;
+    ngx_atomic_uint_t               idle_saves;
+    ngx_atomic_uint_t               restarts;
 } ngx_http_llama_session_stats_t;
 
 
@@ -134,6 +152,14 @@ typedef struct {
     ngx_rbtree_node_t               sentinel;
     ngx_queue_t                     lru;
     ngx_uint_t                      nsessions;
+    ngx_uint_t                      files;      /* saved, any configuration */
+    off_t                           bytes;
+    u_char                          fp_known;
+    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+    ngx_uint_t                      n_ctx;
+    ngx_uint_t                      total_slots;
+    u_short                         model_path_len;
+    u_char                          model_path[NGX_HTTP_LLAMA_SESSION_PATH_SHOW];
     ngx_http_llama_session_stats_t  stats;
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
@@ -143,6 +169,13 @@ typedef struct {
     ngx_str_t                       name;
     ngx_uint_t                      nslots;
     ngx_str_t                       store;      /* empty: not visible */
+    ngx_uint_t                      max_files;  /* 0: no limit */
+    off_t                           max_size;   /* 0: no limit */
+    ngx_msec_t                      save_idle;  /* 0: off */
+    ngx_addr_t                     *backend;    /* for idle saves */
+    ngx_str_t                       backend_name;
+    ngx_str_t                       api_key;
+    ngx_event_t                     idle_ev;
     ngx_shm_zone_t                 *shm_zone;
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
@@ -183,6 +216,9 @@ struct ngx_http_llama_session_ctx_s {
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          key_len;
 
+    /* the backend's configuration: part of every file name */
+    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+
     /* the session that leaves the slot on a swap */
     u_char                          out_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          out_len;
@@ -209,6 +245,8 @@ struct ngx_http_llama_session_ctx_s {
     ngx_int_t                       call_status;
     ngx_buf_t                      *call_reply;
     ngx_int_t                       slot_tokens; /* -1: unknown */
+    ngx_int_t                       slot_task;   /* -1: none */
+    ngx_uint_t                      slot_state;
 
     /* from the replies, for the swap log line */
     ngx_uint_t                      saved_tokens;
@@ -231,6 +269,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        save_failed:1;
     unsigned                        load_file:1;
     unsigned                        released:1;
+    unsigned                        restarted:1;
 };
 
 
@@ -268,6 +307,24 @@ ngx_int_t ngx_http_llama_session_file_known(
 void ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
     u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens,
     off_t bytes);
+void ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx);
+ngx_uint_t ngx_http_llama_session_fingerprint(
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_set_fingerprint(
+    ngx_http_llama_session_ctx_t *ctx, u_char *fp, ngx_uint_t n_ctx,
+    ngx_uint_t total_slots, ngx_str_t *model_path);
+ngx_uint_t ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
+    ngx_int_t task);
+ngx_int_t ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_http_llama_session_node_t *copy);
+void ngx_http_llama_session_evict(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
+ngx_http_llama_session_node_t *ngx_http_llama_session_node(
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
+void ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
+    ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes);
+size_t ngx_http_llama_session_file_name(u_char *buf, u_char *key,
+    size_t len, u_char *fp);
 void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
     ngx_atomic_uint_t *counter);
 
@@ -282,6 +339,19 @@ ngx_int_t ngx_http_llama_session_parse_action(ngx_http_request_t *r,
     double *ms);
 ngx_int_t ngx_http_llama_session_store_commit(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+void ngx_http_llama_session_store_drop_tmp(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+
+/* store.c: the store folder */
+ngx_int_t ngx_http_llama_session_store_index(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
+ngx_int_t ngx_http_llama_session_store_unlink(
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
+    ngx_log_t *log);
 
 
 extern ngx_module_t  ngx_http_llama_session_module;

@@ -12,10 +12,8 @@
 
 
 static ngx_http_llama_session_node_t *ngx_http_llama_session_lookup(
-    ngx_http_llama_session_sh_t *sh, u_char *key, size_t len,
+    ngx_http_llama_session_sh_t *sh, u_char *name, size_t len,
     uint32_t hash);
-static ngx_http_llama_session_node_t *ngx_http_llama_session_node(
-    ngx_http_llama_session_zone_t *zone, u_char *key, size_t len);
 static void ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log);
 static void ngx_http_llama_session_unqueue_locked(
@@ -90,6 +88,7 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 
     for (i = 0; i < zone->nslots; i++) {
         sh->slots[i].state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        sh->slots[i].task = -1;
     }
 
     len = sizeof(" in llama_session zone \"\"") + shm_zone->shm.name.len;
@@ -103,6 +102,10 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
                 &shm_zone->shm.name);
 
     zone->shpool->log_nomem = 0;
+
+    if (zone->store.len) {
+        return ngx_http_llama_session_store_index(zone, shm_zone->shm.log);
+    }
 
     return NGX_OK;
 }
@@ -231,6 +234,8 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_memcpy(ctx->out_key, slot->key, slot->key_len);
     ctx->out_len = slot->key_len;
+
+    ctx->slot_state = slot->state;
 
     if (hit) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
@@ -375,15 +380,33 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/* "<key>.<fp>": the name of a session's state for one configuration */
+
+size_t
+ngx_http_llama_session_file_name(u_char *buf, u_char *key, size_t len,
+    u_char *fp)
+{
+    u_char  *p;
+
+    p = ngx_cpymem(buf, key, len);
+    *p++ = '.';
+    p = ngx_cpymem(p, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+    return p - buf;
+}
+
+
 /*
  * Is there a saved file for the key?  1: yes, 0: no, -1: the zone does not
- * know (no store= folder to look into and nothing recorded since start).
+ * know (nothing recorded since start for it).
  */
 
 ngx_int_t
 ngx_http_llama_session_file_known(ngx_http_llama_session_ctx_t *ctx,
     u_char *key, size_t len)
 {
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
     ngx_int_t                       rc;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *node;
@@ -392,20 +415,13 @@ ngx_http_llama_session_file_known(ngx_http_llama_session_ctx_t *ctx,
     zone = ctx->zone;
     sh = zone->sh;
 
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    node = ngx_http_llama_session_lookup(sh, key, len,
-                                         ngx_crc32_short(key, len));
+    node = ngx_http_llama_session_lookup(sh, name, n, ngx_crc32_short(name, n));
 
-    if (node) {
-        rc = node->saved;
-        node->used_at = ngx_time();
-        ngx_queue_remove(&node->lru);
-        ngx_queue_insert_head(&sh->lru, &node->lru);
-
-    } else {
-        rc = -1;
-    }
+    rc = node ? node->saved : -1;
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -417,31 +433,279 @@ void
 ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
     u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens, off_t bytes)
 {
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
     ngx_http_llama_session_node_t  *node;
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
 
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    node = ngx_http_llama_session_node(zone, key, len);
+    node = ngx_http_llama_session_node(zone, name, n);
 
     if (node) {
-        node->saved = (u_char) saved;
+        ngx_http_llama_session_node_file(zone->sh, node, saved, bytes);
 
         if (saved) {
             node->tokens = tokens;
-            node->bytes = bytes;
             node->saved_at = ngx_time();
         }
 
     } else {
         ngx_log_error(NGX_LOG_CRIT, ctx->request->connection->log, 0,
                       "llama_session zone \"%V\" has no room to record "
-                      "session \"%*s\"", &zone->name, len, key);
+                      "session \"%*s\"", &zone->name, n, name);
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/* records the request's session, with its id and model for the API */
+
+void
+ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_http_llama_session_node_t  *node;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+
+    n = ngx_http_llama_session_file_name(name, ctx->key, ctx->key_len,
+                                         ctx->fp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_node(zone, name, n);
+
+    if (node) {
+        node->id_len = (u_char) ngx_min(ctx->id.len,
+                                        NGX_HTTP_LLAMA_SESSION_ID_SHOW);
+        ngx_memcpy(node->id, ctx->id.data, node->id_len);
+
+        node->model_len = (u_char) ngx_min(ctx->model.len,
+                                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
+        ngx_memcpy(node->model, ctx->model.data, node->model_len);
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/* copies the zone's fingerprint into the request; 0: not known yet */
+
+ngx_uint_t
+ngx_http_llama_session_fingerprint(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_uint_t                      known;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    known = zone->sh->fp_known;
+    ngx_memcpy(ctx->fp, zone->sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return known;
+}
+
+
+void
+ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
+    u_char *fp, ngx_uint_t n_ctx, ngx_uint_t total_slots,
+    ngx_str_t *model_path)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (sh->fp_known
+        && ngx_memcmp(sh->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN) != 0)
+    {
+        ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
+                      "llama_session: the backend of zone \"%V\" has a new "
+                      "configuration (%*s, was %*s): files saved with the "
+                      "old one are stale and never restored", &zone->name,
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, fp,
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, sh->fp);
+    }
+
+    ngx_memcpy(sh->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    sh->fp_known = 1;
+    sh->n_ctx = n_ctx;
+    sh->total_slots = total_slots;
+    sh->model_path_len = (u_short) ngx_min(model_path->len,
+                                           NGX_HTTP_LLAMA_SESSION_PATH_SHOW);
+    ngx_memcpy(sh->model_path, model_path->data, sh->model_path_len);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    ngx_memcpy(ctx->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+}
+
+
+/*
+ * GET /slots showed the slot's task id.  Task ids only grow while
+ * llama-server runs; a smaller one (or none) where the zone saw one means
+ * it restarted, and the session the zone thinks is there is gone.
+ * Returns 1 then.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
+    ngx_int_t task)
+{
+    ngx_uint_t                      restarted;
+    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    slot = &zone->sh->slots[ctx->slot];
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    restarted = (slot->task >= 0 && task < slot->task);
+
+    slot->task = task;
+
+    if (restarted) {
+        slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        slot->key_len = 0;
+        slot->dirty = 0;
+        slot->saveable = 0;
+        zone->sh->stats.restarts++;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return restarted;
+}
+
+
+/* a copy of a record, for the API; NGX_DECLINED: none */
+
+ngx_int_t
+ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_http_llama_session_node_t *copy)
+{
+    ngx_http_llama_session_node_t  *node;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_lookup(zone->sh, name, len,
+                                         ngx_crc32_short(name, len));
+    if (node) {
+        *copy = *node;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return node ? NGX_OK : NGX_DECLINED;
+}
+
+
+/*
+ * Deletes the least recently used files while the zone has more than
+ * max_files or max_size, never a session in a slot nor "keep" (the one
+ * being restored).  The files go after the lock is released.
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_EVICT_BATCH  64
+
+void
+ngx_http_llama_session_evict(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len)
+{
+    u_char                          names[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH]
+                                         [NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          lens[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
+    off_t                           sizes[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
+    size_t                          klen;
+    ngx_uint_t                      i, n, used;
+    ngx_queue_t                    *q;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_node_t  *node;
+    ngx_http_llama_session_slot_t  *slot;
+
+    if (zone->max_files == 0 && zone->max_size == 0) {
+        return;
+    }
+
+    sh = zone->sh;
+    n = 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (q = ngx_queue_last(&sh->lru);
+         q != ngx_queue_sentinel(&sh->lru)
+         && n < NGX_HTTP_LLAMA_SESSION_EVICT_BATCH
+         && ((zone->max_files && sh->files > zone->max_files)
+             || (zone->max_size && sh->bytes > zone->max_size));
+         q = ngx_queue_prev(q))
+    {
+        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+
+        if (!node->saved) {
+            continue;
+        }
+
+        klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+        if (klen == keep_len && ngx_memcmp(node->name, keep, klen) == 0) {
+            continue;
+        }
+
+        used = 0;
+
+        for (i = 0; i < sh->nslots; i++) {
+            slot = &sh->slots[i];
+
+            if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                && slot->key_len == klen
+                && ngx_memcmp(slot->key, node->name, klen) == 0)
+            {
+                used = 1;
+                break;
+            }
+        }
+
+        if (used) {
+            continue;
+        }
+
+        ngx_memcpy(names[n], node->name, node->name_len);
+        lens[n] = node->name_len;
+        sizes[n] = node->bytes;
+        n++;
+
+        ngx_http_llama_session_node_file(sh, node, 0, 0);
+        sh->stats.evictions++;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    for (i = 0; i < n; i++) {
+        ngx_log_error(NGX_LOG_INFO, log, 0,
+                      "llama_session: evicted session \"%*s\" (%O bytes) to "
+                      "keep zone \"%V\" within max_files=%ui max_size=%O",
+                      lens[i], names[i], sizes[i], &zone->name,
+                      zone->max_files, zone->max_size);
+
+        (void) ngx_http_llama_session_store_unlink(zone, names[i], lens[i],
+                                                   log);
+    }
 }
 
 
@@ -453,8 +717,29 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/* marks a record as having a file or not, and keeps the zone's totals */
+
+void
+ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
+    ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes)
+{
+    if (node->saved) {
+        sh->files--;
+        sh->bytes -= node->bytes;
+    }
+
+    node->saved = (u_char) saved;
+    node->bytes = saved ? bytes : 0;
+
+    if (saved) {
+        sh->files++;
+        sh->bytes += bytes;
+    }
+}
+
+
 static ngx_http_llama_session_node_t *
-ngx_http_llama_session_lookup(ngx_http_llama_session_sh_t *sh, u_char *key,
+ngx_http_llama_session_lookup(ngx_http_llama_session_sh_t *sh, u_char *name,
     size_t len, uint32_t hash)
 {
     ngx_int_t                       rc;
@@ -478,7 +763,7 @@ ngx_http_llama_session_lookup(ngx_http_llama_session_sh_t *sh, u_char *key,
 
         sn = (ngx_http_llama_session_node_t *) node;
 
-        rc = ngx_memn2cmp(key, sn->key, len, sn->key_len);
+        rc = ngx_memn2cmp(name, sn->name, len, sn->name_len);
 
         if (rc == 0) {
             return sn;
@@ -491,11 +776,16 @@ ngx_http_llama_session_lookup(ngx_http_llama_session_sh_t *sh, u_char *key,
 }
 
 
-/* finds or adds the key's node, evicting the least recently used record */
+/*
+ * Finds or adds a record, and makes it the most recently used.  When the
+ * zone is full, the least recently used record without a file is
+ * forgotten, then the oldest with one (its file stays on disk, and the
+ * folder's index at the next start finds it again).
+ */
 
-static ngx_http_llama_session_node_t *
-ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone, u_char *key,
-    size_t len)
+ngx_http_llama_session_node_t *
+ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len)
 {
     uint32_t                        hash;
     ngx_uint_t                      tries;
@@ -504,9 +794,9 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone, u_char *key,
     ngx_http_llama_session_node_t  *sn;
 
     sh = zone->sh;
-    hash = ngx_crc32_short(key, len);
+    hash = ngx_crc32_short(name, len);
 
-    sn = ngx_http_llama_session_lookup(sh, key, len, hash);
+    sn = ngx_http_llama_session_lookup(sh, name, len, hash);
 
     if (sn) {
         sn->used_at = ngx_time();
@@ -515,7 +805,7 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone, u_char *key,
         return sn;
     }
 
-    for (tries = 0; tries < 3; tries++) {
+    for (tries = 0; tries < 8; tries++) {
 
         sn = ngx_slab_calloc_locked(zone->shpool,
                                     sizeof(ngx_http_llama_session_node_t));
@@ -527,12 +817,11 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone, u_char *key,
             return NULL;
         }
 
-        /* forget the oldest record; its file, if any, stays */
-
         q = ngx_queue_last(&sh->lru);
         ngx_queue_remove(q);
 
         sn = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+        ngx_http_llama_session_node_file(sh, sn, 0, 0);
         ngx_rbtree_delete(&sh->rbtree, &sn->node);
         ngx_slab_free_locked(zone->shpool, sn);
         sh->nsessions--;
@@ -544,8 +833,8 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone, u_char *key,
     }
 
     sn->node.key = hash;
-    sn->key_len = (u_short) len;
-    ngx_memcpy(sn->key, key, len);
+    sn->name_len = (u_char) len;
+    ngx_memcpy(sn->name, name, len);
     sn->used_at = ngx_time();
 
     ngx_rbtree_insert(&sh->rbtree, &sn->node);

@@ -12,6 +12,7 @@
 #include "ngx_http_llama_session_module.h"
 
 #include <cjson/cJSON.h>
+#include <openssl/evp.h>
 
 
 #define NGX_HTTP_LLAMA_SESSION_REPLY_MAX  (4 * 1024 * 1024)
@@ -35,7 +36,8 @@ static ngx_str_t  ngx_http_llama_session_actions[] = {
     ngx_null_string,
     ngx_string("action=save"),
     ngx_string("action=restore"),
-    ngx_string("action=erase")
+    ngx_string("action=erase"),
+    ngx_null_string
 };
 
 
@@ -82,6 +84,9 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
         p = ngx_sprintf(uri.data, "%V/slots", &llcf->slots_uri);
+
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+        p = ngx_sprintf(uri.data, "%V/props", &llcf->slots_uri);
 
     } else {
         p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
@@ -138,7 +143,9 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     sr->request_body = rb;
 
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS)
+    {
         sr->method = NGX_HTTP_GET;
         ngx_str_set(&sr->method_name, "GET");
 
@@ -146,7 +153,8 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         sr->method = NGX_HTTP_POST;
         ngx_str_set(&sr->method_name, "POST");
 
-        blen = sizeof("{\"filename\":\".bin\"}") - 1 + len;
+        blen = sizeof("{\"filename\":\"..bin\"}") - 1 + len
+               + NGX_HTTP_LLAMA_SESSION_FP_LEN;
 
         if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && ctx->zone->store.len) {
             blen += sizeof(".tmp") - 1;
@@ -163,8 +171,11 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         } else {
             /* the key has only [A-Za-z0-9_-] in it */
 
-            b->last = ngx_sprintf(b->last, "{\"filename\":\"%*s.bin%s\"}",
+            b->last = ngx_sprintf(b->last,
+                                  "{\"filename\":\"%*s.%*s.bin%s\"}",
                                   len, key,
+                                  (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN,
+                                  ctx->fp,
                                   (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
                                    && ctx->zone->store.len)
                                   ? ".tmp" : "");
@@ -414,7 +425,7 @@ ngx_int_t
 ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing)
 {
-    cJSON  *json, *slot, *id, *tokens;
+    cJSON  *json, *slot, *id, *tokens, *task;
 
     json = ngx_http_llama_session_reply_json(r, ctx);
     if (json == NULL) {
@@ -443,6 +454,9 @@ ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
         /* a slot that never ran a task shows no n_prompt_tokens */
 
         ctx->slot_tokens = cJSON_IsNumber(tokens) ? tokens->valueint : 0;
+
+        task = cJSON_GetObjectItemCaseSensitive(slot, "id_task");
+        ctx->slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
 
         cJSON_Delete(json);
 
@@ -528,16 +542,19 @@ ngx_http_llama_session_parse_action(ngx_http_request_t *r,
 
 
 /*
- * With store= the save went to "<key>.bin.tmp": move it into place, so a
- * save that fails or dies half way never harms the previous file.
+ * With store= the save went to "<key>.<fp>.bin.tmp": move it into place, so
+ * a save that fails or dies half way never harms the previous file, and
+ * write the session's .json beside it.
  */
 
 ngx_int_t
 ngx_http_llama_session_store_commit(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
-    u_char     *from, *to;
-    ngx_str_t  *store;
+    u_char     from[NGX_MAX_PATH], to[NGX_MAX_PATH];
+    u_char     name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t     n;
+    ngx_str_t *store;
 
     store = &ctx->zone->store;
 
@@ -545,13 +562,10 @@ ngx_http_llama_session_store_commit(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    to = ngx_pnalloc(r->pool, 2 * (store->len + len) + 2 * sizeof("/.bin.tmp"));
-    if (to == NULL) {
-        return NGX_ERROR;
-    }
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
 
-    from = ngx_sprintf(to, "%V/%*s.bin%Z", store, len, key);
-    ngx_sprintf(from, "%V/%*s.bin.tmp%Z", store, len, key);
+    ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
+    ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
 
     if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, ngx_errno,
@@ -561,6 +575,101 @@ ngx_http_llama_session_store_commit(ngx_http_request_t *r,
         (void) ngx_delete_file(from);
         return NGX_ERROR;
     }
+
+    return NGX_OK;
+}
+
+
+/* after a failed save: the temporary file, if llama-server left one */
+
+void
+ngx_http_llama_session_store_drop_tmp(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    u_char     file[NGX_MAX_PATH];
+    u_char     name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t     n;
+
+    if (ctx->zone->store.len == 0) {
+        return;
+    }
+
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin.tmp%Z", &ctx->zone->store,
+                 n, name);
+
+    if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", file);
+    }
+}
+
+
+/*
+ * GET /props: the backend's configuration.  A saved state fits only the
+ * model and KV layout that wrote it, so every file name carries a
+ * fingerprint of model path, slot context and slot count.
+ */
+
+ngx_int_t
+ngx_http_llama_session_parse_props(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char        fp[NGX_HTTP_LLAMA_SESSION_FP_LEN], text[512], *p;
+    u_char        hash[32];
+    cJSON        *json, *path, *slots, *settings, *n_ctx;
+    ngx_str_t     model;
+    unsigned int  hlen;
+
+    json = ngx_http_llama_session_reply_json(r, ctx);
+    if (json == NULL) {
+        return NGX_ERROR;
+    }
+
+    path = cJSON_GetObjectItemCaseSensitive(json, "model_path");
+    slots = cJSON_GetObjectItemCaseSensitive(json, "total_slots");
+    settings = cJSON_GetObjectItemCaseSensitive(json,
+                                               "default_generation_settings");
+    n_ctx = cJSON_GetObjectItemCaseSensitive(settings, "n_ctx");
+
+    if (!cJSON_IsString(path) || !cJSON_IsNumber(slots)
+        || !cJSON_IsNumber(n_ctx))
+    {
+        cJSON_Delete(json);
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: GET /props lacks model_path, "
+                      "total_slots or default_generation_settings.n_ctx");
+        return NGX_ERROR;
+    }
+
+    model.data = (u_char *) path->valuestring;
+    model.len = ngx_strlen(path->valuestring);
+
+    p = ngx_snprintf(text, sizeof(text), "%V%Z%i%Z%i", &model,
+                     (ngx_int_t) n_ctx->valuedouble,
+                     (ngx_int_t) slots->valuedouble);
+
+    if (EVP_Digest(text, p - text, hash, &hlen, EVP_sha256(), NULL) != 1) {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    ngx_hex_dump(fp, hash, NGX_HTTP_LLAMA_SESSION_FP_LEN / 2);
+
+    if ((ngx_uint_t) slots->valuedouble != ctx->zone->nslots) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: llama-server has %i slots, zone \"%V\" "
+                      "has slots=%ui", (ngx_int_t) slots->valuedouble,
+                      &ctx->zone->name, ctx->zone->nslots);
+    }
+
+    ngx_http_llama_session_set_fingerprint(ctx, fp,
+                                           (ngx_uint_t) n_ctx->valuedouble,
+                                           (ngx_uint_t) slots->valuedouble,
+                                           &model);
+
+    cJSON_Delete(json);
 
     return NGX_OK;
 }

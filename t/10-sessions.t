@@ -120,8 +120,8 @@ ok($t->log_lines(qr/llama_session: swap .* in "conv-A-\w+" restored \d+ tokens, 
    'the swap line has the time of the whole swap');
 
 my @files = map { s{.*/}{}r } glob($t->dir . '/slots/*.bin');
-ok((grep { /^conv-A-[0-9a-f]{24}\.bin$/ } @files), 'A has a file');
-ok((grep { /^conv-B-[0-9a-f]{24}\.bin$/ } @files), 'B has a file');
+ok((grep { /^conv-A-[0-9a-f]{24}\.[0-9a-f]{8}\.bin$/ } @files), 'A has a file');
+ok((grep { /^conv-B-[0-9a-f]{24}\.[0-9a-f]{8}\.bin$/ } @files), 'B has a file');
 cmp_ok(-s (glob($t->dir . '/slots/conv-A-*.bin'))[0], '>', 1_000_000,
        'the file holds the KV cache');
 my @swaps = $t->log_lines(qr/llama_session: swap on slot 0/);

@@ -167,7 +167,7 @@ ok(!(grep { /^default/ } @saves), 'default was never saved');
 ok((grep { /^keep-me-/ } @saves), 'the named session was saved');
 my @files = map { s{.*/}{}r } glob($t->dir . '/slots/*');
 ok(!(grep { /^default/ } @files), 'no file for default in the save folder');
-ok((grep { /^keep-me-[0-9a-f]{24}\.bin$/ } @files),
+ok((grep { /^keep-me-[0-9a-f]{24}\.[0-9a-f]{8}\.bin$/ } @files),
    'the named session has its file') or diag "@files";
 
 # hostile ids map to safe, deterministic, distinct keys
@@ -188,7 +188,7 @@ is(ask({ %$chat, session_id => "line\nbreak" })->{id}, 'line\x0abreak',
    '$llama_session_id shows control characters as \xHH');
 ask({ %$chat, session_id => 'after' });
 @files = map { s{.*/}{}r } glob($t->dir . '/slots/*');
-is_deeply([ grep { !/^[A-Za-z0-9_-]{1,32}-[0-9a-f]{24}\.bin$/ } @files ], [],
+is_deeply([ grep { !/^[A-Za-z0-9_-]{1,32}-[0-9a-f]{24}\.[0-9a-f]{8}\.(bin|json)$/ } @files ], [],
           'every file in the save folder has a safe name');
 ok(!-e '/etc/passwd.bin' && !-e $t->dir . '/passwd.bin',
    'nothing was written outside the save folder');
@@ -283,7 +283,7 @@ is(scalar(grep { ($_->{headers}{'content-length'} // -1)
                  != length($_->{body}) } @posts), 0,
    'each slot action has its own Content-Length');
 is(scalar(grep { $_->{query} =~ /action=(save|restore)/
-                 && $_->{body} !~ /^\{"filename":"[A-Za-z0-9_-]+\.bin(\.tmp)?"\}$/ }
+                 && $_->{body} !~ /^\{"filename":"[A-Za-z0-9_-]+\.[0-9a-f]{8}\.bin(\.tmp)?"\}$/ }
           @posts), 0, 'save and restore carry only {"filename": ...}');
 is(scalar(grep { $_->{method} eq 'GET' && $_->{path} eq '/slots'
                  && $_->{body_len} } @slot_calls), 0,

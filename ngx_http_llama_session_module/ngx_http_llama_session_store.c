@@ -1,0 +1,410 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * The store folder (store= on the zone: llama-server's --slot-save-path as
+ * nginx sees it).  Each saved session is "<key>.<fp>.bin", written by
+ * llama-server under "<key>.<fp>.bin.tmp" and renamed by the module, with
+ * "<key>.<fp>.json" beside it: the client's id, the model, tokens, bytes.
+ * At start the zone's index is built from the folder.  Only small file
+ * system calls happen here.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+#include <cjson/cJSON.h>
+
+
+typedef struct {
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          len;
+    off_t                           size;
+    time_t                          mtime;
+} ngx_http_llama_session_found_t;
+
+
+static ngx_int_t ngx_http_llama_session_store_name(u_char *name, size_t len,
+    size_t *base);
+static void ngx_http_llama_session_store_read_meta(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
+    ngx_log_t *log);
+static int ngx_libc_cdecl ngx_http_llama_session_found_cmp(const void *one,
+    const void *two);
+
+
+/*
+ * Is "name" a session file, "<key>.<8 hex>.bin" (or ".bin.tmp")?  Returns
+ * NGX_OK for .bin, NGX_AGAIN for .bin.tmp, NGX_DECLINED otherwise; *base is
+ * the length of "<key>.<fp>".
+ */
+
+static ngx_int_t
+ngx_http_llama_session_store_name(u_char *name, size_t len, size_t *base)
+{
+    size_t      i, b;
+    ngx_int_t   rc;
+
+    if (len > 8 && ngx_strncmp(name + len - 8, ".bin.tmp", 8) == 0) {
+        b = len - 8;
+        rc = NGX_AGAIN;
+
+    } else if (len > 4 && ngx_strncmp(name + len - 4, ".bin", 4) == 0) {
+        b = len - 4;
+        rc = NGX_OK;
+
+    } else {
+        return NGX_DECLINED;
+    }
+
+    if (b < 2 + NGX_HTTP_LLAMA_SESSION_FP_LEN
+        || b > NGX_HTTP_LLAMA_SESSION_NAME_MAX
+        || name[b - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN] != '.')
+    {
+        return NGX_DECLINED;
+    }
+
+    for (i = 0; i < b - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN; i++) {
+        if (!((name[i] >= 'a' && name[i] <= 'z')
+              || (name[i] >= 'A' && name[i] <= 'Z')
+              || (name[i] >= '0' && name[i] <= '9')
+              || name[i] == '-' || name[i] == '_'))
+        {
+            return NGX_DECLINED;
+        }
+    }
+
+    for (i = b - NGX_HTTP_LLAMA_SESSION_FP_LEN; i < b; i++) {
+        if (!((name[i] >= '0' && name[i] <= '9')
+              || (name[i] >= 'a' && name[i] <= 'f')))
+        {
+            return NGX_DECLINED;
+        }
+    }
+
+    *base = b;
+
+    return rc;
+}
+
+
+/*
+ * Builds the zone's index from the folder at start: every session file
+ * with its size and time, oldest first in the LRU, and what its .json
+ * says.  Leftover temporary files of interrupted saves are deleted.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log)
+{
+    size_t                           len, base;
+    ngx_int_t                        rc;
+    ngx_dir_t                        dir;
+    ngx_uint_t                       i;
+    ngx_pool_t                      *pool;
+    ngx_array_t                      found;
+    ngx_http_llama_session_node_t   *node;
+    ngx_http_llama_session_found_t  *f;
+
+    if (ngx_test_config) {
+        return NGX_OK;
+    }
+
+    pool = ngx_create_pool(16384, log);
+    if (pool == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (ngx_array_init(&found, pool, 64,
+                       sizeof(ngx_http_llama_session_found_t))
+        != NGX_OK)
+    {
+        goto failed;
+    }
+
+    if (ngx_open_dir(&zone->store, &dir) == NGX_ERROR) {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      "llama_session: cannot open the store folder \"%V\" "
+                      "of zone \"%V\", no saved session is known",
+                      &zone->store, &zone->name);
+        ngx_destroy_pool(pool);
+        return NGX_OK;
+    }
+
+    for ( ;; ) {
+        ngx_set_errno(0);
+
+        if (ngx_read_dir(&dir) == NGX_ERROR) {
+            break;
+        }
+
+        len = ngx_de_namelen(&dir);
+
+        rc = ngx_http_llama_session_store_name(ngx_de_name(&dir), len, &base);
+
+        if (rc == NGX_DECLINED) {
+            continue;
+        }
+
+        f = ngx_array_push(&found);
+        if (f == NULL) {
+            ngx_close_dir(&dir);
+            goto failed;
+        }
+
+        ngx_memcpy(f->name, ngx_de_name(&dir), base);
+        f->len = base;
+        f->size = -1;
+        f->mtime = 0;
+
+        if (rc == NGX_AGAIN) {
+            /* an interrupted save: its .bin, if any, is whole */
+            f->size = -2;
+        }
+    }
+
+    ngx_close_dir(&dir);
+
+    f = found.elts;
+
+    for (i = 0; i < found.nelts; i++) {
+        u_char           file[NGX_MAX_PATH];
+        ngx_file_info_t  fi;
+
+        ngx_snprintf(file, sizeof(file), "%V/%*s.bin%s%Z", &zone->store,
+                     f[i].len, f[i].name, f[i].size == -2 ? ".tmp" : "");
+
+        if (f[i].size == -2) {
+            ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                          "llama_session: deleting \"%s\", left by an "
+                          "interrupted save", file);
+            (void) ngx_delete_file(file);
+            f[i].len = 0;
+            continue;
+        }
+
+        if (ngx_file_info(file, &fi) == NGX_FILE_ERROR) {
+            f[i].len = 0;
+            continue;
+        }
+
+        f[i].size = ngx_file_size(&fi);
+        f[i].mtime = ngx_file_mtime(&fi);
+    }
+
+    ngx_qsort(f, found.nelts, sizeof(ngx_http_llama_session_found_t),
+              ngx_http_llama_session_found_cmp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (i = 0; i < found.nelts; i++) {
+        if (f[i].len == 0) {
+            continue;
+        }
+
+        node = ngx_http_llama_session_node(zone, f[i].name, f[i].len);
+        if (node == NULL) {
+            ngx_log_error(NGX_LOG_WARN, log, 0,
+                          "llama_session zone \"%V\" is too small to index "
+                          "every file of its store folder", &zone->name);
+            break;
+        }
+
+        ngx_http_llama_session_node_file(zone->sh, node, 1, f[i].size);
+        node->saved_at = f[i].mtime;
+        node->used_at = f[i].mtime;
+
+        ngx_http_llama_session_store_read_meta(zone, node, log);
+    }
+
+    ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                  "llama_session zone \"%V\": %ui saved sessions, %O bytes "
+                  "in \"%V\"", &zone->name, zone->sh->files, zone->sh->bytes,
+                  &zone->store);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    ngx_destroy_pool(pool);
+
+    ngx_http_llama_session_evict(log, zone, NULL, 0);
+
+    return NGX_OK;
+
+failed:
+
+    ngx_destroy_pool(pool);
+    return NGX_ERROR;
+}
+
+
+static int ngx_libc_cdecl
+ngx_http_llama_session_found_cmp(const void *one, const void *two)
+{
+    const ngx_http_llama_session_found_t  *a = one, *b = two;
+
+    return (a->mtime > b->mtime) - (a->mtime < b->mtime);
+}
+
+
+static void
+ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_node_t *node, ngx_log_t *log)
+{
+    u_char           file[NGX_MAX_PATH], buf[4096];
+    cJSON           *json, *item;
+    ssize_t          n;
+    ngx_fd_t         fd;
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store,
+                 (size_t) node->name_len, node->name);
+
+    fd = ngx_open_file(file, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    if (fd == NGX_INVALID_FILE) {
+        return;
+    }
+
+    n = ngx_read_fd(fd, buf, sizeof(buf));
+    ngx_close_file(fd);
+
+    if (n <= 0) {
+        return;
+    }
+
+    json = cJSON_ParseWithLength((const char *) buf, n);
+    if (json == NULL) {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: \"%s\" is not JSON, ignored", file);
+        return;
+    }
+
+    item = cJSON_GetObjectItemCaseSensitive(json, "id");
+    if (cJSON_IsString(item)) {
+        node->id_len = (u_char) ngx_min(ngx_strlen(item->valuestring),
+                                        NGX_HTTP_LLAMA_SESSION_ID_SHOW);
+        ngx_memcpy(node->id, item->valuestring, node->id_len);
+    }
+
+    item = cJSON_GetObjectItemCaseSensitive(json, "model");
+    if (cJSON_IsString(item)) {
+        node->model_len = (u_char) ngx_min(ngx_strlen(item->valuestring),
+                                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
+        ngx_memcpy(node->model, item->valuestring, node->model_len);
+    }
+
+    item = cJSON_GetObjectItemCaseSensitive(json, "tokens");
+    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
+        node->tokens = (ngx_uint_t) item->valuedouble;
+    }
+
+    cJSON_Delete(json);
+}
+
+
+/* writes "<name>.json" beside the session's file, atomically */
+
+ngx_int_t
+ngx_http_llama_session_store_meta(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len)
+{
+    u_char                         file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    char                          *text;
+    cJSON                         *json;
+    ssize_t                        n;
+    ngx_fd_t                       fd;
+    ngx_http_llama_session_node_t  node;
+
+    if (ngx_http_llama_session_node_info(zone, name, len, &node) != NGX_OK) {
+        return NGX_DECLINED;
+    }
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_ERROR;
+    }
+
+    node.id[node.id_len] = '\0';
+    node.model[node.model_len] = '\0';
+    node.name[node.name_len] = '\0';
+
+    if (cJSON_AddStringToObject(json, "id", (char *) node.id) == NULL
+        || cJSON_AddStringToObject(json, "model", (char *) node.model) == NULL
+        || cJSON_AddStringToObject(json, "name", (char *) node.name) == NULL
+        || cJSON_AddNumberToObject(json, "tokens", node.tokens) == NULL
+        || cJSON_AddNumberToObject(json, "bytes", node.bytes) == NULL
+        || cJSON_AddNumberToObject(json, "saved_at", node.saved_at) == NULL)
+    {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    text = cJSON_PrintUnformatted(json);
+    cJSON_Delete(json);
+
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, len, name);
+    ngx_snprintf(tmp, sizeof(tmp), "%V/%*s.json.tmp%Z", &zone->store, len,
+                 name);
+
+    fd = ngx_open_file(tmp, NGX_FILE_WRONLY, NGX_FILE_TRUNCATE,
+                       NGX_FILE_DEFAULT_ACCESS);
+    if (fd == NGX_INVALID_FILE) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_open_file_n " \"%s\" failed", tmp);
+        cJSON_free(text);
+        return NGX_ERROR;
+    }
+
+    len = ngx_strlen(text);
+    n = ngx_write_fd(fd, text, len);
+    cJSON_free(text);
+
+    if (ngx_close_file(fd) == NGX_FILE_ERROR || n != (ssize_t) len) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      "llama_session: cannot write \"%s\"", tmp);
+        (void) ngx_delete_file(tmp);
+        return NGX_ERROR;
+    }
+
+    if (ngx_rename_file(tmp, file) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_rename_file_n " \"%s\" to \"%s\" failed", tmp, file);
+        (void) ngx_delete_file(tmp);
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
+
+
+ngx_int_t
+ngx_http_llama_session_store_unlink(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_log_t *log)
+{
+    u_char     file[NGX_MAX_PATH];
+    ngx_int_t  rc;
+
+    if (zone->store.len == 0) {
+        return NGX_DECLINED;
+    }
+
+    rc = NGX_OK;
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin%Z", &zone->store, len, name);
+
+    if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", file);
+        rc = NGX_ERROR;
+    }
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, len,
+                 name);
+
+    (void) ngx_delete_file(file);
+
+    return rc;
+}
