@@ -29,8 +29,6 @@ static ngx_int_t ngx_http_llama_session_append_text(ngx_http_request_t *r,
     cJSON *content, ngx_str_t *text);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
-static ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
 
 
 static ngx_str_t  ngx_http_llama_session_no_slot[] = {
@@ -593,7 +591,7 @@ ngx_http_llama_session_json_str(ngx_http_request_t *r, cJSON *item,
  * and ids.  The "default" session's key is "default".
  */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
 {

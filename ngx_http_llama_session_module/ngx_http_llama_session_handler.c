@@ -49,7 +49,6 @@ static ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 static void ngx_http_llama_session_wake(ngx_event_t *ev);
-static void ngx_http_llama_session_wake_local(void);
 static ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, const char *what);
 static ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
@@ -156,37 +155,55 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
 }
 
 
-static ngx_int_t
-ngx_http_llama_session_start(ngx_http_request_t *r,
-    ngx_http_llama_session_loc_conf_t *llcf)
+/* a request's context; its pool cleanup gives the slot back on any end */
+
+ngx_http_llama_session_ctx_t *
+ngx_http_llama_session_create_ctx(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone)
 {
-    ngx_int_t                      rc;
     ngx_pool_cleanup_t            *cln;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_ctx_t));
     if (ctx == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        return NULL;
     }
 
     ctx->request = r;
-    ctx->zone = llcf->zone;
+    ctx->zone = zone;
     ctx->start = ngx_current_msec;
     ctx->slot_tokens = -1;
+    ctx->slot_task = -1;
 
     ctx->wait_ev.handler = ngx_http_llama_session_wake;
     ctx->wait_ev.data = r;
     ctx->wait_ev.log = r->connection->log;
 
-    /* the pool cleanup gives the slot back on every end of the request */
-
     cln = ngx_pool_cleanup_add(r->pool, 0);
     if (cln == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        return NULL;
     }
 
     cln->handler = ngx_http_llama_session_cleanup;
     cln->data = ctx;
+
+    ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
+
+    return ctx;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_start(ngx_http_request_t *r,
+    ngx_http_llama_session_loc_conf_t *llcf)
+{
+    ngx_int_t                      rc;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = ngx_http_llama_session_create_ctx(r, llcf->zone);
+    if (ctx == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
@@ -554,6 +571,9 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
     ngx_uint_t  tokens;
 
     if (ctx->call_status == 0) {
+        /* llama-server may have died in the middle: its file stays whole */
+        ngx_http_llama_session_store_drop_tmp(r, ctx, ctx->out_key,
+                                              ctx->out_len);
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
@@ -568,22 +588,8 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
     {
         ctx->saved_tokens = tokens;
 
-        ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 1,
-                                          tokens, ctx->saved_bytes);
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
-
-        if (ctx->zone->store.len) {
-            u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-
-            (void) ngx_http_llama_session_store_meta(r->connection->log,
-                       ctx->zone, name,
-                       ngx_http_llama_session_file_name(name, ctx->out_key,
-                                                        ctx->out_len,
-                                                        ctx->fp));
-        }
-
-        ngx_http_llama_session_evict(r->connection->log, ctx->zone,
-                                     ctx->key, ctx->key_len);
+        ngx_http_llama_session_saved_ok(r->connection->log, ctx, tokens,
+                                        ctx->saved_bytes);
 
     } else {
         /* the session's previous file, if any, stays as it was */
@@ -610,6 +616,42 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
     }
 
     return ngx_http_llama_session_load(r, ctx);
+}
+
+
+/*
+ * The outgoing session's file is in place: record it, write its .json,
+ * mark the slot clean if the session is still there, and keep the folder
+ * within max_files and max_size (never evicting the session coming in).
+ */
+
+void
+ngx_http_llama_session_saved_ok(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes)
+{
+    u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t  n;
+
+    ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 1,
+                                      tokens, bytes);
+    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
+
+    if (ctx->zone->store.len) {
+        n = ngx_http_llama_session_file_name(name, ctx->out_key, ctx->out_len,
+                                             ctx->fp);
+        (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n);
+    }
+
+    ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, ctx->out_key,
+                                      ctx->out_len);
+
+    if (ctx->key_len) {
+        ngx_http_llama_session_evict(log, ctx->zone, ctx->key, ctx->key_len);
+
+    } else {
+        ngx_http_llama_session_evict(log, ctx->zone, ctx->out_key,
+                                     ctx->out_len);
+    }
 }
 
 
@@ -840,7 +882,7 @@ ngx_http_llama_session_wake(ngx_event_t *ev)
 }
 
 
-static void
+void
 ngx_http_llama_session_wake_local(void)
 {
     ngx_queue_t                   *q;

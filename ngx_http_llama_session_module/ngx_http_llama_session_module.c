@@ -90,6 +90,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       offsetof(ngx_http_llama_session_loc_conf_t, wait_timeout),
       NULL },
 
+    { ngx_string("llama_session_api"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_http_llama_session_api,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
     { ngx_string("llama_session_body_max"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_size_slot,

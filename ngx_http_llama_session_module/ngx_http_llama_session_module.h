@@ -191,6 +191,7 @@ typedef struct {
 
 typedef struct {
     ngx_http_llama_session_zone_t  *zone;       /* NULL: off */
+    ngx_http_llama_session_zone_t  *api_zone;   /* llama_session_api */
     ngx_str_t                       slots_uri;
     ngx_array_t                    *id_headers; /* ngx_str_t, lowercase */
     ngx_array_t                    *id_fields;  /* ngx_str_t, a.b paths */
@@ -270,6 +271,8 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        load_file:1;
     unsigned                        released:1;
     unsigned                        restarted:1;
+
+    void                           *api;        /* the management API's */
 };
 
 
@@ -286,17 +289,33 @@ ngx_int_t ngx_http_llama_session_add_variables(ngx_conf_t *cf);
 ngx_int_t ngx_http_llama_session_capture_init(ngx_conf_t *cf);
 ngx_http_llama_session_ctx_t *ngx_http_llama_session_get_ctx(
     ngx_http_request_t *r);
+ngx_http_llama_session_ctx_t *ngx_http_llama_session_create_ctx(
+    ngx_http_request_t *r, ngx_http_llama_session_zone_t *zone);
+void ngx_http_llama_session_wake_local(void);
+void ngx_http_llama_session_saved_ok(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes);
+
+/* api.c: the management API */
+char *ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
 
 /* body.c: identity */
 ngx_int_t ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
 
 /* shm.c: shared state */
 ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,
     void *data);
 ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t slot, u_char *key, size_t len);
+ngx_uint_t ngx_http_llama_session_in_use(ngx_http_llama_session_zone_t *zone,
+    u_char *key, size_t len);
 void ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state);
@@ -321,12 +340,18 @@ void ngx_http_llama_session_evict(ngx_log_t *log,
     ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
 ngx_http_llama_session_node_t *ngx_http_llama_session_node(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
+ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
 void ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes);
 size_t ngx_http_llama_session_file_name(u_char *buf, u_char *key,
     size_t len, u_char *fp);
 void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
     ngx_atomic_uint_t *counter);
+
+/* store.c: keeping the index true to the folder */
+ngx_int_t ngx_http_llama_session_store_sync(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 
 /* slots.c: slot calls */
 ngx_int_t ngx_http_llama_session_call(ngx_http_request_t *r,

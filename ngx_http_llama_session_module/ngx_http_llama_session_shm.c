@@ -262,6 +262,119 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 }
 
 
+/*
+ * Takes the slot only if it is free and nobody waits (the management
+ * API): NGX_OK or NGX_BUSY.
+ */
+
+ngx_int_t
+ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+    slot = &sh->slots[ctx->slot];
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->busy && !ngx_http_llama_session_alive(slot->owner)) {
+        slot->busy = 0;
+        slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+    }
+
+    if (slot->busy || !ngx_queue_empty(&sh->waiters)) {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_BUSY;
+    }
+
+    slot->busy = 1;
+    slot->owner = ngx_pid;
+
+    ctx->acquired = 1;
+    ctx->released = 0;
+    ctx->slot_state = slot->state;
+    ctx->save_pending = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                         && slot->dirty && slot->saveable);
+
+    ctx->out_len = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
+                   ? slot->key_len : 0;
+    ngx_memcpy(ctx->out_key, slot->key, ctx->out_len);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return NGX_OK;
+}
+
+
+/* a save of the slot's session succeeded: it is clean until used again */
+
+void
+ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t n, u_char *key, size_t len)
+{
+    ngx_http_llama_session_slot_t  *slot;
+
+    slot = &zone->sh->slots[n];
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        && slot->key_len == len && ngx_memcmp(slot->key, key, len) == 0)
+    {
+        slot->dirty = 0;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/* is the session in a slot, or waited for? */
+
+ngx_uint_t
+ngx_http_llama_session_in_use(ngx_http_llama_session_zone_t *zone,
+    u_char *key, size_t len)
+{
+    ngx_uint_t                        i, used;
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_sh_t      *sh;
+    ngx_http_llama_session_slot_t    *slot;
+    ngx_http_llama_session_waiter_t  *w;
+
+    sh = zone->sh;
+    used = 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+            && slot->key_len == len && ngx_memcmp(slot->key, key, len) == 0)
+        {
+            used = 1;
+        }
+    }
+
+    for (q = ngx_queue_head(&sh->waiters);
+         !used && q != ngx_queue_sentinel(&sh->waiters);
+         q = ngx_queue_next(q))
+    {
+        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+        if (w->key_len == len && ngx_memcmp(w->key, key, len) == 0) {
+            used = 1;
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return used;
+}
+
+
 void
 ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx)
 {
@@ -591,6 +704,17 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     return restarted;
+}
+
+
+/* a record by its name, under the lock; NULL: none */
+
+ngx_http_llama_session_node_t *
+ngx_http_llama_session_lookup_name(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len)
+{
+    return ngx_http_llama_session_lookup(zone->sh, name, len,
+                                         ngx_crc32_short(name, len));
 }
 
 

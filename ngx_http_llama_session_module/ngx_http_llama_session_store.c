@@ -31,6 +31,8 @@ static void ngx_http_llama_session_store_read_meta(
     ngx_log_t *log);
 static int ngx_libc_cdecl ngx_http_llama_session_found_cmp(const void *one,
     const void *two);
+static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
+    const void *two);
 
 
 /*
@@ -89,18 +91,90 @@ ngx_http_llama_session_store_name(u_char *name, size_t len, size_t *base)
 
 
 /*
+ * Lists the session files of the folder with their size and time.  At
+ * start (clean), leftover temporary files of interrupted saves go.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
+    ngx_array_t *found, ngx_uint_t clean, ngx_log_t *log)
+{
+    u_char                          file[NGX_MAX_PATH];
+    size_t                          len, base;
+    ngx_int_t                       rc;
+    ngx_dir_t                       dir;
+    ngx_file_info_t                 fi;
+    ngx_http_llama_session_found_t *f;
+
+    if (ngx_open_dir(&zone->store, &dir) == NGX_ERROR) {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      "llama_session: cannot open the store folder \"%V\" "
+                      "of zone \"%V\"", &zone->store, &zone->name);
+        return NGX_DECLINED;
+    }
+
+    for ( ;; ) {
+        ngx_set_errno(0);
+
+        if (ngx_read_dir(&dir) == NGX_ERROR) {
+            break;
+        }
+
+        len = ngx_de_namelen(&dir);
+
+        rc = ngx_http_llama_session_store_name(ngx_de_name(&dir), len, &base);
+
+        if (rc == NGX_DECLINED) {
+            continue;
+        }
+
+        ngx_snprintf(file, sizeof(file), "%V/%*s%Z", &zone->store, len,
+                     ngx_de_name(&dir));
+
+        if (rc == NGX_AGAIN) {
+            if (clean) {
+                ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                              "llama_session: deleting \"%s\", left by an "
+                              "interrupted save", file);
+                (void) ngx_delete_file(file);
+            }
+
+            continue;
+        }
+
+        if (ngx_file_info(file, &fi) == NGX_FILE_ERROR) {
+            continue;
+        }
+
+        f = ngx_array_push(found);
+        if (f == NULL) {
+            ngx_close_dir(&dir);
+            return NGX_ERROR;
+        }
+
+        ngx_memcpy(f->name, ngx_de_name(&dir), base);
+        f->len = base;
+        f->size = ngx_file_size(&fi);
+        f->mtime = ngx_file_mtime(&fi);
+    }
+
+    ngx_close_dir(&dir);
+
+    return NGX_OK;
+}
+
+
+/*
  * Builds the zone's index from the folder at start: every session file
  * with its size and time, oldest first in the LRU, and what its .json
- * says.  Leftover temporary files of interrupted saves are deleted.
+ * says.
  */
 
 ngx_int_t
 ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log)
 {
-    size_t                           len, base;
     ngx_int_t                        rc;
-    ngx_dir_t                        dir;
     ngx_uint_t                       i;
     ngx_pool_t                      *pool;
     ngx_array_t                      found;
@@ -120,78 +194,18 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
                        sizeof(ngx_http_llama_session_found_t))
         != NGX_OK)
     {
-        goto failed;
-    }
-
-    if (ngx_open_dir(&zone->store, &dir) == NGX_ERROR) {
-        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                      "llama_session: cannot open the store folder \"%V\" "
-                      "of zone \"%V\", no saved session is known",
-                      &zone->store, &zone->name);
         ngx_destroy_pool(pool);
-        return NGX_OK;
+        return NGX_ERROR;
     }
 
-    for ( ;; ) {
-        ngx_set_errno(0);
+    rc = ngx_http_llama_session_store_scan(zone, &found, 1, log);
 
-        if (ngx_read_dir(&dir) == NGX_ERROR) {
-            break;
-        }
-
-        len = ngx_de_namelen(&dir);
-
-        rc = ngx_http_llama_session_store_name(ngx_de_name(&dir), len, &base);
-
-        if (rc == NGX_DECLINED) {
-            continue;
-        }
-
-        f = ngx_array_push(&found);
-        if (f == NULL) {
-            ngx_close_dir(&dir);
-            goto failed;
-        }
-
-        ngx_memcpy(f->name, ngx_de_name(&dir), base);
-        f->len = base;
-        f->size = -1;
-        f->mtime = 0;
-
-        if (rc == NGX_AGAIN) {
-            /* an interrupted save: its .bin, if any, is whole */
-            f->size = -2;
-        }
+    if (rc != NGX_OK) {
+        ngx_destroy_pool(pool);
+        return rc == NGX_DECLINED ? NGX_OK : NGX_ERROR;
     }
-
-    ngx_close_dir(&dir);
 
     f = found.elts;
-
-    for (i = 0; i < found.nelts; i++) {
-        u_char           file[NGX_MAX_PATH];
-        ngx_file_info_t  fi;
-
-        ngx_snprintf(file, sizeof(file), "%V/%*s.bin%s%Z", &zone->store,
-                     f[i].len, f[i].name, f[i].size == -2 ? ".tmp" : "");
-
-        if (f[i].size == -2) {
-            ngx_log_error(NGX_LOG_NOTICE, log, 0,
-                          "llama_session: deleting \"%s\", left by an "
-                          "interrupted save", file);
-            (void) ngx_delete_file(file);
-            f[i].len = 0;
-            continue;
-        }
-
-        if (ngx_file_info(file, &fi) == NGX_FILE_ERROR) {
-            f[i].len = 0;
-            continue;
-        }
-
-        f[i].size = ngx_file_size(&fi);
-        f[i].mtime = ngx_file_mtime(&fi);
-    }
 
     ngx_qsort(f, found.nelts, sizeof(ngx_http_llama_session_found_t),
               ngx_http_llama_session_found_cmp);
@@ -199,10 +213,6 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     for (i = 0; i < found.nelts; i++) {
-        if (f[i].len == 0) {
-            continue;
-        }
-
         node = ngx_http_llama_session_node(zone, f[i].name, f[i].len);
         if (node == NULL) {
             ngx_log_error(NGX_LOG_WARN, log, 0,
@@ -230,11 +240,132 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_evict(log, zone, NULL, 0);
 
     return NGX_OK;
+}
 
-failed:
+
+/*
+ * The folder is the truth: files that appeared are added to the index,
+ * files that vanished are no longer counted as saved.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log)
+{
+    ngx_int_t                        rc;
+    ngx_uint_t                       i, lo, hi, mid, seen;
+    ngx_pool_t                      *pool;
+    ngx_array_t                      found;
+    ngx_queue_t                     *q;
+    ngx_http_llama_session_node_t   *node;
+    ngx_http_llama_session_found_t  *f;
+
+    if (zone->store.len == 0) {
+        return NGX_DECLINED;
+    }
+
+    pool = ngx_create_pool(16384, log);
+    if (pool == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (ngx_array_init(&found, pool, 64,
+                       sizeof(ngx_http_llama_session_found_t))
+        != NGX_OK)
+    {
+        ngx_destroy_pool(pool);
+        return NGX_ERROR;
+    }
+
+    rc = ngx_http_llama_session_store_scan(zone, &found, 0, log);
+
+    if (rc != NGX_OK) {
+        ngx_destroy_pool(pool);
+        return rc;
+    }
+
+    f = found.elts;
+
+    ngx_qsort(f, found.nelts, sizeof(ngx_http_llama_session_found_t),
+              ngx_http_llama_session_name_cmp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (q = ngx_queue_head(&zone->sh->lru);
+         q != ngx_queue_sentinel(&zone->sh->lru);
+         q = ngx_queue_next(q))
+    {
+        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+
+        if (!node->saved) {
+            continue;
+        }
+
+        seen = 0;
+        lo = 0;
+        hi = found.nelts;
+
+        while (lo < hi) {
+            mid = (lo + hi) / 2;
+            rc = ngx_memn2cmp(node->name, f[mid].name, node->name_len,
+                              f[mid].len);
+            if (rc == 0) {
+                seen = 1;
+                break;
+            }
+
+            if (rc < 0) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+
+        if (!seen) {
+            ngx_log_error(NGX_LOG_INFO, log, 0,
+                          "llama_session: the file of \"%*s\" is gone from "
+                          "\"%V\"", (size_t) node->name_len, node->name,
+                          &zone->store);
+            ngx_http_llama_session_node_file(zone->sh, node, 0, 0);
+        }
+    }
+
+    for (i = 0; i < found.nelts; i++) {
+        node = ngx_http_llama_session_lookup_name(zone, f[i].name, f[i].len);
+
+        if (node && node->saved) {
+            continue;
+        }
+
+        if (node == NULL) {
+            node = ngx_http_llama_session_node(zone, f[i].name, f[i].len);
+            if (node == NULL) {
+                break;
+            }
+
+            node->used_at = f[i].mtime;
+            ngx_http_llama_session_store_read_meta(zone, node, log);
+        }
+
+        ngx_http_llama_session_node_file(zone->sh, node, 1, f[i].size);
+        node->saved_at = f[i].mtime;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
 
     ngx_destroy_pool(pool);
-    return NGX_ERROR;
+
+    return NGX_OK;
+}
+
+
+static int ngx_libc_cdecl
+ngx_http_llama_session_name_cmp(const void *one, const void *two)
+{
+    const ngx_http_llama_session_found_t  *a = one, *b = two;
+
+    return ngx_memn2cmp((u_char *) a->name, (u_char *) b->name, a->len,
+                        b->len);
 }
 
 

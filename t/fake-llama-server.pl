@@ -17,6 +17,8 @@
 # The fault script (--script, a JSON file read on every request) may hold,
 # for "save", "restore", "erase", "slots" (GET /slots) and "completion":
 #   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
+# partial (save): write part of the file, then drop the connection, as a
+# llama-server killed mid-save would; --model sets /props's model_path;
 # close: drop the connection without an answer; processing: GET /slots
 # shows the slot busy; path: the completion fault applies to that path only;
 # chunks, chunk_ms: the shape of a streamed reply.  Every request is appended to --calls as JSON.
@@ -31,9 +33,9 @@ use JSON::PP;
 use POSIX qw(:sys_wait_h);
 use Time::HiRes qw(sleep time);
 
-my %o = (np => 1);
+my %o = (np => 1, model => 'fake.gguf');
 GetOptions(\%o, 'port=i', 'np=i', 'slots=s', 'state=s', 'script=s',
-           'calls=s') or die "usage\n";
+           'calls=s', 'model=s') or die "usage\n";
 
 my $json = JSON::PP->new->utf8->canonical->allow_nonref;
 
@@ -41,8 +43,8 @@ $SIG{CHLD} = sub { 1 while waitpid(-1, WNOHANG) > 0 };
 $SIG{PIPE} = 'IGNORE';
 
 # a new process starts with empty slots, as a restarted llama-server does
-write_state({ start => time, slots => [ map { { text => '', n => 0 } }
-                                          1 .. $o{np} ] });
+write_state({ start => time, task => 0,
+              slots => [ map { { text => '', n => 0 } } 1 .. $o{np} ] });
 
 my $server = IO::Socket::INET->new(LocalAddr => '127.0.0.1',
                                    LocalPort => $o{port}, Listen => 128,
@@ -210,7 +212,7 @@ sub handle {
 
     if ($m eq 'GET' && $p eq '/props') {
         return reply($c, 200, { total_slots => $o{np},
-                                model_path => 'fake.gguf',
+                                model_path => $o{model},
                                 default_generation_settings =>
                                     { n_ctx => 16384 } });
     }
@@ -225,7 +227,8 @@ sub handle {
               is_processing => ($script->{slots}{processing}
                                 || $_->{busy}) ? JSON::PP::true
                                                : JSON::PP::false,
-              $_->{ran} ? (n_prompt_tokens => $_->{n}) : () } }
+              $_->{ran} ? (n_prompt_tokens => $_->{n},
+                           id_task => $_->{task}) : () } }
             @{ $st->{slots} } ]);
     }
 
@@ -263,6 +266,13 @@ sub handle {
             });
             open my $fh, '>', $file
                 or return error($c, 500, 'Unable to save slot');
+            if ($script->{save}{partial}) {
+                # killed in the middle of writing the file
+                print $fh substr($json->encode({ text => $text }), 0, 5);
+                close $fh;
+                close $c;
+                return 0;
+            }
             print $fh $json->encode({ text => $text, n => $n });
             close $fh;
             return reply($c, 200, { id_slot => $id, filename => $name,
@@ -318,6 +328,7 @@ sub completion {
         $n++ while $n < length($old) && $n < length($text)
                    && substr($old, $n, 1) eq substr($text, $n, 1);
         $s->{busy} = 1;
+        $s->{task} = $_[0]{task}++;
         return $n;
     });
 

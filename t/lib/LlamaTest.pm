@@ -162,7 +162,8 @@ sub fake {
                  '--np', $o{np} // 1, '--slots', $slots,
                  '--state', "$self->{dir}/$name.state",
                  '--script', $self->{fake_script}{$name},
-                 '--calls', "$self->{dir}/$name.calls");
+                 '--calls', "$self->{dir}/$name.calls",
+                 $o{model} ? ('--model', $o{model}) : ());
     $self->wait_port($port, 10, $name);
 
     $self->{llama_port}{$name} = $port;

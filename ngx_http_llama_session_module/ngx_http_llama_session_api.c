@@ -1,0 +1,1041 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * The management API, a content handler (llama_session_api <zone>):
+ *
+ *   GET    .../sessions           saved sessions (the folder is the truth)
+ *   GET    .../sessions/current   what each slot holds, and its file
+ *   GET    .../sessions/<id>      one session's files
+ *   DELETE .../sessions/<id>      delete its files (409 while in use)
+ *   POST   .../sessions/save      save the session in each slot now
+ *   POST   .../sessions/clear     erase the slots
+ *
+ * <id> is a session key, or a client's id (with ?model= when the clients
+ * send a model; the location's llama_session_namespace applies).
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+#include <cjson/cJSON.h>
+
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_API_LIST = 0,
+    NGX_HTTP_LLAMA_SESSION_API_CURRENT,
+    NGX_HTTP_LLAMA_SESSION_API_ONE,
+    NGX_HTTP_LLAMA_SESSION_API_SAVE,
+    NGX_HTTP_LLAMA_SESSION_API_CLEAR
+} ngx_http_llama_session_api_e;
+
+
+typedef struct {
+    ngx_http_llama_session_ctx_t   *ctx;
+    ngx_uint_t                      op;
+    ngx_uint_t                      slot;
+    cJSON                          *result;    /* the reply's slot list */
+    ngx_uint_t                      failed;
+} ngx_http_llama_session_api_t;
+
+
+static ngx_int_t ngx_http_llama_session_api_handler(ngx_http_request_t *r);
+static ngx_int_t ngx_http_llama_session_api_list(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone);
+static ngx_int_t ngx_http_llama_session_api_current(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone);
+static ngx_int_t ngx_http_llama_session_api_one(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete);
+static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
+static cJSON *ngx_http_llama_session_api_node(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
+    ngx_uint_t in_slot);
+static ngx_int_t ngx_http_llama_session_api_send(ngx_http_request_t *r,
+    ngx_uint_t status, cJSON *json);
+static ngx_int_t ngx_http_llama_session_api_error(ngx_http_request_t *r,
+    ngx_uint_t status, char *message, char *allow);
+static cJSON *ngx_http_llama_session_api_str(cJSON *obj, const char *name,
+    u_char *data, size_t len);
+
+
+static char *ngx_http_llama_session_slot_states[] = {
+    "unknown", "empty", "session"
+};
+
+
+char *
+ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_llama_session_loc_conf_t *llcf = conf;
+
+    ngx_str_t                           *value;
+    ngx_uint_t                           i;
+    ngx_http_core_loc_conf_t            *clcf;
+    ngx_http_llama_session_zone_t      **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    if (llcf->api_zone) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    lmcf = ngx_http_conf_get_module_main_conf(cf,
+                                              ngx_http_llama_session_module);
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->name.len == value[1].len
+            && ngx_strncmp(zp[i]->name.data, value[1].data, value[1].len)
+               == 0)
+        {
+            llcf->api_zone = zp[i];
+            break;
+        }
+    }
+
+    if (llcf->api_zone == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "unknown llama_session zone \"%V\": declare it "
+                           "with \"llama_session_zone zone=%V:size\" before "
+                           "use", &value[1], &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    /* the API's own requests never take the inference path */
+
+    if (llcf->enable == NGX_CONF_UNSET) {
+        llcf->enable = 0;
+        llcf->zone = NULL;
+    }
+
+    clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
+    clcf->handler = ngx_http_llama_session_api_handler;
+
+    return NGX_CONF_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_api_handler(ngx_http_request_t *r)
+{
+    u_char                             *p, *last, *s;
+    ngx_int_t                           rc;
+    ngx_str_t                           rest, id;
+    ngx_http_llama_session_api_t       *api;
+    ngx_http_llama_session_zone_t      *zone;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+    zone = llcf->api_zone;
+
+    /* the part after the last "/sessions" */
+
+    last = r->uri.data + r->uri.len;
+    s = NULL;
+
+    for (p = r->uri.data;
+         (p = ngx_strlcasestrn(p, last, (u_char *) "/sessions", 9 - 1));
+         p++)
+    {
+        s = p;
+    }
+
+    if (s == NULL) {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
+                                  "use .../sessions, .../sessions/current, "
+                                  ".../sessions/<id>, .../sessions/save or "
+                                  ".../sessions/clear", NULL);
+    }
+
+    rest.data = s + sizeof("/sessions") - 1;
+    rest.len = last - rest.data;
+
+    while (rest.len && rest.data[rest.len - 1] == '/') {
+        rest.len--;
+    }
+
+    if (rest.len && rest.data[0] != '/') {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
+                                                "no such resource", NULL);
+    }
+
+    rc = ngx_http_discard_request_body(r);
+    if (rc != NGX_OK) {
+        return rc;
+    }
+
+    if (rest.len == 0) {
+        if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
+            return ngx_http_llama_session_api_error(r,
+                                  NGX_HTTP_NOT_ALLOWED,
+                                  "the session list is read with GET",
+                                  "GET, HEAD");
+        }
+
+        return ngx_http_llama_session_api_list(r, zone);
+    }
+
+    rest.data++;
+    rest.len--;
+
+    if (rest.len == 7 && ngx_strncmp(rest.data, "current", 7) == 0) {
+        if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
+            return ngx_http_llama_session_api_error(r,
+                                  NGX_HTTP_NOT_ALLOWED,
+                                  "the slots are read with GET", "GET, HEAD");
+        }
+
+        return ngx_http_llama_session_api_current(r, zone);
+    }
+
+    if ((rest.len == 4 && ngx_strncmp(rest.data, "save", 4) == 0)
+        || (rest.len == 5 && ngx_strncmp(rest.data, "clear", 5) == 0))
+    {
+        if (r->method != NGX_HTTP_POST) {
+            return ngx_http_llama_session_api_error(r,
+                                  NGX_HTTP_NOT_ALLOWED,
+                                  "save and clear are POSTs", "POST");
+        }
+
+        api = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_api_t));
+        if (api == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        api->ctx = ngx_http_llama_session_create_ctx(r, zone);
+        if (api->ctx == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        api->ctx->api = api;
+        api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
+                                  : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
+
+        return ngx_http_llama_session_api_slots(r, api);
+    }
+
+    if (r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE)) {
+
+        id.data = ngx_pnalloc(r->pool, rest.len);
+        if (id.data == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        p = id.data;
+        ngx_unescape_uri(&p, &rest.data, rest.len, 0);
+        id.len = p - id.data;
+
+        return ngx_http_llama_session_api_one(r, zone, &id,
+                                              r->method == NGX_HTTP_DELETE);
+    }
+
+    return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_ALLOWED,
+                                            "a session is read with GET and "
+                                            "deleted with DELETE",
+                                            "GET, HEAD, DELETE");
+}
+
+
+/* GET .../sessions */
+
+static ngx_int_t
+ngx_http_llama_session_api_list(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone)
+{
+    size_t                          klen;
+    cJSON                          *json, *list, *item;
+    ngx_uint_t                      i, j, n, in_slot;
+    ngx_queue_t                    *q;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_node_t  *nodes, *node;
+    ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+
+    sh = zone->sh;
+
+    (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
+
+    /* a snapshot, most recently used first */
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    nodes = ngx_palloc(r->pool, (sh->files + 1)
+                                * sizeof(ngx_http_llama_session_node_t));
+    if (nodes == NULL) {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    n = 0;
+
+    for (q = ngx_queue_head(&sh->lru);
+         q != ngx_queue_sentinel(&sh->lru) && n < sh->files;
+         q = ngx_queue_next(q))
+    {
+        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+
+        if (node->saved) {
+            nodes[n++] = *node;
+        }
+    }
+
+    ngx_memcpy(slots, sh->slots, sh->nslots * sizeof(slots[0]));
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    list = NULL;
+
+    if (ngx_http_llama_session_api_str(json, "zone", zone->name.data,
+                                       zone->name.len) == NULL
+        || ngx_http_llama_session_api_str(json, "store", zone->store.data,
+                                          zone->store.len) == NULL
+        || (sh->fp_known
+            ? ngx_http_llama_session_api_str(json, "fingerprint", sh->fp,
+                                          NGX_HTTP_LLAMA_SESSION_FP_LEN)
+            : cJSON_AddNullToObject(json, "fingerprint")) == NULL
+        || cJSON_AddNumberToObject(json, "files", n) == NULL
+        || cJSON_AddNumberToObject(json, "bytes", sh->bytes) == NULL
+        || cJSON_AddNumberToObject(json, "max_files", zone->max_files) == NULL
+        || cJSON_AddNumberToObject(json, "max_size", zone->max_size) == NULL
+        || (list = cJSON_AddArrayToObject(json, "sessions")) == NULL)
+    {
+        cJSON_Delete(json);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    for (i = 0; i < n; i++) {
+        klen = nodes[i].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+        in_slot = 0;
+
+        for (j = 0; j < zone->nslots; j++) {
+            if (slots[j].state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                && slots[j].key_len == klen
+                && ngx_memcmp(slots[j].key, nodes[i].name, klen) == 0)
+            {
+                in_slot = 1;
+            }
+        }
+
+        item = ngx_http_llama_session_api_node(zone, &nodes[i], in_slot);
+        if (item == NULL) {
+            cJSON_Delete(json);
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cJSON_AddItemToArray(list, item);
+    }
+
+    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+}
+
+
+static cJSON *
+ngx_http_llama_session_api_node(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_node_t *node, ngx_uint_t in_slot)
+{
+    cJSON   *item;
+    size_t   klen;
+    u_char  *fp;
+
+    klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+    fp = node->name + klen + 1;
+
+    item = cJSON_CreateObject();
+    if (item == NULL) {
+        return NULL;
+    }
+
+    if (ngx_http_llama_session_api_str(item, "key", node->name, klen) == NULL
+        || ngx_http_llama_session_api_str(item, "id", node->id,
+                                          node->id_len) == NULL
+        || ngx_http_llama_session_api_str(item, "model", node->model,
+                                          node->model_len) == NULL
+        || ngx_http_llama_session_api_str(item, "fingerprint", fp,
+                                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == NULL
+        || cJSON_AddNumberToObject(item, "bytes", node->bytes) == NULL
+        || cJSON_AddNumberToObject(item, "tokens", node->tokens) == NULL
+        || cJSON_AddNumberToObject(item, "saved_at", node->saved_at) == NULL
+        || cJSON_AddNumberToObject(item, "last_used", node->used_at) == NULL
+        || cJSON_AddBoolToObject(item, "stale",
+                                 zone->sh->fp_known
+                                 && ngx_memcmp(fp, zone->sh->fp,
+                                            NGX_HTTP_LLAMA_SESSION_FP_LEN))
+           == NULL
+        || cJSON_AddBoolToObject(item, "in_slot", in_slot) == NULL)
+    {
+        cJSON_Delete(item);
+        return NULL;
+    }
+
+    return item;
+}
+
+
+/* GET .../sessions/current */
+
+static ngx_int_t
+ngx_http_llama_session_api_current(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    cJSON                          *json, *list, *item, *backend, *stats;
+    cJSON                          *file, *session;
+    ngx_uint_t                      i, waiting, has_node;
+    ngx_http_llama_session_sh_t    *sh, copy;
+    ngx_http_llama_session_node_t   node;
+    ngx_http_llama_session_slot_t  *slot;
+
+    sh = zone->sh;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+    copy = *sh;
+    waiting = sh->nwaiters;
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    list = NULL;
+    backend = NULL;
+    stats = NULL;
+
+    if (ngx_http_llama_session_api_str(json, "zone", zone->name.data,
+                                       zone->name.len) == NULL
+        || cJSON_AddNumberToObject(json, "waiting", waiting) == NULL
+        || (backend = cJSON_AddObjectToObject(json, "backend")) == NULL
+        || (stats = cJSON_AddObjectToObject(json, "stats")) == NULL
+        || (list = cJSON_AddArrayToObject(json, "slots")) == NULL)
+    {
+        goto failed;
+    }
+
+    if (copy.fp_known) {
+        if (ngx_http_llama_session_api_str(backend, "fingerprint", copy.fp,
+                                         NGX_HTTP_LLAMA_SESSION_FP_LEN)
+            == NULL
+            || ngx_http_llama_session_api_str(backend, "model_path",
+                                              copy.model_path,
+                                              copy.model_path_len) == NULL
+            || cJSON_AddNumberToObject(backend, "n_ctx", copy.n_ctx) == NULL
+            || cJSON_AddNumberToObject(backend, "total_slots",
+                                       copy.total_slots) == NULL)
+        {
+            goto failed;
+        }
+    }
+
+#define ngx_http_llama_session_api_stat(name)                                 \
+    if (cJSON_AddNumberToObject(stats, #name, copy.stats.name) == NULL) {    \
+        goto failed;                                                         \
+    }
+
+    ngx_http_llama_session_api_stat(requests);
+    ngx_http_llama_session_api_stat(hits);
+    ngx_http_llama_session_api_stat(restores);
+    ngx_http_llama_session_api_stat(fresh);
+    ngx_http_llama_session_api_stat(bypass);
+    ngx_http_llama_session_api_stat(swaps);
+    ngx_http_llama_session_api_stat(saves);
+    ngx_http_llama_session_api_stat(save_errors);
+    ngx_http_llama_session_api_stat(restore_errors);
+    ngx_http_llama_session_api_stat(wait_timeouts);
+    ngx_http_llama_session_api_stat(backend_errors);
+    ngx_http_llama_session_api_stat(evictions);
+    ngx_http_llama_session_api_stat(idle_saves);
+    ngx_http_llama_session_api_stat(restarts);
+
+#undef ngx_http_llama_session_api_stat
+
+    for (i = 0; i < zone->nslots; i++) {
+        slot = &copy.slots[i];
+
+        item = cJSON_CreateObject();
+        if (item == NULL) {
+            goto failed;
+        }
+
+        cJSON_AddItemToArray(list, item);
+
+        if (cJSON_AddNumberToObject(item, "slot", i) == NULL
+            || cJSON_AddStringToObject(item, "state",
+                              ngx_http_llama_session_slot_states[slot->state])
+               == NULL
+            || cJSON_AddBoolToObject(item, "busy", slot->busy) == NULL
+            || cJSON_AddBoolToObject(item, "changed_since_save",
+                                     slot->dirty && slot->saveable) == NULL)
+        {
+            goto failed;
+        }
+
+        if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
+            if (cJSON_AddNullToObject(item, "session") == NULL
+                || cJSON_AddNullToObject(item, "file") == NULL)
+            {
+                goto failed;
+            }
+
+            continue;
+        }
+
+        has_node = 0;
+
+        if (copy.fp_known) {
+            n = ngx_http_llama_session_file_name(name, slot->key,
+                                                 slot->key_len, copy.fp);
+            has_node = (ngx_http_llama_session_node_info(zone, name, n, &node)
+                        == NGX_OK);
+        }
+
+        session = cJSON_AddObjectToObject(item, "session");
+
+        if (session == NULL
+            || ngx_http_llama_session_api_str(session, "key", slot->key,
+                                              slot->key_len) == NULL
+            || ngx_http_llama_session_api_str(session, "id",
+                                              has_node ? node.id : NULL,
+                                              has_node ? node.id_len : 0)
+               == NULL
+            || ngx_http_llama_session_api_str(session, "model",
+                                              has_node ? node.model : NULL,
+                                              has_node ? node.model_len : 0)
+               == NULL)
+        {
+            goto failed;
+        }
+
+        if (!slot->saveable) {
+            if (cJSON_AddNullToObject(item, "file") == NULL) {
+                goto failed;
+            }
+
+            continue;
+        }
+
+        file = cJSON_AddObjectToObject(item, "file");
+
+        if (file == NULL
+            || cJSON_AddBoolToObject(file, "saved",
+                                     has_node && node.saved) == NULL
+            || cJSON_AddNumberToObject(file, "bytes",
+                                       has_node ? node.bytes : 0) == NULL
+            || cJSON_AddNumberToObject(file, "tokens",
+                                       has_node ? node.tokens : 0) == NULL
+            || cJSON_AddNumberToObject(file, "saved_at",
+                                       has_node ? node.saved_at : 0) == NULL)
+        {
+            goto failed;
+        }
+    }
+
+    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+
+failed:
+
+    cJSON_Delete(json);
+    return NGX_HTTP_INTERNAL_SERVER_ERROR;
+}
+
+
+/* GET or DELETE .../sessions/<id> */
+
+static ngx_int_t
+ngx_http_llama_session_api_one(ngx_http_request_t *r,
+    ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete)
+{
+    u_char                             *p;
+    size_t                              klen;
+    cJSON                              *json, *list, *item;
+    ngx_str_t                           ns, model;
+    ngx_uint_t                          i, n, is_key;
+    ngx_queue_t                        *q;
+    ngx_http_llama_session_ctx_t       *ctx;
+    ngx_http_llama_session_node_t      *nodes, *node;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    if (id->len == 0) {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
+                                                "no session id", NULL);
+    }
+
+    ctx = ngx_http_llama_session_create_ctx(r, zone);
+    if (ctx == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    /* a key as the API lists it, or a client's id to derive the key from */
+
+    is_key = (id->len > NGX_HTTP_LLAMA_SESSION_HASH_HEX + 1
+              && id->len <= NGX_HTTP_LLAMA_SESSION_SAFE_MAX + 1
+                            + NGX_HTTP_LLAMA_SESSION_HASH_HEX
+              && id->data[id->len - NGX_HTTP_LLAMA_SESSION_HASH_HEX - 1]
+                 == '-');
+
+    for (i = 0; is_key && i < id->len; i++) {
+        p = &id->data[i];
+
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z')
+              || (*p >= '0' && *p <= '9') || *p == '-' || *p == '_'))
+        {
+            is_key = 0;
+        }
+    }
+
+    if (is_key) {
+        ngx_memcpy(ctx->key, id->data, id->len);
+        ctx->key_len = id->len;
+
+    } else {
+        llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+        ngx_str_null(&ns);
+
+        if (llcf->namespace
+            && ngx_http_complex_value(r, llcf->namespace, &ns) != NGX_OK)
+        {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        if (ngx_http_arg(r, (u_char *) "model", 5, &model) == NGX_OK) {
+            ctx->model.data = ngx_pnalloc(r->pool, model.len);
+            if (ctx->model.data == NULL) {
+                return NGX_HTTP_INTERNAL_SERVER_ERROR;
+            }
+
+            p = ctx->model.data;
+            ngx_unescape_uri(&p, &model.data, model.len, 0);
+            ctx->model.len = p - ctx->model.data;
+        }
+
+        ctx->id = *id;
+
+        if (ngx_http_llama_session_make_key(r, ctx, &ns) != NGX_OK) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+    }
+
+    if (delete
+        && ngx_http_llama_session_in_use(zone, ctx->key, ctx->key_len))
+    {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+                                  "the session is in a slot or in use; "
+                                  "clear the slots or retry later", NULL);
+    }
+
+    (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
+
+    /* its files, for every backend configuration */
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    nodes = ngx_palloc(r->pool, 8 * sizeof(ngx_http_llama_session_node_t));
+    if (nodes == NULL) {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    n = 0;
+
+    for (q = ngx_queue_head(&zone->sh->lru);
+         q != ngx_queue_sentinel(&zone->sh->lru) && n < 8;
+         q = ngx_queue_next(q))
+    {
+        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+        klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+        if (!node->saved || klen != ctx->key_len
+            || ngx_memcmp(node->name, ctx->key, klen) != 0)
+        {
+            continue;
+        }
+
+        nodes[n++] = *node;
+
+        if (delete) {
+            ngx_http_llama_session_node_file(zone->sh, node, 0, 0);
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (n == 0) {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
+                                                "no saved session by that "
+                                                "id", NULL);
+    }
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    list = cJSON_AddArrayToObject(json, delete ? "deleted" : "files");
+
+    if (list == NULL
+        || ngx_http_llama_session_api_str(json, "key", ctx->key,
+                                          ctx->key_len) == NULL)
+    {
+        cJSON_Delete(json);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    for (i = 0; i < n; i++) {
+        if (delete) {
+            ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                          "llama_session: deleting session \"%*s\" through "
+                          "the API", (size_t) nodes[i].name_len,
+                          nodes[i].name);
+
+            (void) ngx_http_llama_session_store_unlink(zone, nodes[i].name,
+                                                       nodes[i].name_len,
+                                                       r->connection->log);
+        }
+
+        item = ngx_http_llama_session_api_node(zone, &nodes[i], 0);
+        if (item == NULL) {
+            cJSON_Delete(json);
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cJSON_AddItemToArray(list, item);
+    }
+
+    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+}
+
+
+/*
+ * POST .../sessions/save and .../sessions/clear, slot after slot: take the
+ * slot if it is free (409 otherwise), then save the session in it (when
+ * it changed since its last save) or erase it, through the slot calls.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_slots(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    off_t                          bytes;
+    cJSON                         *json, *item;
+    double                         ms;
+    ngx_int_t                      rc;
+    ngx_uint_t                     tokens;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = api->ctx;
+
+    if (api->result == NULL) {
+        api->result = cJSON_CreateArray();
+        if (api->result == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+    }
+
+    for ( ;; ) {
+
+        if (api->slot >= ctx->zone->nslots) {
+            break;
+        }
+
+        ctx->slot = api->slot;
+
+        if (!ctx->acquired || ctx->released) {
+            if (ngx_http_llama_session_try_slot(ctx) != NGX_OK) {
+                cJSON_Delete(api->result);
+                api->result = NULL;
+                return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+                                  "a slot is busy with a request, retry "
+                                  "later", NULL);
+            }
+
+            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+        }
+
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+
+            if (api->op == NGX_HTTP_LLAMA_SESSION_API_CLEAR) {
+                rc = ngx_http_llama_session_call(r, ctx,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
+                                             NULL, 0);
+
+            } else if (!ctx->save_pending) {
+                ngx_http_llama_session_release(ctx,
+                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+                api->slot++;
+                continue;
+
+            } else if (!ngx_http_llama_session_fingerprint(ctx)) {
+                rc = ngx_http_llama_session_call(r, ctx,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+                                             NULL, 0);
+
+            } else {
+                rc = ngx_http_llama_session_call(r, ctx,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
+                                             ctx->out_key, ctx->out_len);
+            }
+
+            if (rc != NGX_AGAIN) {
+                return rc;
+            }
+
+            r->write_event_handler = ngx_http_llama_session_api_resume;
+
+            return NGX_DONE;
+        }
+
+        if (!ctx->call_done) {
+            return NGX_DONE;
+        }
+
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+            if (ctx->call_status != NGX_HTTP_OK
+                || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
+            {
+                api->failed = 1;
+                ngx_http_llama_session_release(ctx,
+                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+                break;
+            }
+
+            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            continue;
+        }
+
+        item = cJSON_CreateObject();
+        if (item == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cJSON_AddItemToArray(api->result, item);
+        cJSON_AddNumberToObject(item, "slot", api->slot);
+        cJSON_AddNumberToObject(item, "status", ctx->call_status);
+
+        if (ctx->call_status != NGX_HTTP_OK
+            || ngx_http_llama_session_parse_action(r, ctx, &tokens, &bytes,
+                                                   &ms)
+               != NGX_OK)
+        {
+            api->failed = 1;
+
+            if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
+                ngx_http_llama_session_store_drop_tmp(r, ctx, ctx->out_key,
+                                                      ctx->out_len);
+                ngx_http_llama_session_release(ctx,
+                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+            } else {
+                ngx_http_llama_session_release(ctx,
+                                         NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            }
+
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: the API's %s of slot %ui failed "
+                          "(%i)", api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
+                                  ? "save" : "erase",
+                          api->slot, ctx->call_status);
+
+            api->slot++;
+            continue;
+        }
+
+        if (api->op == NGX_HTTP_LLAMA_SESSION_API_CLEAR) {
+            ngx_http_llama_session_slot_set(ctx,
+                                            NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
+                                            NULL, 0, 0);
+            cJSON_AddNumberToObject(item, "erased_tokens", tokens);
+
+            ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                          "llama_session: slot %ui of zone \"%V\" cleared "
+                          "through the API (%ui tokens)", api->slot,
+                          &ctx->zone->name, tokens);
+
+        } else if (ngx_http_llama_session_store_commit(r, ctx, ctx->out_key,
+                                                       ctx->out_len)
+                   == NGX_OK)
+        {
+            ngx_http_llama_session_saved_ok(r->connection->log, ctx,
+                                            tokens, bytes);
+
+            ngx_http_llama_session_api_str(item, "key", ctx->out_key,
+                                           ctx->out_len);
+            cJSON_AddNumberToObject(item, "tokens", tokens);
+            cJSON_AddNumberToObject(item, "bytes", bytes);
+            cJSON_AddNumberToObject(item, "save_ms", ms);
+
+        } else {
+            api->failed = 1;
+        }
+
+        ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+        ngx_http_llama_session_wake_local();
+
+        ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+        api->slot++;
+    }
+
+    ngx_http_llama_session_wake_local();
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        cJSON_Delete(api->result);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cJSON_AddItemToObject(json,
+                          api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
+                          ? "saved" : "cleared", api->result);
+    api->result = NULL;
+
+    return ngx_http_llama_session_api_send(r, api->failed
+                                              ? NGX_HTTP_BAD_GATEWAY
+                                              : NGX_HTTP_OK, json);
+}
+
+
+static void
+ngx_http_llama_session_api_resume(ngx_http_request_t *r)
+{
+    ngx_int_t                      rc;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    if (ctx == NULL || ctx->api == NULL || !ctx->call_done) {
+        return;
+    }
+
+    r->write_event_handler = ngx_http_request_empty_handler;
+
+    rc = ngx_http_llama_session_api_slots(r, ctx->api);
+
+    if (rc == NGX_DONE) {
+        return;
+    }
+
+    ngx_http_finalize_request(r, rc);
+}
+
+
+static cJSON *
+ngx_http_llama_session_api_str(cJSON *obj, const char *name, u_char *data,
+    size_t len)
+{
+    u_char  buf[512];
+
+    len = ngx_min(len, sizeof(buf) - 1);
+
+    if (len) {
+        ngx_memcpy(buf, data, len);
+    }
+
+    buf[len] = '\0';
+
+    return cJSON_AddStringToObject(obj, name, (char *) buf);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_api_send(ngx_http_request_t *r, ngx_uint_t status,
+    cJSON *json)
+{
+    char         *text;
+    size_t        len;
+    ngx_int_t     rc;
+    ngx_buf_t    *b;
+    ngx_chain_t   out;
+
+    text = cJSON_PrintUnformatted(json);
+    cJSON_Delete(json);
+
+    if (text == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    len = ngx_strlen(text);
+
+    b = ngx_create_temp_buf(r->pool, len + 1);
+    if (b == NULL) {
+        cJSON_free(text);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    b->last = ngx_cpymem(b->last, text, len);
+    *b->last++ = '\n';
+    cJSON_free(text);
+
+    b->last_buf = (r == r->main) ? 1 : 0;
+    b->last_in_chain = 1;
+
+    r->headers_out.status = status;
+    r->headers_out.content_length_n = b->last - b->pos;
+    ngx_str_set(&r->headers_out.content_type, "application/json");
+    r->headers_out.content_type_len = r->headers_out.content_type.len;
+    r->headers_out.content_type_lowcase = NULL;
+
+    rc = ngx_http_send_header(r);
+
+    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
+        return rc;
+    }
+
+    out.buf = b;
+    out.next = NULL;
+
+    return ngx_http_output_filter(r, &out);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_api_error(ngx_http_request_t *r, ngx_uint_t status,
+    char *message, char *allow)
+{
+    cJSON            *json, *error;
+    ngx_table_elt_t  *h;
+
+    if (allow) {
+        h = ngx_list_push(&r->headers_out.headers);
+        if (h == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        h->hash = 1;
+        ngx_str_set(&h->key, "Allow");
+        h->value.data = (u_char *) allow;
+        h->value.len = ngx_strlen(allow);
+    }
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    error = cJSON_AddObjectToObject(json, "error");
+
+    if (error == NULL
+        || cJSON_AddNumberToObject(error, "code", status) == NULL
+        || cJSON_AddStringToObject(error, "message", message) == NULL
+        || cJSON_AddStringToObject(error, "type",
+                                   status == NGX_HTTP_NOT_FOUND
+                                   ? "not_found_error"
+                                   : "invalid_request_error") == NULL)
+    {
+        cJSON_Delete(json);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    return ngx_http_llama_session_api_send(r, status, json);
+}
