@@ -175,7 +175,8 @@ typedef struct {
     ngx_addr_t                     *backend;    /* for idle saves */
     ngx_str_t                       backend_name;
     ngx_str_t                       api_key;
-    ngx_event_t                     idle_ev;
+    ngx_event_t                     idle_ev;    /* this worker's */
+    ngx_uint_t                      idle_busy;
     ngx_shm_zone_t                 *shm_zone;
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
@@ -295,6 +296,9 @@ void ngx_http_llama_session_wake_local(void);
 void ngx_http_llama_session_saved_ok(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes);
 
+/* idle.c: idle saves */
+ngx_int_t ngx_http_llama_session_idle_init(ngx_cycle_t *cycle);
+
 /* api.c: the management API */
 char *ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
@@ -312,6 +316,8 @@ ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,
     void *data);
 ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
+    ngx_msec_t save_idle);
 void ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t slot, u_char *key, size_t len);
 ngx_uint_t ngx_http_llama_session_in_use(ngx_http_llama_session_zone_t *zone,
@@ -357,14 +363,14 @@ ngx_int_t ngx_http_llama_session_store_sync(
 ngx_int_t ngx_http_llama_session_call(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
     size_t len);
-ngx_int_t ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
+ngx_int_t ngx_http_llama_session_parse_slots(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing);
-ngx_int_t ngx_http_llama_session_parse_action(ngx_http_request_t *r,
+ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
     double *ms);
-ngx_int_t ngx_http_llama_session_store_commit(ngx_http_request_t *r,
+ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
-void ngx_http_llama_session_store_drop_tmp(ngx_http_request_t *r,
+void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);

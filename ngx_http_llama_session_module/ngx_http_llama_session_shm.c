@@ -309,6 +309,52 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
 }
 
 
+/*
+ * For the idle save: takes the slot if its session changed since its last
+ * save and had no request for save_idle, and nobody waits.
+ */
+
+ngx_int_t
+ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
+    ngx_msec_t save_idle)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+    slot = &sh->slots[ctx->slot];
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->busy || !ngx_queue_empty(&sh->waiters)
+        || slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        || !slot->dirty || !slot->saveable || !sh->fp_known
+        || (ngx_msec_int_t) (ngx_current_msec - slot->last_used)
+           < (ngx_msec_int_t) save_idle)
+    {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_DECLINED;
+    }
+
+    slot->busy = 1;
+    slot->owner = ngx_pid;
+
+    ctx->acquired = 1;
+    ctx->released = 0;
+    ctx->save_pending = 1;
+    ctx->slot_state = slot->state;
+    ctx->out_len = slot->key_len;
+    ngx_memcpy(ctx->out_key, slot->key, slot->key_len);
+    ngx_memcpy(ctx->fp, sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return NGX_OK;
+}
+
+
 /* a save of the slot's session succeeded: it is clean until used again */
 
 void
@@ -488,6 +534,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     }
 
     slot->last_used = ngx_current_msec;
+    slot->used_at = ngx_time();
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 }
@@ -568,7 +615,9 @@ ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
         }
 
     } else {
-        ngx_log_error(NGX_LOG_CRIT, ctx->request->connection->log, 0,
+        ngx_log_error(NGX_LOG_CRIT, ctx->request
+                                    ? ctx->request->connection->log
+                                    : ngx_cycle->log, 0,
                       "llama_session zone \"%V\" has no room to record "
                       "session \"%*s\"", &zone->name, n, name);
     }

@@ -24,7 +24,7 @@ static ngx_int_t ngx_http_llama_session_capture_filter(ngx_http_request_t *r,
     ngx_chain_t *in);
 static ngx_int_t ngx_http_llama_session_capture_append(ngx_http_request_t *r,
     ngx_http_llama_session_capture_t *cap, u_char *data, size_t size);
-static cJSON *ngx_http_llama_session_reply_json(ngx_http_request_t *r,
+static cJSON *ngx_http_llama_session_reply_json(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
 
 
@@ -392,13 +392,13 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
 
 
 static cJSON *
-ngx_http_llama_session_reply_json(ngx_http_request_t *r,
+ngx_http_llama_session_reply_json(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx)
 {
     cJSON  *json;
 
     if (ctx->call_reply == NULL) {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+        ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: empty reply to a slot call");
         return NULL;
     }
@@ -407,7 +407,7 @@ ngx_http_llama_session_reply_json(ngx_http_request_t *r,
                                  ctx->call_reply->last - ctx->call_reply->pos);
 
     if (json == NULL) {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+        ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: the reply to a slot call is not "
                       "JSON: \"%*s\"",
                       ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
@@ -422,19 +422,19 @@ ngx_http_llama_session_reply_json(ngx_http_request_t *r,
 /* GET /slots: is the slot running, how many tokens does it hold */
 
 ngx_int_t
-ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
+ngx_http_llama_session_parse_slots(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing)
 {
     cJSON  *json, *slot, *id, *tokens, *task;
 
-    json = ngx_http_llama_session_reply_json(r, ctx);
+    json = ngx_http_llama_session_reply_json(log, ctx);
     if (json == NULL) {
         return NGX_ERROR;
     }
 
     if (!cJSON_IsArray(json)) {
         cJSON_Delete(json);
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+        ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: GET /slots did not answer an array");
         return NGX_ERROR;
     }
@@ -465,7 +465,7 @@ ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
 
     cJSON_Delete(json);
 
-    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+    ngx_log_error(NGX_LOG_ERR, log, 0,
                   "llama_session: the backend has no slot %ui: does "
                   "llama_session_zone's slots= match llama-server's -np?",
                   ctx->slot);
@@ -477,13 +477,13 @@ ngx_http_llama_session_parse_slots(ngx_http_request_t *r,
 /* the reply to save, restore or erase */
 
 ngx_int_t
-ngx_http_llama_session_parse_action(ngx_http_request_t *r,
+ngx_http_llama_session_parse_action(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
     double *ms)
 {
     cJSON  *json, *item, *timings;
 
-    json = ngx_http_llama_session_reply_json(r, ctx);
+    json = ngx_http_llama_session_reply_json(log, ctx);
     if (json == NULL) {
         return NGX_ERROR;
     }
@@ -502,7 +502,7 @@ ngx_http_llama_session_parse_action(ngx_http_request_t *r,
 
     if (!cJSON_IsNumber(item)) {
         cJSON_Delete(json);
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+        ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: unexpected reply to a slot call: "
                       "\"%*s\"",
                       ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
@@ -548,7 +548,7 @@ ngx_http_llama_session_parse_action(ngx_http_request_t *r,
  */
 
 ngx_int_t
-ngx_http_llama_session_store_commit(ngx_http_request_t *r,
+ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
     u_char     from[NGX_MAX_PATH], to[NGX_MAX_PATH];
@@ -568,7 +568,7 @@ ngx_http_llama_session_store_commit(ngx_http_request_t *r,
     ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
 
     if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, ngx_errno,
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_rename_file_n " \"%s\" to \"%s\" failed: is "
                       "store= the folder of llama-server's --slot-save-path "
                       "and writable by nginx's workers?", from, to);
@@ -583,7 +583,7 @@ ngx_http_llama_session_store_commit(ngx_http_request_t *r,
 /* after a failed save: the temporary file, if llama-server left one */
 
 void
-ngx_http_llama_session_store_drop_tmp(ngx_http_request_t *r,
+ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
     u_char     file[NGX_MAX_PATH];
@@ -600,7 +600,7 @@ ngx_http_llama_session_store_drop_tmp(ngx_http_request_t *r,
                  n, name);
 
     if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, ngx_errno,
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
                       ngx_delete_file_n " \"%s\" failed", file);
     }
 }
@@ -622,7 +622,7 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     ngx_str_t     model;
     unsigned int  hlen;
 
-    json = ngx_http_llama_session_reply_json(r, ctx);
+    json = ngx_http_llama_session_reply_json(r->connection->log, ctx);
     if (json == NULL) {
         return NGX_ERROR;
     }

@@ -1,0 +1,536 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * Idle save (save_idle= on the zone): the session in a slot that had no
+ * request for that long, and changed since its last save, is saved, so a
+ * reboot loses at most that much.  No client request is behind it, so it
+ * talks to llama-server over a small connection of its own (backend=):
+ * GET /slots (is the slot idle, does it hold tokens, did the backend
+ * restart), then POST /slots/N?action=save, then the file is renamed into
+ * place as a request's save is.  Every worker has a timer; the shared zone
+ * makes sure one of them does a given save.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+
+#define NGX_HTTP_LLAMA_SESSION_IDLE_REPLY_MAX  (1024 * 1024)
+
+
+typedef struct {
+    ngx_http_llama_session_ctx_t    ctx;
+    ngx_pool_t                     *pool;
+    ngx_log_t                      *log;
+    ngx_peer_connection_t           peer;
+    ngx_buf_t                      *out;
+    ngx_buf_t                      *in;
+    ngx_uint_t                      step;
+} ngx_http_llama_session_idle_t;
+
+
+static void ngx_http_llama_session_idle_tick(ngx_event_t *ev);
+static ngx_int_t ngx_http_llama_session_idle_send(
+    ngx_http_llama_session_idle_t *job, ngx_uint_t call);
+static void ngx_http_llama_session_idle_write(ngx_event_t *wev);
+static void ngx_http_llama_session_idle_read(ngx_event_t *rev);
+static void ngx_http_llama_session_idle_reply(
+    ngx_http_llama_session_idle_t *job);
+static void ngx_http_llama_session_idle_done(
+    ngx_http_llama_session_idle_t *job, ngx_uint_t state);
+
+
+ngx_int_t
+ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
+{
+    ngx_uint_t                           i;
+    ngx_msec_t                           step;
+    ngx_http_llama_session_zone_t      **zp, *zone;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    lmcf = ngx_http_cycle_get_module_main_conf(cycle,
+                                               ngx_http_llama_session_module);
+    if (lmcf == NULL) {
+        return NGX_OK;
+    }
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        zone = zp[i];
+
+        if (zone->save_idle == 0) {
+            continue;
+        }
+
+        zone->idle_ev.handler = ngx_http_llama_session_idle_tick;
+        zone->idle_ev.data = zone;
+        zone->idle_ev.log = cycle->log;
+        zone->idle_ev.cancelable = 1;
+
+        step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
+
+        ngx_add_timer(&zone->idle_ev, step + ngx_random() % step);
+    }
+
+    return NGX_OK;
+}
+
+
+static void
+ngx_http_llama_session_idle_tick(ngx_event_t *ev)
+{
+    ngx_http_llama_session_zone_t *zone = ev->data;
+
+    ngx_uint_t                      n;
+    ngx_msec_t                      step;
+    ngx_pool_t                     *pool;
+    ngx_http_llama_session_idle_t  *job;
+
+    if (ngx_exiting || ngx_terminate || ngx_quit) {
+        return;
+    }
+
+    step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
+    ngx_add_timer(ev, step);
+
+    if (zone->idle_busy) {
+        return;
+    }
+
+    pool = NULL;
+
+    for (n = 0; n < zone->nslots; n++) {
+
+        if (pool == NULL) {
+            pool = ngx_create_pool(4096, ev->log);
+            if (pool == NULL) {
+                return;
+            }
+        }
+
+        job = ngx_pcalloc(pool, sizeof(ngx_http_llama_session_idle_t));
+        if (job == NULL) {
+            ngx_destroy_pool(pool);
+            return;
+        }
+
+        job->pool = pool;
+        job->log = ev->log;
+        job->ctx.zone = zone;
+        job->ctx.slot = n;
+        job->ctx.slot_tokens = -1;
+        job->ctx.slot_task = -1;
+
+        if (ngx_http_llama_session_try_idle(&job->ctx, zone->save_idle)
+            != NGX_OK)
+        {
+            continue;
+        }
+
+        ngx_log_debug2(NGX_LOG_DEBUG_HTTP, ev->log, 0,
+                       "llama_session: idle save of \"%*s\" starts",
+                       job->ctx.out_len, job->ctx.out_key);
+
+        zone->idle_busy = 1;
+
+        if (ngx_http_llama_session_idle_send(job,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_GET)
+            != NGX_OK)
+        {
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        }
+
+        return;
+    }
+
+    if (pool) {
+        ngx_destroy_pool(pool);
+    }
+}
+
+
+/* one request on a connection of its own: Connection: close */
+
+static ngx_int_t
+ngx_http_llama_session_idle_send(ngx_http_llama_session_idle_t *job,
+    ngx_uint_t call)
+{
+    u_char                         *p, body[NGX_HTTP_LLAMA_SESSION_NAME_MAX
+                                            + 64];
+    size_t                          blen;
+    ngx_int_t                       rc;
+    ngx_connection_t               *c;
+    ngx_http_llama_session_ctx_t   *ctx;
+    ngx_http_llama_session_zone_t  *zone;
+
+    ctx = &job->ctx;
+    zone = ctx->zone;
+
+    ctx->call = call;
+    ctx->call_status = 0;
+    ctx->call_reply = NULL;
+
+    blen = 0;
+
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
+        p = ngx_sprintf(body, "{\"filename\":\"%*s.%*s.bin%s\"}",
+                        ctx->out_len, ctx->out_key,
+                        (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp,
+                        zone->store.len ? ".tmp" : "");
+        blen = p - body;
+    }
+
+    job->out = ngx_create_temp_buf(job->pool, 512 + zone->backend_name.len
+                                              + zone->api_key.len + blen);
+    if (job->out == NULL) {
+        return NGX_ERROR;
+    }
+
+    p = job->out->last;
+
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        p = ngx_sprintf(p, "GET /slots HTTP/1.1" CRLF);
+
+    } else {
+        p = ngx_sprintf(p, "POST /slots/%ui?action=save HTTP/1.1" CRLF
+                        "Content-Type: application/json" CRLF
+                        "Content-Length: %uz" CRLF, ctx->slot, blen);
+    }
+
+    p = ngx_sprintf(p, "Host: %V" CRLF "Connection: close" CRLF
+                    "User-Agent: nginx-llama-session" CRLF,
+                    &zone->backend_name);
+
+    if (zone->api_key.len) {
+        p = ngx_sprintf(p, "Authorization: Bearer %V" CRLF, &zone->api_key);
+    }
+
+    p = ngx_cpymem(p, CRLF, 2);
+    p = ngx_cpymem(p, body, blen);
+
+    job->out->last = p;
+
+    job->in = ngx_create_temp_buf(job->pool, 16384);
+    if (job->in == NULL) {
+        return NGX_ERROR;
+    }
+
+    ngx_memzero(&job->peer, sizeof(ngx_peer_connection_t));
+
+    job->peer.sockaddr = zone->backend->sockaddr;
+    job->peer.socklen = zone->backend->socklen;
+    job->peer.name = &zone->backend->name;
+    job->peer.get = ngx_event_get_peer;
+    job->peer.log = job->log;
+    job->peer.log_error = NGX_ERROR_ERR;
+
+    rc = ngx_event_connect_peer(&job->peer);
+
+    if (rc == NGX_ERROR || rc == NGX_BUSY || rc == NGX_DECLINED) {
+        ngx_log_error(NGX_LOG_ERR, job->log, 0,
+                      "llama_session: idle save cannot connect to \"%V\"",
+                      &zone->backend_name);
+        if (job->peer.connection) {
+            ngx_close_connection(job->peer.connection);
+            job->peer.connection = NULL;
+        }
+        return NGX_ERROR;
+    }
+
+    c = job->peer.connection;
+    c->data = job;
+    c->pool = job->pool;
+    c->log = job->log;
+    c->read->log = job->log;
+    c->write->log = job->log;
+
+    c->write->handler = ngx_http_llama_session_idle_write;
+    c->read->handler = ngx_http_llama_session_idle_read;
+
+    if (rc == NGX_AGAIN) {
+        ngx_add_timer(c->write, 5000);
+        return NGX_OK;
+    }
+
+    ngx_http_llama_session_idle_write(c->write);
+
+    return NGX_OK;
+}
+
+
+static void
+ngx_http_llama_session_idle_write(ngx_event_t *wev)
+{
+    ssize_t                         n;
+    ngx_connection_t               *c;
+    ngx_http_llama_session_idle_t  *job;
+
+    c = wev->data;
+    job = c->data;
+
+    if (wev->timedout) {
+        ngx_log_error(NGX_LOG_ERR, job->log, NGX_ETIMEDOUT,
+                      "llama_session: idle save: \"%V\" timed out",
+                      &job->ctx.zone->backend_name);
+        ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        return;
+    }
+
+    if (wev->timer_set) {
+        ngx_del_timer(wev);
+    }
+
+    while (job->out->pos < job->out->last) {
+        n = c->send(c, job->out->pos, job->out->last - job->out->pos);
+
+        if (n == NGX_AGAIN) {
+            ngx_add_timer(wev, 5000);
+
+            if (ngx_handle_write_event(wev, 0) != NGX_OK) {
+                ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            }
+
+            return;
+        }
+
+        if (n == NGX_ERROR || n == 0) {
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            return;
+        }
+
+        job->out->pos += n;
+    }
+
+    wev->handler = ngx_http_empty_handler;
+
+    /* a save of a large state takes its time */
+
+    ngx_add_timer(c->read, 600000);
+
+    if (c->read->ready) {
+        ngx_http_llama_session_idle_read(c->read);
+    }
+}
+
+
+static void
+ngx_http_llama_session_idle_read(ngx_event_t *rev)
+{
+    size_t                          size;
+    ssize_t                         n;
+    ngx_buf_t                      *b;
+    ngx_connection_t               *c;
+    ngx_http_llama_session_idle_t  *job;
+
+    c = rev->data;
+    job = c->data;
+
+    if (rev->timedout) {
+        ngx_log_error(NGX_LOG_ERR, job->log, NGX_ETIMEDOUT,
+                      "llama_session: idle save: \"%V\" timed out",
+                      &job->ctx.zone->backend_name);
+        ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+        return;
+    }
+
+    for ( ;; ) {
+        b = job->in;
+
+        if (b->last == b->end) {
+            size = 2 * (b->end - b->start);
+
+            if (size > NGX_HTTP_LLAMA_SESSION_IDLE_REPLY_MAX) {
+                break;
+            }
+
+            b = ngx_create_temp_buf(job->pool, size);
+            if (b == NULL) {
+                ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                return;
+            }
+
+            b->last = ngx_cpymem(b->last, job->in->pos,
+                                 job->in->last - job->in->pos);
+            job->in = b;
+        }
+
+        n = c->recv(c, b->last, b->end - b->last);
+
+        if (n == NGX_AGAIN) {
+            if (ngx_handle_read_event(rev, 0) != NGX_OK) {
+                ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            }
+
+            return;
+        }
+
+        if (n == NGX_ERROR) {
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            return;
+        }
+
+        if (n == 0) {
+            break;
+        }
+
+        b->last += n;
+    }
+
+    ngx_close_connection(c);
+    job->peer.connection = NULL;
+
+    ngx_http_llama_session_idle_reply(job);
+}
+
+
+/* the whole reply is in: status line, headers, JSON body */
+
+static void
+ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
+{
+    u_char                         *p, *body;
+    off_t                           bytes;
+    double                          ms;
+    ngx_int_t                       status;
+    ngx_uint_t                      processing, tokens;
+    ngx_buf_t                      *b;
+    ngx_http_llama_session_ctx_t   *ctx;
+
+    ctx = &job->ctx;
+    b = job->in;
+
+    status = 0;
+
+    if (b->last - b->pos > 12 && ngx_strncmp(b->pos, "HTTP/1.", 7) == 0) {
+        status = ngx_atoi(b->pos + 9, 3);
+    }
+
+    body = ngx_strlcasestrn(b->pos, b->last, (u_char *) CRLF CRLF, 4 - 1);
+
+    if (status == NGX_ERROR || status == 0 || body == NULL) {
+        ngx_log_error(NGX_LOG_ERR, job->log, 0,
+                      "llama_session: idle save: no valid reply from \"%V\"",
+                      &ctx->zone->backend_name);
+        ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+        return;
+    }
+
+    p = body + 4;
+
+    ctx->call_status = status;
+    ctx->call_reply = ngx_calloc_buf(job->pool);
+    if (ctx->call_reply == NULL) {
+        ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        return;
+    }
+
+    ctx->call_reply->pos = p;
+    ctx->call_reply->last = b->last;
+
+    if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+
+        processing = 0;
+
+        if (status != NGX_HTTP_OK
+            || ngx_http_llama_session_parse_slots(job->log, ctx, &processing)
+               != NGX_OK)
+        {
+            ngx_log_error(NGX_LOG_ERR, job->log, 0,
+                          "llama_session: idle save: GET /slots answered %i",
+                          status);
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            return;
+        }
+
+        if (ngx_http_llama_session_slot_task(ctx, ctx->slot_task)) {
+            ngx_log_error(NGX_LOG_WARN, job->log, 0,
+                          "llama_session: llama-server restarted (slot %ui "
+                          "shows task %i), the slot no longer holds \"%*s\"",
+                          ctx->slot, ctx->slot_task, ctx->out_len,
+                          ctx->out_key);
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            return;
+        }
+
+        if (processing || ctx->slot_tokens == 0) {
+            /* still running for a client that left, or nothing to save */
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            return;
+        }
+
+        if (ngx_http_llama_session_idle_send(job,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_SAVE)
+            != NGX_OK)
+        {
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        }
+
+        return;
+    }
+
+    /* the save */
+
+    if (status == NGX_HTTP_OK
+        && ngx_http_llama_session_parse_action(job->log, ctx, &tokens,
+                                               &bytes, &ms)
+           == NGX_OK
+        && ngx_http_llama_session_store_commit(job->log, ctx, ctx->out_key,
+                                               ctx->out_len)
+           == NGX_OK)
+    {
+        ngx_http_llama_session_saved_ok(job->log, ctx, tokens, bytes);
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.idle_saves);
+
+        ngx_log_error(NGX_LOG_INFO, job->log, 0,
+                      "llama_session: idle save of \"%*s\" from slot %ui of "
+                      "zone \"%V\": %ui tokens, %O bytes in %.1f ms",
+                      ctx->out_len, ctx->out_key, ctx->slot,
+                      &ctx->zone->name, tokens, bytes, ms);
+
+    } else {
+        ngx_http_llama_session_store_drop_tmp(job->log, ctx, ctx->out_key,
+                                              ctx->out_len);
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
+
+        ngx_log_error(NGX_LOG_ERR, job->log, 0,
+                      "llama_session: idle save of \"%*s\" failed (%i), its "
+                      "previous file is kept", ctx->out_len, ctx->out_key,
+                      status);
+    }
+
+    ngx_http_llama_session_idle_done(job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+}
+
+
+static void
+ngx_http_llama_session_idle_done(ngx_http_llama_session_idle_t *job,
+    ngx_uint_t state)
+{
+    if (job->peer.connection) {
+        ngx_close_connection(job->peer.connection);
+        job->peer.connection = NULL;
+    }
+
+    ngx_http_llama_session_release(&job->ctx, state);
+    ngx_http_llama_session_wake_local();
+
+    job->ctx.zone->idle_busy = 0;
+
+    ngx_destroy_pool(job->pool);
+}
