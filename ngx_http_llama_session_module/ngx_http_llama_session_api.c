@@ -220,7 +220,14 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
 
-        return ngx_http_llama_session_api_slots(r, api);
+        rc = ngx_http_llama_session_api_slots(r, api);
+
+        if (rc == NGX_DONE) {
+            /* the request lives on across its slot calls */
+            r->main->count++;
+        }
+
+        return rc;
     }
 
     if (r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE)) {

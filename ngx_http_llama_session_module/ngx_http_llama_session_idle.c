@@ -35,6 +35,7 @@ static ngx_int_t ngx_http_llama_session_idle_send(
     ngx_http_llama_session_idle_t *job, ngx_uint_t call);
 static void ngx_http_llama_session_idle_write(ngx_event_t *wev);
 static void ngx_http_llama_session_idle_read(ngx_event_t *rev);
+static ngx_uint_t ngx_http_llama_session_idle_complete(ngx_buf_t *b);
 static void ngx_http_llama_session_idle_reply(
     ngx_http_llama_session_idle_t *job);
 static void ngx_http_llama_session_idle_done(
@@ -311,7 +312,8 @@ ngx_http_llama_session_idle_write(ngx_event_t *wev)
 
     /* a save of a large state takes its time */
 
-    ngx_add_timer(c->read, 600000);
+    ngx_add_timer(c->read, job->ctx.call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
+                           ? 600000 : 10000);
 
     if (c->read->ready) {
         ngx_http_llama_session_idle_read(c->read);
@@ -384,12 +386,55 @@ ngx_http_llama_session_idle_read(ngx_event_t *rev)
         }
 
         b->last += n;
+
+        if (ngx_http_llama_session_idle_complete(b)) {
+            break;
+        }
     }
 
     ngx_close_connection(c);
     job->peer.connection = NULL;
 
     ngx_http_llama_session_idle_reply(job);
+}
+
+
+/* has the reply come whole?  By its Content-Length, else at the close */
+
+static ngx_uint_t
+ngx_http_llama_session_idle_complete(ngx_buf_t *b)
+{
+    u_char     *end, *p;
+    ngx_int_t   len;
+
+    end = ngx_strlcasestrn(b->pos, b->last, (u_char *) CRLF CRLF, 4 - 1);
+    if (end == NULL) {
+        return 0;
+    }
+
+    p = ngx_strlcasestrn(b->pos, end, (u_char *) CRLF "content-length:",
+                         sizeof(CRLF "content-length:") - 2);
+    if (p == NULL) {
+        return 0;
+    }
+
+    p += sizeof(CRLF "content-length:") - 1;
+
+    while (p < end && *p == ' ') {
+        p++;
+    }
+
+    len = 0;
+
+    while (p < end && *p >= '0' && *p <= '9') {
+        len = len * 10 + (*p++ - '0');
+
+        if (len > NGX_HTTP_LLAMA_SESSION_IDLE_REPLY_MAX) {
+            return 1;
+        }
+    }
+
+    return b->last - (end + 4) >= len;
 }
 
 

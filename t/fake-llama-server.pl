@@ -70,6 +70,7 @@ sub serve {
         my $req = read_request($c) or return;
         my $keep = handle($c, $req);
         return unless $keep;
+        return if ($req->{headers}{connection} // '') =~ /close/i;
     }
 }
 

@@ -259,6 +259,14 @@ EOF
 
     return $self if $o{write_only};
 
+    return $self->start_nginx;
+}
+
+# starts nginx on DIR/nginx.conf as it is (after stop_nginx, say)
+sub start_nginx {
+    my ($self) = @_;
+    my $dir = $self->{dir};
+
     my @cmd = ($ENV{NGINX_BINARY} // '/usr/sbin/nginx',
                '-p', "$dir/", '-c', "$dir/nginx.conf", '-e', "$dir/error.log");
 

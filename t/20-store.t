@@ -1,0 +1,275 @@
+#!/usr/bin/perl
+
+# Sessions that survive restarts, against the fake backend: the index built
+# from the store folder at start, atomic saves (a save killed half way
+# leaves the previous file whole), never clobbering a file from a slot
+# nobody can vouch for (a restarted backend), fingerprints and stale files,
+# eviction by max_files, idle saves, a store folder nginx cannot write,
+# and the management API.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use Digest::SHA qw(sha256_hex);
+use LlamaTest;
+use Test::More;
+use Time::HiRes qw(sleep time);
+
+my $JSON = $LlamaTest::JSON;
+
+sub fp { substr(sha256_hex(join "\0", $_[0], 16384, 1), 0, 8) }
+sub key { my ($id, $model) = @_;
+          (($id =~ s/[^A-Za-z0-9_-]/_/gr) =~ s/^(.{0,32}).*/$1/sr) . '-'
+          . substr(sha256_hex("\0" . ($model // '') . "\0$id"), 0, 24) }
+
+my $t = LlamaTest->new(workers => 2);
+my $slots = $t->dir . '/slots';
+mkdir $slots;
+
+# a folder as a previous run left it
+my $fp = fp('fake.gguf');
+my $old = fp('old-model.gguf');
+
+sub put {
+    my ($name, $text, $meta, $mtime) = @_;
+    open my $fh, '>', "$slots/$name.bin" or die;
+    print $fh $JSON->encode({ text => $text, n => length $text });
+    close $fh;
+    if ($meta) {
+        open $fh, '>', "$slots/$name.json" or die;
+        print $fh $JSON->encode($meta);
+        close $fh;
+    }
+    utime $mtime, $mtime, "$slots/$name.bin" if $mtime;
+}
+
+my $alpha = key('alpha');
+put("$alpha.$fp", '[{"content":"alpha history","role":"user"}]',
+    { id => 'alpha', model => '', tokens => 40 }, time - 100);
+put(key('beta') . ".$old", 'beta', { id => 'beta', model => 'old' },
+    time - 50);
+open my $fh, '>', "$slots/" . key('gamma') . ".$fp.bin.tmp" or die;
+print $fh 'half';
+close $fh;
+open $fh, '>', "$slots/unrelated.txt" or die;
+close $fh;
+
+my $fake = $t->fake;
+$t->nginx(<<'EOF');
+    llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=4
+                       save_idle=1s backend=127.0.0.1:%%LLAMA%%;
+
+    upstream llama { server 127.0.0.1:%%LLAMA%%; }
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Key $llama_session_key always;
+
+        location / {
+            llama_session llama;
+            proxy_pass http://llama;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://llama/;
+        }
+
+        location /api/ {
+            llama_session_api llama;
+            allow 127.0.0.1;
+            deny all;
+        }
+
+        location /locked/ {
+            llama_session_api llama;
+            deny all;
+        }
+    }
+EOF
+
+ok($t->log_lines(qr/llama_session zone "llama": 2 saved sessions, \d+ bytes/),
+   'at start the index has the two files of the folder');
+ok(!-e "$slots/" . key('gamma') . ".$fp.bin.tmp",
+   'the leftover of an interrupted save is gone');
+ok(-e "$slots/unrelated.txt", 'files of other names are left alone');
+
+my $list = $t->get('/api/sessions')->{json};
+is($list->{files}, 2, 'the API lists two saved sessions');
+my ($a) = grep { $_->{key} eq $alpha } @{ $list->{sessions} };
+ok($a, 'alpha is listed by its key');
+is($a->{id}, 'alpha', 'with its id from the .json');
+is($a->{fingerprint}, $fp, 'and its fingerprint');
+
+# a request after the "reboot": alpha comes back from its file
+my $chat = { messages => [ { role => 'user', content => 'alpha history' } ] };
+my $r = $t->post('/v1/chat/completions', $chat,
+                 headers => { 'X-Session-Id' => 'alpha' });
+is($r->{status}, 200, 'alpha after a restart');
+is($r->{headers}{'x-s-action'}, 'restore', 'alpha is restored from its file');
+is($r->{json}{timings}{cache_n}, length('[{"content":"alpha history","role":"user"}]'),
+   'the restored state serves the whole prompt from the cache');
+
+$list = $t->get('/api/sessions')->{json};
+is($list->{fingerprint}, $fp, 'the zone knows the backend\'s fingerprint');
+my ($b) = grep { $_->{id} eq 'beta' } @{ $list->{sessions} };
+ok($b && $b->{stale}, 'a file of another configuration is stale');
+ok((grep { $_->{key} eq $alpha && !$_->{stale} && $_->{in_slot} }
+    @{ $list->{sessions} }), 'alpha is current and in the slot');
+
+# the current slot
+my $cur = $t->get('/api/sessions/current')->{json};
+is($cur->{slots}[0]{state}, 'session', 'current: the slot holds a session');
+is($cur->{slots}[0]{session}{key}, $alpha, 'current: alpha');
+is($cur->{slots}[0]{session}{id}, 'alpha', 'current: with its id');
+ok($cur->{slots}[0]{file}{saved}, 'current: alpha has a file');
+is($cur->{backend}{model_path}, 'fake.gguf', 'current: the backend\'s model');
+is($cur->{backend}{fingerprint}, $fp, 'current: its fingerprint');
+
+# idle save: alpha changed, and one second later it is on disk
+my $t0 = time;
+my $before = -M "$slots/$alpha.$fp.bin";
+$r = $t->post('/v1/chat/completions',
+              { messages => [ { role => 'user', content => 'alpha more' } ] },
+              headers => { 'X-Session-Id' => 'alpha' });
+ok($t->wait_for(sub { $t->read_file("$slots/$alpha.$fp.bin") =~ /alpha more/ },
+               10), 'the idle save wrote the latest turn, with no request '
+                    . 'behind it');
+ok($t->log_lines(qr/idle save of "$alpha" from slot 0 of zone "llama"/),
+   'the idle save is logged');
+my @idle = grep { $_->{query} eq 'action=save' && $_->{time} >= $t0
+                  && ($_->{headers}{'user-agent'} // '') =~ /llama-session/ }
+           @{ $t->fake_calls };
+is(scalar @idle, 1, 'through the module\'s own connection, once');
+cmp_ok($idle[0]{time} - $t0, '>=', 1, 'not before save_idle');
+is($t->get('/api/sessions/current')->{json}{slots}[0]{changed_since_save},
+   JSON::PP::false, 'the slot is clean after the idle save');
+sleep 1.5;
+is(scalar(grep { $_->{query} eq 'action=save' && $_->{time} >= $t0 }
+          @{ $t->fake_calls }), 1, 'a clean slot is not saved again');
+
+# a save killed half way leaves the previous file whole
+my $whole = $t->read_file("$slots/$alpha.$fp.bin");
+$t->post('/v1/chat/completions',
+         { messages => [ { role => 'user', content => 'alpha again' } ] },
+         headers => { 'X-Session-Id' => 'alpha' });
+$t->fake_script({ save => { partial => 1 } });
+$r = $t->post('/v1/chat/completions', $chat,
+              headers => { 'X-Session-Id' => 'delta' });
+is($r->{status}, 502, 'the backend died during the save: 502');
+is($t->read_file("$slots/$alpha.$fp.bin"), $whole,
+   'the previous file is whole');
+ok(!glob("$slots/*.tmp"), 'the half-written temporary file is gone');
+$t->fake_script({});
+
+# never clobber: the backend restarts and runs someone else's prompt;
+# the zone thought alpha was in the slot
+$t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 'alpha' });
+$t->post('/v1/chat/completions',
+         { messages => [ { role => 'user', content => 'alpha changed' } ] },
+         headers => { 'X-Session-Id' => 'alpha' });
+$t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 'eps' });
+$t->post('/v1/chat/completions',
+         { messages => [ { role => 'user', content => 'alpha last' } ] },
+         headers => { 'X-Session-Id' => 'alpha' });
+$whole = $t->read_file("$slots/$alpha.$fp.bin");
+$t->stop_proc('fake');
+$t->fake(port => $fake);
+$t->post('/v1/chat/completions',
+         { messages => [ { role => 'user', content => 'a stranger' } ] },
+         port => $fake);
+$r = $t->post('/v1/chat/completions', $chat,
+              headers => { 'X-Session-Id' => 'zeta' });
+is($r->{status}, 200, 'a request after the backend restarted');
+ok($t->log_lines(qr/llama-server restarted \(slot 0 shows task \d+\), the slot no longer holds "$alpha"/),
+   'the restart was noticed');
+is($t->read_file("$slots/$alpha.$fp.bin"), $whole,
+   'alpha\'s file was not overwritten with the stranger\'s state');
+unlike($t->read_file("$slots/$alpha.$fp.bin"), qr/stranger/,
+       'nothing of the stranger in alpha\'s file');
+
+# eviction: max_files=4, least recently used first, never the one in use
+for my $sid (qw(s1 s2 s3 s4 s5 s6)) {
+    $t->post('/v1/chat/completions',
+             { messages => [ { role => 'user', content => "hello $sid" } ] },
+             headers => { 'X-Session-Id' => $sid });
+}
+my @bins = glob("$slots/*.bin");
+cmp_ok(scalar @bins, '<=', 4, 'at most max_files files');
+ok($t->log_lines(qr/evicted session "[\w-]+\.\w+" \(\d+ bytes\) to keep zone "llama" within max_files=4/),
+   'evictions are logged');
+ok(-e "$slots/" . key('s5') . ".$fp.bin", 'the most recent ones stay');
+ok(!-e "$slots/" . key('s1') . ".$fp.bin", 'the least recently used went');
+$list = $t->get('/api/sessions')->{json};
+is($list->{files}, scalar(@bins), 'the API agrees with the folder');
+
+# the API: delete
+my $s5 = key('s5');
+$r = $t->request('DELETE', "/api/sessions/$s5");
+is($r->{status}, 200, 'DELETE a saved session');
+ok(!-e "$slots/$s5.$fp.bin", 'its file is gone');
+ok(!-e "$slots/$s5.$fp.json", 'and its .json');
+is($t->request('DELETE', "/api/sessions/$s5")->{status}, 404,
+   'DELETE it again: 404');
+is($t->request('DELETE', '/api/sessions/never-seen')->{status}, 404,
+   'DELETE an unknown id: 404');
+$r = $t->request('DELETE', '/api/sessions/s6');
+is($r->{status}, 409, 'DELETE the session in the slot: 409');
+is($r->{json}{error}{code}, 409, 'with a JSON error');
+
+# save now, then clear
+$t->post('/v1/chat/completions',
+         { messages => [ { role => 'user', content => 'six changed' } ] },
+         headers => { 'X-Session-Id' => 's6' });
+$r = $t->post('/api/sessions/save', '');
+is($r->{status}, 200, 'POST save');
+is($r->{json}{saved}[0]{key}, key('s6'), 'it saved the session in the slot');
+like($t->read_file("$slots/" . key('s6') . ".$fp.bin"), qr/six changed/,
+     'with its latest turn');
+$r = $t->post('/api/sessions/clear', '');
+is($r->{status}, 200, 'POST clear');
+is($t->get('/api/sessions/current')->{json}{slots}[0]{state}, 'empty',
+   'the slot is empty');
+my @erase = grep { $_->{query} eq 'action=erase' } @{ $t->fake_calls };
+ok(@erase, 'through an erase');
+is($t->post('/v1/chat/completions', $chat,
+            headers => { 'X-Session-Id' => 's6' })->{headers}{'x-s-action'},
+   'restore', 's6 is restored after the clear');
+
+# wrong methods, unknown paths, access control
+$r = $t->request('POST', '/api/sessions', body => {});
+is($r->{status}, 405, 'POST on the list: 405');
+is($r->{headers}{allow}, 'GET, HEAD', 'with Allow');
+is($t->request('GET', '/api/sessions/clear')->{headers}{allow}, 'POST',
+   'GET on clear: 405 with Allow: POST');
+is($t->request('PUT', '/api/sessions/x', body => {})->{headers}{allow},
+   'GET, HEAD, DELETE', 'PUT on a session: Allow: GET, HEAD, DELETE');
+is($t->get('/api/nothing')->{status}, 404, 'an unknown API path: 404');
+is($t->get('/locked/sessions')->{status}, 403,
+   'the API behind deny all: 403');
+
+# a store folder nginx cannot write into: the save is lost, not the old file
+$t->stop_nginx;
+my $conf = $t->read_file('nginx.conf');
+$conf =~ s{store=\S+}{store=/nonexistent/llama-slots};
+$conf =~ s{ max_files=4}{};
+open $fh, '>', $t->dir . '/nginx.conf' or die;
+print $fh $conf;
+close $fh;
+$t->start_nginx;
+ok($t->log_lines(qr/cannot open the store folder "\/nonexistent\/llama-slots"/),
+   'a missing store folder is logged at start');
+$t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 'w1' });
+$r = $t->post('/v1/chat/completions', $chat,
+              headers => { 'X-Session-Id' => 'w2' });
+is($r->{status}, 200, 'requests go on when the rename fails');
+ok($t->log_lines(qr/is store= the folder of llama-server's --slot-save-path and writable/),
+   'the failed rename says what to check');
+
+$t->stop;
+done_testing;
