@@ -217,6 +217,7 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         }
 
         api->ctx->api = api;
+        api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
 
@@ -762,13 +763,24 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
         if (!ctx->acquired || ctx->released) {
             if (ngx_http_llama_session_try_slot(ctx) != NGX_OK) {
+
+                if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
+                    /* a request or an idle save has it: try again soon */
+                    ngx_add_timer(&ctx->wait_ev, 20);
+                    r->write_event_handler =
+                                        ngx_http_llama_session_api_resume;
+                    return NGX_DONE;
+                }
+
                 cJSON_Delete(api->result);
                 api->result = NULL;
                 return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
-                                  "a slot is busy with a request, retry "
+                                  "a slot stayed busy with requests, retry "
                                   "later", NULL);
             }
 
+            ctx->acquired = 1;
+            ctx->released = 0;
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
         }
 
@@ -921,7 +933,10 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (ctx == NULL || ctx->api == NULL || !ctx->call_done) {
+    if (ctx == NULL || ctx->api == NULL
+        || (ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE && !ctx->call_done)
+        || ctx->wait_ev.timer_set)
+    {
         return;
     }
 
