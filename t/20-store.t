@@ -253,6 +253,32 @@ is($t->get('/api/nothing')->{status}, 404, 'an unknown API path: 404');
 is($t->get('/locked/sessions')->{status}, 403,
    'the API behind deny all: 403');
 
+# a file damaged behind our back: restore 400, fresh, logged
+my $s4 = key('s4');
+open $fh, '>', "$slots/$s4.$fp.bin" or die;
+print $fh 'garbage';
+close $fh;
+$r = $t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 's4' });
+is($r->{status}, 200, 'a damaged file: the request goes on');
+is($r->{headers}{'x-s-action'}, 'fresh', 'with a fresh slot');
+ok($t->log_lines(qr/restoring session "$s4" into slot 0 failed \(400/),
+   'the failed restore is logged');
+
+# the backend comes back with another model: old files are never restored
+$t->stop_proc('fake');
+$t->fake(port => $fake, model => 'other-model.gguf');
+$r = $t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 's3' });
+is($r->{status}, 200, 'a request after the model changed');
+is($r->{headers}{'x-s-action'}, 'fresh',
+   's3\'s file of the old model is not restored');
+ok(!(grep { $_->{query} eq 'action=restore' && $_->{body} =~ /s3-/ }
+     @{ $t->fake_calls }), 'no restore was even tried');
+$list = $t->get('/api/sessions')->{json};
+ok((grep { $_->{key} eq key('s3') && $_->{stale} } @{ $list->{sessions} }),
+   'the API shows s3\'s old file as stale');
+ok($t->log_lines(qr/the backend of zone "llama" has a new configuration/),
+   'the new configuration is logged');
+
 # a store folder nginx cannot write into: the save is lost, not the old file
 $t->stop_nginx;
 my $conf = $t->read_file('nginx.conf');
