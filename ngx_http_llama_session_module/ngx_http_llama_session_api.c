@@ -845,14 +845,16 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
         cJSON_AddNumberToObject(item, "status", ctx->call_status);
 
         if (ctx->call_status != NGX_HTTP_OK
-            || ngx_http_llama_session_parse_action(r->connection->log, ctx, &tokens, &bytes,
+            || ngx_http_llama_session_parse_action(r->connection->log, ctx,
+                                                   &tokens, &bytes,
                                                    &ms)
                != NGX_OK)
         {
             api->failed = 1;
 
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
-                ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx, ctx->out_key,
+                ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
+                                                      ctx->out_key,
                                                       ctx->out_len);
                 ngx_http_llama_session_release(ctx,
                                          NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
@@ -882,7 +884,8 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                           "through the API (%ui tokens)", api->slot,
                           &ctx->zone->name, tokens);
 
-        } else if (ngx_http_llama_session_store_commit(r->connection->log, ctx, ctx->out_key,
+        } else if (ngx_http_llama_session_store_commit(r->connection->log, ctx,
+                   ctx->out_key,
                                                        ctx->out_len)
                    == NGX_OK)
         {

@@ -491,7 +491,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     processing = 0;
 
     if (ctx->call_status == NGX_HTTP_OK) {
-        rc = ngx_http_llama_session_parse_slots(r->connection->log, ctx, &processing);
+        rc = ngx_http_llama_session_parse_slots(r->connection->log, ctx,
+                                                &processing);
 
         if (rc != NGX_OK) {
             return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
@@ -572,7 +573,8 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
 
     if (ctx->call_status == 0) {
         /* llama-server may have died in the middle: its file stays whole */
-        ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx, ctx->out_key,
+        ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
+                                              ctx->out_key,
                                               ctx->out_len);
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
@@ -582,7 +584,8 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
                                                &ctx->saved_bytes,
                                                &ctx->save_ms)
            == NGX_OK
-        && ngx_http_llama_session_store_commit(r->connection->log, ctx, ctx->out_key,
+        && ngx_http_llama_session_store_commit(r->connection->log, ctx,
+                                               ctx->out_key,
                                                ctx->out_len)
            == NGX_OK)
     {
@@ -597,7 +600,8 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
         ctx->save_pending = 0;
         ctx->save_failed = 1;
 
-        ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx, ctx->out_key,
+        ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
+                                              ctx->out_key,
                                               ctx->out_len);
 
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
@@ -707,7 +711,8 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
     ms = 0;
 
     if (ctx->call_status == NGX_HTTP_OK
-        && ngx_http_llama_session_parse_action(r->connection->log, ctx, &tokens, &bytes, &ms)
+        && ngx_http_llama_session_parse_action(r->connection->log, ctx,
+                                               &tokens, &bytes, &ms)
            == NGX_OK)
     {
         if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE) {

@@ -159,7 +159,8 @@ typedef struct {
     ngx_uint_t                      n_ctx;
     ngx_uint_t                      total_slots;
     u_short                         model_path_len;
-    u_char                          model_path[NGX_HTTP_LLAMA_SESSION_PATH_SHOW];
+    u_char                          model_path[
+                                        NGX_HTTP_LLAMA_SESSION_PATH_SHOW];
     ngx_http_llama_session_stats_t  stats;
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
