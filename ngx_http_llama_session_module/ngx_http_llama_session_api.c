@@ -70,11 +70,8 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_llama_session_loc_conf_t *llcf = conf;
 
-    ngx_str_t                           *value;
-    ngx_uint_t                           i;
-    ngx_http_core_loc_conf_t            *clcf;
-    ngx_http_llama_session_zone_t      **zp;
-    ngx_http_llama_session_main_conf_t  *lmcf;
+    ngx_str_t                 *value;
+    ngx_http_core_loc_conf_t  *clcf;
 
     if (llcf->api_zone) {
         return "is duplicate";
@@ -82,26 +79,8 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     value = cf->args->elts;
 
-    lmcf = ngx_http_conf_get_module_main_conf(cf,
-                                              ngx_http_llama_session_module);
-
-    zp = lmcf->zones.elts;
-
-    for (i = 0; i < lmcf->zones.nelts; i++) {
-        if (zp[i]->name.len == value[1].len
-            && ngx_strncmp(zp[i]->name.data, value[1].data, value[1].len)
-               == 0)
-        {
-            llcf->api_zone = zp[i];
-            break;
-        }
-    }
-
+    llcf->api_zone = ngx_http_llama_session_find_zone(cf, &value[1]);
     if (llcf->api_zone == NULL) {
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "unknown llama_session zone \"%V\": declare it "
-                           "with \"llama_session_zone zone=%V:size\" before "
-                           "use", &value[1], &value[1]);
         return NGX_CONF_ERROR;
     }
 

@@ -579,10 +579,7 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_llama_session_loc_conf_t *llcf = conf;
 
-    ngx_str_t                           *value;
-    ngx_uint_t                           i;
-    ngx_http_llama_session_zone_t      **zp;
-    ngx_http_llama_session_main_conf_t  *lmcf;
+    ngx_str_t  *value;
 
     if (llcf->enable != NGX_CONF_UNSET) {
         return "is duplicate";
@@ -596,28 +593,45 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_OK;
     }
 
+    llcf->zone = ngx_http_llama_session_find_zone(cf, &value[1]);
+    if (llcf->zone == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    llcf->enable = 1;
+
+    return NGX_CONF_OK;
+}
+
+
+/* a zone declared before, by name; logs the error when there is none */
+
+ngx_http_llama_session_zone_t *
+ngx_http_llama_session_find_zone(ngx_conf_t *cf, ngx_str_t *name)
+{
+    ngx_uint_t                           i;
+    ngx_http_llama_session_zone_t      **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
     lmcf = ngx_http_conf_get_module_main_conf(cf,
                                               ngx_http_llama_session_module);
 
     zp = lmcf->zones.elts;
 
     for (i = 0; i < lmcf->zones.nelts; i++) {
-        if (zp[i]->name.len == value[1].len
-            && ngx_strncmp(zp[i]->name.data, value[1].data, value[1].len)
-               == 0)
+        if (zp[i]->name.len == name->len
+            && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
         {
-            llcf->enable = 1;
-            llcf->zone = zp[i];
-            return NGX_CONF_OK;
+            return zp[i];
         }
     }
 
     ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                        "unknown llama_session zone \"%V\": declare it with "
                        "\"llama_session_zone zone=%V:size\" before use",
-                       &value[1], &value[1]);
+                       name, name);
 
-    return NGX_CONF_ERROR;
+    return NULL;
 }
 
 

@@ -297,6 +297,10 @@ void ngx_http_llama_session_wake_local(void);
 void ngx_http_llama_session_saved_ok(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes);
 
+/* module.c */
+ngx_http_llama_session_zone_t *ngx_http_llama_session_find_zone(
+    ngx_conf_t *cf, ngx_str_t *name);
+
 /* idle.c: idle saves */
 ngx_int_t ngx_http_llama_session_idle_init(ngx_cycle_t *cycle);
 

@@ -97,14 +97,23 @@ ngx_http_llama_session_store_name(u_char *name, size_t len, size_t *base)
 
 static ngx_int_t
 ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
-    ngx_array_t *found, ngx_uint_t clean, ngx_log_t *log)
+    ngx_pool_t *pool, ngx_uint_t clean, ngx_log_t *log, ngx_array_t **list)
 {
     u_char                          file[NGX_MAX_PATH];
     size_t                          len, base;
     ngx_int_t                       rc;
     ngx_dir_t                       dir;
+    ngx_array_t                    *found;
     ngx_file_info_t                 fi;
     ngx_http_llama_session_found_t *f;
+
+    found = ngx_array_create(pool, 64,
+                             sizeof(ngx_http_llama_session_found_t));
+    if (found == NULL) {
+        return NGX_ERROR;
+    }
+
+    *list = found;
 
     if (ngx_open_dir(&zone->store, &dir) == NGX_ERROR) {
         ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
@@ -177,7 +186,7 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
     ngx_int_t                        rc;
     ngx_uint_t                       i;
     ngx_pool_t                      *pool;
-    ngx_array_t                      found;
+    ngx_array_t                     *found;
     ngx_http_llama_session_node_t   *node;
     ngx_http_llama_session_found_t  *f;
 
@@ -190,29 +199,21 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
         return NGX_ERROR;
     }
 
-    if (ngx_array_init(&found, pool, 64,
-                       sizeof(ngx_http_llama_session_found_t))
-        != NGX_OK)
-    {
-        ngx_destroy_pool(pool);
-        return NGX_ERROR;
-    }
-
-    rc = ngx_http_llama_session_store_scan(zone, &found, 1, log);
+    rc = ngx_http_llama_session_store_scan(zone, pool, 1, log, &found);
 
     if (rc != NGX_OK) {
         ngx_destroy_pool(pool);
         return rc == NGX_DECLINED ? NGX_OK : NGX_ERROR;
     }
 
-    f = found.elts;
+    f = found->elts;
 
-    ngx_qsort(f, found.nelts, sizeof(ngx_http_llama_session_found_t),
+    ngx_qsort(f, found->nelts, sizeof(ngx_http_llama_session_found_t),
               ngx_http_llama_session_found_cmp);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    for (i = 0; i < found.nelts; i++) {
+    for (i = 0; i < found->nelts; i++) {
         node = ngx_http_llama_session_node(zone, f[i].name, f[i].len);
         if (node == NULL) {
             ngx_log_error(NGX_LOG_WARN, log, 0,
@@ -255,7 +256,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     ngx_int_t                        rc;
     ngx_uint_t                       i, lo, hi, mid, seen;
     ngx_pool_t                      *pool;
-    ngx_array_t                      found;
+    ngx_array_t                     *found;
     ngx_queue_t                     *q;
     ngx_http_llama_session_node_t   *node;
     ngx_http_llama_session_found_t  *f;
@@ -269,24 +270,16 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
         return NGX_ERROR;
     }
 
-    if (ngx_array_init(&found, pool, 64,
-                       sizeof(ngx_http_llama_session_found_t))
-        != NGX_OK)
-    {
-        ngx_destroy_pool(pool);
-        return NGX_ERROR;
-    }
-
-    rc = ngx_http_llama_session_store_scan(zone, &found, 0, log);
+    rc = ngx_http_llama_session_store_scan(zone, pool, 0, log, &found);
 
     if (rc != NGX_OK) {
         ngx_destroy_pool(pool);
         return rc;
     }
 
-    f = found.elts;
+    f = found->elts;
 
-    ngx_qsort(f, found.nelts, sizeof(ngx_http_llama_session_found_t),
+    ngx_qsort(f, found->nelts, sizeof(ngx_http_llama_session_found_t),
               ngx_http_llama_session_name_cmp);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
@@ -303,7 +296,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
 
         seen = 0;
         lo = 0;
-        hi = found.nelts;
+        hi = found->nelts;
 
         while (lo < hi) {
             mid = (lo + hi) / 2;
@@ -330,7 +323,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
         }
     }
 
-    for (i = 0; i < found.nelts; i++) {
+    for (i = 0; i < found->nelts; i++) {
         node = ngx_http_llama_session_lookup_name(zone, f[i].name, f[i].len);
 
         if (node && node->saved) {
