@@ -381,7 +381,7 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     size_t                          n;
     cJSON                          *json, *list, *item, *backend, *stats;
     cJSON                          *file, *session;
-    ngx_uint_t                      i, waiting, has_node;
+    ngx_uint_t                      i, waiting, has_node, pages, free_pages;
     ngx_http_llama_session_sh_t    *sh, copy;
     ngx_http_llama_session_node_t   node;
     ngx_http_llama_session_slot_t  *slot;
@@ -391,6 +391,8 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     ngx_shmtx_lock(&zone->shpool->mutex);
     copy = *sh;
     waiting = sh->nwaiters;
+    pages = (zone->shpool->end - zone->shpool->start) / ngx_pagesize;
+    free_pages = zone->shpool->pfree;
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     json = cJSON_CreateObject();
@@ -405,6 +407,12 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     if (ngx_http_llama_session_api_str(json, "zone", zone->name.data,
                                        zone->name.len) == NULL
         || cJSON_AddNumberToObject(json, "waiting", waiting) == NULL
+        || cJSON_AddNumberToObject(json, "sessions", copy.nsessions) == NULL
+        || cJSON_AddNumberToObject(json, "shm_bytes",
+                                   zone->shm_zone->shm.size) == NULL
+        || cJSON_AddNumberToObject(json, "shm_used_bytes",
+                                   (pages - free_pages) * ngx_pagesize)
+           == NULL
         || (backend = cJSON_AddObjectToObject(json, "backend")) == NULL
         || (stats = cJSON_AddObjectToObject(json, "stats")) == NULL
         || (list = cJSON_AddArrayToObject(json, "slots")) == NULL)
