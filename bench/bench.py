@@ -1,0 +1,661 @@
+#!/usr/bin/python3
+"""make bench: what the module buys and what it costs, side by side.
+
+1. ttft   returning-session time to first token: llama-server alone,
+          llama-server with its RAM prompt cache, nginx + module; and each
+          right after llama-server restarts; with the swap penalty (the
+          returning turn minus the same kind of turn when the slot already
+          holds the session)
+2. swap   the module's swap against the raw /slots save + restore of the
+          same files, warm and cold page cache
+3. hit    the hit path against a fast backend: nginx + module against
+          plain proxy_pass, with wrk, 2 KB and 1 MB bodies
+4. scale  shared memory per session and hit-path latency with 1k, 10k and
+          100k sessions known to the zone
+
+Every comparison runs in one process, its sides alternating request by
+request.  Results: a table on stdout and JSON (--out).
+
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale] [--quick]
+"""
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+NGINX = os.environ.get('NGINX_BINARY', '/usr/sbin/nginx')
+MODULE = os.environ.get('NGINX_MODULE',
+                        os.path.join(ROOT, 'objs',
+                                     'ngx_http_llama_session_module.so'))
+
+
+def rig(script):
+    return subprocess.check_output([os.path.join(ROOT, 'rig', script)],
+                                   stderr=subprocess.DEVNULL).decode().strip()
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_http(port, path='/health', timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            c = http.client.HTTPConnection('127.0.0.1', port, timeout=2)
+            c.request('GET', path)
+            r = c.getresponse()
+            r.read()
+            c.close()
+            if r.status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError('nothing answers on port %d' % port)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def p95(xs):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+
+
+class Llama:
+    """a real llama-server of the rig"""
+
+    def __init__(self, work, name, ctx, cache_ram=0):
+        self.name = name
+        self.port = free_port()
+        self.slots = os.path.join(work, name + '-slots')
+        os.makedirs(self.slots, exist_ok=True)
+        self.log = open(os.path.join(work, name + '.log'), 'ab')
+        self.args = [rig('build-llama-server.sh'), '-m', rig('make-model.sh'),
+                     '--host', '127.0.0.1', '--port', str(self.port),
+                     '-np', '1', '-c', str(ctx), '--slot-save-path',
+                     self.slots, '--no-kv-unified', '--no-cache-idle-slots',
+                     '-sps', '0', '--cache-ram', str(cache_ram), '-t', '2',
+                     '--no-webui']
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(self.args, stdout=self.log,
+                                     stderr=self.log)
+        wait_http(self.port)
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class Nginx:
+    def __init__(self, work, name, http_conf, workers=2):
+        self.dir = os.path.join(work, name)
+        os.makedirs(os.path.join(self.dir, 'tmp'), exist_ok=True)
+        with open(os.path.join(self.dir, 'nginx.conf'), 'w') as f:
+            f.write(
+                'load_module %s;\nworker_processes %d;\nmaster_process on;\n'
+                'daemon off;\npid %s/nginx.pid;\nerror_log %s/error.log info;'
+                '\nuser root;\nevents { worker_connections 1024; }\n'
+                'http {\n    access_log off;\n'
+                '    client_body_temp_path %s/tmp/body;\n'
+                '    proxy_temp_path %s/tmp/proxy;\n%s\n}\n'
+                % (MODULE, workers, self.dir, self.dir, self.dir, self.dir,
+                   http_conf))
+        self.out = open(os.path.join(self.dir, 'nginx.out'), 'ab')
+        self.proc = subprocess.Popen(
+            [NGINX, '-p', self.dir + '/', '-c',
+             os.path.join(self.dir, 'nginx.conf'), '-e',
+             os.path.join(self.dir, 'error.log')],
+            stdout=self.out, stderr=self.out)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def post(port, path, body, headers=None, timeout=600):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    c = http.client.HTTPConnection('127.0.0.1', port, timeout=timeout)
+    h = {'Content-Type': 'application/json'}
+    h.update(headers or {})
+    c.request('POST', path, data, h)
+    r = c.getresponse()
+    payload = r.read()
+    c.close()
+    return r.status, dict(r.getheaders()), payload
+
+
+def stream_turn(port, messages, sid):
+    """a streamed chat turn: (ttft seconds, reply text, cache_n, headers)"""
+    body = json.dumps({'messages': messages, 'max_tokens': 4,
+                       'temperature': 0, 'stream': True}).encode()
+    c = http.client.HTTPConnection('127.0.0.1', port, timeout=900)
+    t0 = time.perf_counter()
+    c.request('POST', '/v1/chat/completions', body,
+              {'Content-Type': 'application/json', 'X-Session-Id': sid})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError('turn failed: %d %s' % (r.status, r.read()[:200]))
+    ttft = None
+    text = ''
+    cache_n = None
+    buf = b''
+    while True:
+        chunk = r.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b'\n\n' in buf:
+            event, buf = buf.split(b'\n\n', 1)
+            if not event.startswith(b'data: ') or event == b'data: [DONE]':
+                continue
+            d = json.loads(event[6:])
+            for ch in d.get('choices', []):
+                piece = (ch.get('delta') or {}).get('content')
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += piece
+            if 'timings' in d:
+                cache_n = d['timings'].get('cache_n')
+    if ttft is None:
+        ttft = time.perf_counter() - t0
+    hdrs = dict(r.getheaders())
+    c.close()
+    return ttft, text, cache_n, hdrs
+
+
+def words_for(port, tokens):
+    """how many filler words make about this many tokens"""
+    sample = ' '.join('w%d' % i for i in range(2000))
+    st, _, payload = post(port, '/tokenize', {'content': sample})
+    per_word = len(json.loads(payload)['tokens']) / 2000.0
+    return int(tokens / per_word)
+
+
+def filler(prefix, n):
+    return ' '.join('%s%d' % (prefix, i) for i in range(n))
+
+
+# 1. returning-session time to first token ---------------------------------
+
+def bench_ttft(work, quick):
+    grid = [(2048, [2, 4, 8]), (8192, [2, 4]), (16384, [2])]
+    if quick:
+        grid = [(2048, [2])]
+    kv_per_token = 8.3 * 1024          # the rig model, measured
+    results = []
+
+    for ptoks, ns in grid:
+        ctx = max(4096, ptoks * 5 // 4 + 512)
+        # the native RAM cache holds two sessions of this size
+        cache_mib = int(2.2 * ptoks * kv_per_token / 2 ** 20) + 8
+        alone = Llama(work, 'alone-%d' % ptoks, ctx)
+        native = Llama(work, 'native-%d' % ptoks, ctx, cache_ram=cache_mib)
+        withmod = Llama(work, 'module-%d' % ptoks, ctx)
+        nport = free_port()
+        ngx = Nginx(work, 'nginx-ttft-%d' % ptoks, '''
+    llama_session_zone zone=llama:4m store=%s save_idle=500ms
+                       backend=127.0.0.1:%d;
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%d;
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+            add_header X-S-Swap $llama_session_swap_ms always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%d/;
+            proxy_read_timeout 900s;
+        }
+    }''' % (withmod.slots, withmod.port, nport, withmod.port, withmod.port))
+        wait_http(nport)
+
+        sides = [('alone', alone.port), ('native_ram_cache', native.port),
+                 ('module', nport)]
+        nwords = words_for(alone.port, ptoks)
+        system = filler('sys', nwords // 2)
+
+        for n in ns:
+            sessions = ['p%dn%ds%d' % (ptoks, n, i) for i in range(n)]
+            conv = {(s, sid): [{'role': 'system', 'content': system},
+                               {'role': 'user', 'content':
+                                filler(sid + 'h', nwords // 2) + ' Q1?'}]
+                    for s, _ in sides for sid in sessions}
+            rec = {s: {'fresh': [], 'hit': [], 'return': [],
+                       'restart': [], 'return_cache_n': [],
+                       'prompt_words': nwords} for s, _ in sides}
+
+            def turn(side, port, sid, kind, question):
+                msgs = conv[(side, sid)]
+                if question:
+                    msgs.append({'role': 'user', 'content':
+                                 question + ' ' + filler('q', 8)})
+                ttft, text, cache_n, _ = stream_turn(port, msgs, sid)
+                msgs.append({'role': 'assistant', 'content': text})
+                rec[side][kind].append(ttft)
+                if kind == 'return':
+                    rec[side]['return_cache_n'].append(cache_n)
+                return ttft
+
+            # first turns (fresh) and the hit floor (the next turn at once)
+            for sid in sessions:
+                for side, port in sides:
+                    turn(side, port, sid, 'fresh', None)
+                    turn(side, port, sid, 'hit', 'Q2?')
+
+            # each session returns after the others had the slot
+            for sid in sessions:
+                for side, port in sides:
+                    turn(side, port, sid, 'return', 'Q3?')
+
+            # after llama-server restarts (the smallest group only)
+            if n == ns[0]:
+                for srv in (alone, native, withmod):
+                    srv.restart()
+                for sid in sessions:
+                    for side, port in sides:
+                        turn(side, port, sid, 'restart', 'Q4?')
+
+            row = {'prompt_tokens': ptoks, 'sessions': n, 'sides': {}}
+            for side, _ in sides:
+                r = rec[side]
+                row['sides'][side] = {
+                    'fresh_median': median(r['fresh']),
+                    'hit_median': median(r['hit']),
+                    'return_median': median(r['return']),
+                    'return_p95': p95(r['return']),
+                    'restart_median': median(r['restart']),
+                    'swap_penalty': (median(r['return']) - median(r['hit'])),
+                    'restart_penalty': (median(r['restart']) - median(r['hit'])
+                                        if r['restart'] else None),
+                    'samples': len(r['return']),
+                    'return_cache_n': r['return_cache_n'],
+                }
+            results.append(row)
+            print_ttft_row(row)
+
+        ngx.stop()
+        for srv in (alone, native, withmod):
+            srv.stop()
+            shutil.rmtree(srv.slots, ignore_errors=True)
+
+    return results
+
+
+def print_ttft_row(row):
+    s = row['sides']
+    m, a, b = s['module'], s['alone'], s['native_ram_cache']
+    print('ttft  %5d tok x %d sessions | return ttft (s) alone %.3f  native '
+          '%.3f  module %.3f | module/alone %.3f  module/native %.3f | '
+          'penalty (s) native %.3f  module %.3f | after restart: alone %s  '
+          'native %s  module %s'
+          % (row['prompt_tokens'], row['sessions'], a['return_median'],
+             b['return_median'], m['return_median'],
+             m['return_median'] / a['return_median'],
+             m['return_median'] / b['return_median'],
+             b['swap_penalty'], m['swap_penalty'],
+             fmt(a['restart_median']), fmt(b['restart_median']),
+             fmt(m['restart_median'])), flush=True)
+
+
+def fmt(x, f='%.3f'):
+    return '-' if x is None else f % x
+
+
+# 2. swap overhead ----------------------------------------------------------
+
+def evict(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def bench_swap(work, quick):
+    ptoks = 4096
+    llama = Llama(work, 'swap', 8192)
+    nport = free_port()
+    ngx = Nginx(work, 'nginx-swap', '''
+    llama_session_zone zone=llama:1m store=%s;
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%d;
+            add_header X-S-Swap $llama_session_swap_ms always;
+            add_header X-S-Action $llama_session_action always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%d/;
+        }
+    }''' % (llama.slots, nport, llama.port, llama.port))
+    wait_http(nport)
+
+    nwords = words_for(llama.port, ptoks)
+    msgs = {sid: [{'role': 'user', 'content': filler(sid, nwords)}]
+            for sid in ('X', 'Y')}
+    for sid in ('X', 'Y', 'X', 'Y'):
+        stream_turn(nport, msgs[sid], sid)
+
+    def file_of(sid):
+        for f in os.listdir(llama.slots):
+            if f.startswith(sid + '-') and f.endswith('.bin'):
+                return os.path.join(llama.slots, f)
+        raise RuntimeError('no file for ' + sid)
+
+    res = {}
+    rounds = 4 if quick else 8
+    for cache in ('warm', 'cold'):
+        mod, raw = [], []
+        for i in range(rounds):
+            # the slot holds Y (the module's last request); the module swaps
+            # to X: save Y + restore X
+            if cache == 'cold':
+                evict(file_of('X'))
+            st, h, _ = post(nport, '/v1/chat/completions',
+                            {'messages': msgs['X'], 'max_tokens': 1},
+                            {'X-Session-Id': 'X'})
+            assert h.get('X-S-Action') == 'restore', h
+            mod.append(float(h['X-S-Swap']) / 1000)
+
+            # raw: the same work straight to llama-server (save the slot,
+            # which holds X now, then restore X's file again)
+            if cache == 'cold':
+                evict(file_of('X'))
+            t0 = time.perf_counter()
+            post(llama.port, '/slots/0?action=save',
+                 {'filename': 'raw-copy.bin'})
+            post(llama.port, '/slots/0?action=restore',
+                 {'filename': os.path.basename(file_of('X'))})
+            raw.append(time.perf_counter() - t0)
+
+            # back to Y through the module, not measured
+            post(nport, '/v1/chat/completions',
+                 {'messages': msgs['Y'], 'max_tokens': 1},
+                 {'X-Session-Id': 'Y'})
+        res[cache] = {'module_median': median(mod), 'module_p95': p95(mod),
+                      'raw_median': median(raw), 'raw_p95': p95(raw),
+                      'ratio': median(mod) / median(raw),
+                      'file_bytes': os.path.getsize(file_of('X')),
+                      'samples': rounds}
+        print('swap  %s page cache: module %.1f ms  raw save+restore %.1f ms'
+              '  ratio %.3f  (%d MB files)'
+              % (cache, 1000 * median(mod), 1000 * median(raw),
+                 res[cache]['ratio'], res[cache]['file_bytes'] // 2 ** 20),
+              flush=True)
+
+    ngx.stop()
+    llama.stop()
+    shutil.rmtree(llama.slots, ignore_errors=True)
+    return res
+
+
+# 3. the hit path -----------------------------------------------------------
+
+FAST_BACKEND = '''
+    server {
+        listen 127.0.0.1:%(backend)d;
+        location = /slots {
+            return 200 '[{"id":0,"n_ctx":4096,"is_processing":false}]';
+        }
+        location = /props {
+            return 200 '{"model_path":"fast","total_slots":1,"default_generation_settings":{"n_ctx":4096}}';
+        }
+        location /slots/ { return 200 '{"id_slot":0,"n_erased":0}'; }
+        location / {
+            client_max_body_size 4m;
+            return 200 '{"choices":[{"message":{"content":"ok"}}]}';
+        }
+    }
+'''
+
+
+def wrk(url, body_file, seconds, sid):
+    script = body_file + '.lua'
+    with open(script, 'w') as f:
+        f.write('local f = io.open("%s", "rb")\n'
+                'wrk.method = "POST"\nwrk.body = f:read("*a")\nf:close()\n'
+                'wrk.headers["Content-Type"] = "application/json"\n'
+                'wrk.headers["X-Session-Id"] = "%s"\n' % (body_file, sid))
+    out = subprocess.check_output(['wrk', '-t1', '-c1', '-d%ds' % seconds,
+                                   '--latency', '-s', script, url]).decode()
+    rps = float(out.split('Requests/sec:')[1].split()[0])
+    lat = {}
+    for line in out.splitlines():
+        line = line.strip()
+        for q in ('50%', '99%'):
+            if line.startswith(q):
+                v = line.split()[1]
+                lat[q] = (float(v[:-2]) / 1000 if v.endswith('us')
+                          else float(v[:-2]) if v.endswith('ms')
+                          else float(v[:-1]) * 1000)
+    errors = 'Non-2xx' in out
+    return rps, lat['50%'], lat['99%'], errors
+
+
+def bench_hit(work, quick):
+    backend, mport, pport = free_port(), free_port(), free_port()
+    conf = FAST_BACKEND % {'backend': backend} + '''
+    llama_session_zone zone=llama:1m;
+    upstream fast { server 127.0.0.1:%(backend)d; keepalive 8; }
+    server {
+        listen 127.0.0.1:%(mport)d;
+        client_max_body_size 4m;
+        location / {
+            llama_session llama;
+            proxy_pass http://fast;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://fast/;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+    server {
+        listen 127.0.0.1:%(pport)d;
+        client_max_body_size 4m;
+        location / {
+            proxy_pass http://fast;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }''' % {'backend': backend, 'mport': mport, 'pport': pport}
+    ngx = Nginx(work, 'nginx-hit', conf, workers=1)
+    wait_http(pport, '/')
+    res = {}
+    seconds = 2 if quick else 5
+    for label, size in (('2KB', 2048), ('1MB', 1024 * 1024)):
+        body = json.dumps({'model': 'm', 'messages': [
+            {'role': 'user', 'content': 'x' * (size - 60)}]})
+        path = os.path.join(work, 'body-%s.json' % label)
+        with open(path, 'w') as f:
+            f.write(body)
+        sides = {'module': [], 'plain': []}
+        # warm up: the first module request takes the slot
+        post(mport, '/v1/chat/completions', body.encode(),
+             {'X-Session-Id': 'hit'})
+        for rnd in range(3):
+            for side, port in (('module', mport), ('plain', pport)):
+                sides[side].append(wrk('http://127.0.0.1:%d/v1/chat/'
+                                       'completions' % port, path, seconds,
+                                       'hit'))
+        r = {}
+        for side in sides:
+            runs = sides[side]
+            r[side] = {'rps_median': median([x[0] for x in runs]),
+                       'p50_ms_median': median([x[1] for x in runs]),
+                       'p99_ms_median': median([x[2] for x in runs]),
+                       'errors': any(x[3] for x in runs)}
+        r['throughput_ratio'] = (r['module']['rps_median']
+                                 / r['plain']['rps_median'])
+        r['p50_added_ms'] = (r['module']['p50_ms_median']
+                             - r['plain']['p50_ms_median'])
+        res[label] = r
+        print('hit   %s bodies: module %.0f req/s p50 %.3f ms p99 %.3f ms | '
+              'plain %.0f req/s p50 %.3f ms p99 %.3f ms | throughput ratio '
+              '%.3f, p50 added %.3f ms'
+              % (label, r['module']['rps_median'], r['module']['p50_ms_median'],
+                 r['module']['p99_ms_median'], r['plain']['rps_median'],
+                 r['plain']['p50_ms_median'], r['plain']['p99_ms_median'],
+                 r['throughput_ratio'], r['p50_added_ms']), flush=True)
+    ngx.stop()
+    return res
+
+
+# 4. scale --------------------------------------------------------------------
+
+def bench_scale(work, quick):
+    counts = [0, 1000, 10000] + ([] if quick else [100000])
+    fp = hashlib.sha256(b'fast\x004096\x001').hexdigest()[:8]
+    res = []
+    body = os.path.join(work, 'body-scale.json')
+    with open(body, 'w') as f:
+        f.write(json.dumps({'messages': [{'role': 'user', 'content': 'hi'}]}))
+    for n in counts:
+        store = os.path.join(work, 'scale-store')
+        shutil.rmtree(store, ignore_errors=True)
+        os.makedirs(store)
+        for i in range(n):
+            open(os.path.join(store, 'bulk%06d-%024x.%s.bin' % (i, i, fp)),
+                 'w').close()
+        backend, mport, aport = free_port(), free_port(), free_port()
+        conf = FAST_BACKEND % {'backend': backend} + '''
+    llama_session_zone zone=llama:96m store=%(store)s;
+    server {
+        listen 127.0.0.1:%(mport)d;
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%(backend)d;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%(backend)d/;
+        }
+    }
+    server {
+        listen 127.0.0.1:%(aport)d;
+        location /api/ { llama_session_api llama; }
+    }''' % {'backend': backend, 'mport': mport, 'aport': aport,
+            'store': store}
+        t0 = time.perf_counter()
+        ngx = Nginx(work, 'nginx-scale-%d' % n, conf, workers=1)
+        wait_http(aport, '/api/sessions/current')
+        start_s = time.perf_counter() - t0
+        post(mport, '/v1/chat/completions', open(body, 'rb').read(),
+             {'X-Session-Id': 'hit'})
+        c = http.client.HTTPConnection('127.0.0.1', aport)
+        c.request('GET', '/api/sessions/current')
+        cur = json.loads(c.getresponse().read())
+        c.close()
+        rps, p50, p99, _ = wrk('http://127.0.0.1:%d/v1/chat/completions'
+                               % mport, body, 2 if quick else 3, 'hit')
+        # a swap to a new session: the slot decision with the index full
+        swap = []
+        for i in range(20):
+            t1 = time.perf_counter()
+            post(mport, '/v1/chat/completions', open(body, 'rb').read(),
+                 {'X-Session-Id': 'new%d' % i})
+            swap.append(time.perf_counter() - t1)
+        ngx.stop()
+        res.append({'sessions': n, 'known': cur['sessions'],
+                    'shm_used_bytes': cur['shm_used_bytes'],
+                    'start_seconds': start_s, 'hit_p50_ms': p50,
+                    'hit_p99_ms': p99, 'swap_median_ms': 1000 * median(swap)})
+        shutil.rmtree(store, ignore_errors=True)
+    base = res[0]['shm_used_bytes']
+    for r in res:
+        r['shm_bytes_per_session'] = ((r['shm_used_bytes'] - base) / r['known']
+                                      if r['known'] else None)
+        print('scale %6d sessions: %s shm bytes/session, hit p50 %.3f ms, '
+              'swap to a new session %.2f ms, start %.1f s'
+              % (r['sessions'], fmt(r['shm_bytes_per_session'], '%.0f'),
+                 r['hit_p50_ms'], r['swap_median_ms'], r['start_seconds']),
+              flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
+                                                  'latest.json'))
+    ap.add_argument('--only', default='ttft,swap,hit,scale')
+    ap.add_argument('--quick', action='store_true')
+    args = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix='llama-session-bench.')
+    result = {'command': ' '.join(sys.argv),
+              'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'),
+              'machine': {'cpus': os.cpu_count(),
+                          'cpu': platform.processor() or platform.machine(),
+                          'kernel': platform.release()}}
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    result['machine']['cpu'] = line.split(':', 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    t0 = time.time()
+    try:
+        for part in args.only.split(','):
+            t1 = time.time()
+            result[part] = globals()['bench_' + part](work, args.quick)
+            result[part + '_seconds'] = round(time.time() - t1, 1)
+    finally:
+        result['seconds'] = round(time.time() - t0, 1)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, 'w') as f:
+            json.dump(result, f, indent=1)
+        shutil.rmtree(work, ignore_errors=True)
+    print('results: %s (%.0f s)' % (args.out, result['seconds']))
+
+
+if __name__ == '__main__':
+    main()
