@@ -22,13 +22,27 @@ static ngx_int_t ngx_http_llama_session_from_headers(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_array_t *names);
 static ngx_int_t ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx,
-    ngx_http_llama_session_loc_conf_t *llcf, cJSON *json);
+    ngx_http_llama_session_loc_conf_t *llcf,
+    ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_system_text(ngx_http_request_t *r,
-    cJSON *json, ngx_str_t *text);
+    ngx_http_llama_session_span_t *system,
+    ngx_http_llama_session_span_t *messages, ngx_str_t *text);
+static ngx_int_t ngx_http_llama_session_span_text(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *span, ngx_str_t *text);
+static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *span, ngx_str_t *s);
 static ngx_int_t ngx_http_llama_session_append_text(ngx_http_request_t *r,
     cJSON *content, ngx_str_t *text);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
+
+
+static ngx_str_t  ngx_http_llama_session_model_name =
+    ngx_string("model");
+static ngx_str_t  ngx_http_llama_session_system_name =
+    ngx_string("system");
+static ngx_str_t  ngx_http_llama_session_messages_name =
+    ngx_string("messages");
 
 
 static ngx_str_t  ngx_http_llama_session_no_slot[] = {
@@ -122,9 +136,12 @@ ngx_int_t
 ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    cJSON                              *json, *model;
+    u_char                             *dot;
     ngx_int_t                           rc;
-    ngx_str_t                           body, ns;
+    ngx_str_t                           body, ns, *field;
+    ngx_str_t                           names[3 + NGX_HTTP_LLAMA_SESSION_FIELDS_MAX];
+    ngx_uint_t                          i, n;
+    ngx_http_llama_session_span_t       spans[3 + NGX_HTTP_LLAMA_SESSION_FIELDS_MAX];
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -157,34 +174,42 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         goto fallback;
     }
 
-    json = cJSON_ParseWithLength((const char *) body.data, body.len);
+    /* the members the module needs, at the top level of the object */
 
-    if (json == NULL || !cJSON_IsObject(json)) {
+    names[0] = ngx_http_llama_session_model_name;
+    names[1] = ngx_http_llama_session_system_name;
+    names[2] = ngx_http_llama_session_messages_name;
+    n = 3;
+
+    field = llcf->id_fields->elts;
+
+    for (i = 0; i < llcf->id_fields->nelts; i++) {
+        dot = ngx_strlchr(field[i].data, field[i].data + field[i].len, '.');
+
+        names[n].data = field[i].data;
+        names[n].len = dot ? (size_t) (dot - field[i].data) : field[i].len;
+        n++;
+    }
+
+    if (ngx_http_llama_session_json_body(body.data, body.data + body.len,
+                                         names, spans, n)
+        != NGX_OK)
+    {
         ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: the body is not a JSON object");
-        cJSON_Delete(json);
         goto fallback;
     }
 
-    model = cJSON_GetObjectItemCaseSensitive(json, "model");
-
-    if (model
-        && ngx_http_llama_session_json_str(r, model, &ctx->model) == NGX_ERROR)
+    if (spans[0].start
+        && ngx_http_llama_session_span_str(r, &spans[0], &ctx->model)
+           == NGX_ERROR)
     {
-        cJSON_Delete(json);
         return NGX_ERROR;
     }
 
-    if (ctx->id.len == 0) {
-        rc = ngx_http_llama_session_from_json(r, ctx, llcf, json);
-
-    } else {
-        rc = NGX_OK;
-    }
-
-    cJSON_Delete(json);
-
-    if (rc == NGX_ERROR) {
+    if (ctx->id.len == 0
+        && ngx_http_llama_session_from_json(r, ctx, llcf, spans) == NGX_ERROR)
+    {
         return NGX_ERROR;
     }
 
@@ -350,48 +375,53 @@ ngx_http_llama_session_from_headers(ngx_http_request_t *r,
 static ngx_int_t
 ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx,
-    ngx_http_llama_session_loc_conf_t *llcf, cJSON *json)
+    ngx_http_llama_session_loc_conf_t *llcf,
+    ngx_http_llama_session_span_t *spans)
 {
-    u_char         *p, *last, *dot, hash[32], name[128];
-    cJSON          *item;
-    ngx_str_t      *field, text;
-    ngx_uint_t      n;
-    unsigned int    hlen;
+    u_char                         *p, *last, *dot, hash[32];
+    ngx_str_t                      *field, text, name;
+    ngx_uint_t                      n;
+    unsigned int                    hlen;
+    ngx_http_llama_session_span_t   span;
 
     field = llcf->id_fields->elts;
 
     for (n = 0; n < llcf->id_fields->nelts; n++) {
 
-        item = json;
+        /* the first part of the path was found with the top level */
+
+        span = spans[3 + n];
         p = field[n].data;
         last = p + field[n].len;
 
-        while (item && p < last) {
+        dot = ngx_strlchr(p, last, '.');
+        p = dot ? dot + 1 : last;
+
+        while (span.start && p < last) {
             dot = ngx_strlchr(p, last, '.');
             if (dot == NULL) {
                 dot = last;
             }
 
-            if ((size_t) (dot - p) >= sizeof(name)) {
-                item = NULL;
-                break;
+            name.data = p;
+            name.len = dot - p;
+
+            if (ngx_http_llama_session_json_object(span.start, span.end,
+                                                   &name, &span, 1)
+                == NULL)
+            {
+                span.start = NULL;
             }
-
-            ngx_memcpy(name, p, dot - p);
-            name[dot - p] = '\0';
-
-            item = cJSON_IsObject(item)
-                   ? cJSON_GetObjectItemCaseSensitive(item, (char *) name)
-                   : NULL;
 
             p = dot + 1;
         }
 
-        if (item == NULL) {
+        if (span.start == NULL) {
             continue;
         }
 
-        if (ngx_http_llama_session_json_str(r, item, &ctx->id) == NGX_ERROR) {
+        if (ngx_http_llama_session_span_str(r, &span, &ctx->id) == NGX_ERROR)
+        {
             return NGX_ERROR;
         }
 
@@ -412,7 +442,9 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    if (ngx_http_llama_session_system_text(r, json, &text) != NGX_OK) {
+    if (ngx_http_llama_session_system_text(r, &spans[1], &spans[2], &text)
+        != NGX_OK)
+    {
         return NGX_ERROR;
     }
 
@@ -450,50 +482,107 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
  */
 
 static ngx_int_t
-ngx_http_llama_session_system_text(ngx_http_request_t *r, cJSON *json,
-    ngx_str_t *text)
+ngx_http_llama_session_system_text(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *system,
+    ngx_http_llama_session_span_t *messages, ngx_str_t *text)
 {
-    cJSON  *system, *messages, *message, *role;
+    u_char                         *pos;
+    ngx_int_t                       rc;
+    ngx_str_t                       names[2];
+    ngx_http_llama_session_span_t   elt, fields[2];
 
     ngx_str_null(text);
 
-    system = cJSON_GetObjectItemCaseSensitive(json, "system");
-
-    if (system
-        && ngx_http_llama_session_append_text(r, system, text) != NGX_OK)
+    if (system->start
+        && ngx_http_llama_session_span_text(r, system, text) != NGX_OK)
     {
         return NGX_ERROR;
     }
 
-    messages = cJSON_GetObjectItemCaseSensitive(json, "messages");
-
-    if (!cJSON_IsArray(messages)) {
+    if (messages->start == NULL || *messages->start != '[') {
         return NGX_OK;
     }
 
-    cJSON_ArrayForEach(message, messages) {
+    ngx_str_set(&names[0], "role");
+    ngx_str_set(&names[1], "content");
 
-        if (!cJSON_IsObject(message)) {
-            continue;
+    pos = messages->start;
+
+    for ( ;; ) {
+        rc = ngx_http_llama_session_json_next(&pos, messages->end, &elt);
+
+        if (rc != NGX_OK) {
+            return NGX_OK;
         }
 
-        role = cJSON_GetObjectItemCaseSensitive(message, "role");
-
-        if (!cJSON_IsString(role) || ngx_strcmp(role->valuestring, "system"))
+        if (*elt.start != '{'
+            || ngx_http_llama_session_json_object(elt.start, elt.end, names,
+                                                  fields, 2)
+               == NULL)
         {
             continue;
         }
 
-        if (ngx_http_llama_session_append_text(r,
-                     cJSON_GetObjectItemCaseSensitive(message, "content"),
-                     text)
-            != NGX_OK)
+        if (fields[0].start == NULL || fields[1].start == NULL
+            || fields[0].end - fields[0].start != sizeof("\"system\"") - 1
+            || ngx_strncmp(fields[0].start, "\"system\"",
+                           sizeof("\"system\"") - 1) != 0)
         {
+            continue;
+        }
+
+        if (ngx_http_llama_session_span_text(r, &fields[1], text) != NGX_OK) {
             return NGX_ERROR;
         }
     }
+}
 
-    return NGX_OK;
+
+/* the text of a string or of text parts, decoded, appended to text */
+
+static ngx_int_t
+ngx_http_llama_session_span_text(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *span, ngx_str_t *text)
+{
+    cJSON      *json;
+    ngx_int_t   rc;
+
+    json = cJSON_ParseWithLength((const char *) span->start,
+                                 span->end - span->start);
+    if (json == NULL) {
+        return NGX_OK;
+    }
+
+    rc = ngx_http_llama_session_append_text(r, json, text);
+
+    cJSON_Delete(json);
+
+    return rc;
+}
+
+
+/* a string or an integer value, decoded */
+
+static ngx_int_t
+ngx_http_llama_session_span_str(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *span, ngx_str_t *s)
+{
+    cJSON      *json;
+    ngx_int_t   rc;
+
+    ngx_str_null(s);
+
+    json = cJSON_ParseWithLength((const char *) span->start,
+                                 span->end - span->start);
+    if (json == NULL) {
+        return NGX_OK;
+    }
+
+    rc = ngx_http_llama_session_json_str(r, json, s);
+
+    cJSON_Delete(json);
+
+    return rc;
 }
 
 

@@ -712,6 +712,13 @@ ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     header = (cmd->offset
               == offsetof(ngx_http_llama_session_loc_conf_t, id_headers));
 
+    if (!header && cf->args->nelts - 1 > NGX_HTTP_LLAMA_SESSION_FIELDS_MAX) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "too many fields, at most %d",
+                           NGX_HTTP_LLAMA_SESSION_FIELDS_MAX);
+        return NGX_CONF_ERROR;
+    }
+
     for (i = 1; i < cf->args->nelts; i++) {
 
         c = value[i].data;

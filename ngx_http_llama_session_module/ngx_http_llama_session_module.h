@@ -25,6 +25,7 @@
 #define NGX_HTTP_LLAMA_SESSION_ID_SHOW     96
 #define NGX_HTTP_LLAMA_SESSION_MODEL_SHOW  64
 #define NGX_HTTP_LLAMA_SESSION_PATH_SHOW   200
+#define NGX_HTTP_LLAMA_SESSION_FIELDS_MAX  16
 
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
@@ -205,6 +206,14 @@ typedef struct {
 } ngx_http_llama_session_loc_conf_t;
 
 
+/* a span of JSON text: a value of a request body */
+
+typedef struct {
+    u_char                         *start;
+    u_char                         *end;
+} ngx_http_llama_session_span_t;
+
+
 /* a request */
 
 typedef struct ngx_http_llama_session_ctx_s  ngx_http_llama_session_ctx_t;
@@ -315,6 +324,15 @@ ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
+
+/* json.c: the body scanner */
+u_char *ngx_http_llama_session_json_skip(u_char *p, u_char *end);
+u_char *ngx_http_llama_session_json_object(u_char *p, u_char *end,
+    ngx_str_t *names, ngx_http_llama_session_span_t *values, ngx_uint_t n);
+ngx_int_t ngx_http_llama_session_json_next(u_char **pos, u_char *end,
+    ngx_http_llama_session_span_t *elt);
+ngx_int_t ngx_http_llama_session_json_body(u_char *p, u_char *end,
+    ngx_str_t *names, ngx_http_llama_session_span_t *values, ngx_uint_t n);
 
 /* shm.c: shared state */
 ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,

@@ -1,0 +1,265 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * A scanner for request bodies: it finds the spans of a few members of a
+ * JSON object without building a tree, skipping everything else (long
+ * prompts, histories, images) with memchr().  The few values the module
+ * needs are decoded from their spans by cJSON.  Pure functions over
+ * bytes, so they can be fuzzed alone.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+
+#define NGX_HTTP_LLAMA_SESSION_JSON_DEPTH  512
+
+
+static u_char *
+ngx_http_llama_session_json_ws(u_char *p, u_char *end)
+{
+    while (p < end
+           && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
+    {
+        p++;
+    }
+
+    return p;
+}
+
+
+/* p at the opening quote; returns the byte after the closing one */
+
+static u_char *
+ngx_http_llama_session_json_string(u_char *p, u_char *end)
+{
+    u_char  *q, *b;
+
+    p++;
+
+    for ( ;; ) {
+        q = memchr(p, '"', end - p);
+        if (q == NULL) {
+            return NULL;
+        }
+
+        /* escaped if an odd number of backslashes stand before it */
+
+        for (b = q; b > p && b[-1] == '\\'; b--) { /* void */ }
+
+        if (((q - b) & 1) == 0) {
+            return q + 1;
+        }
+
+        p = q + 1;
+    }
+}
+
+
+/* skips one value at p (no leading space); NULL if it is not JSON */
+
+u_char *
+ngx_http_llama_session_json_skip(u_char *p, u_char *end)
+{
+    u_char      c;
+    ngx_uint_t  depth;
+
+    if (p >= end) {
+        return NULL;
+    }
+
+    c = *p;
+
+    if (c == '"') {
+        return ngx_http_llama_session_json_string(p, end);
+    }
+
+    if (c != '{' && c != '[') {
+        /* a number, true, false or null */
+
+        while (p < end
+               && ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z')
+                   || *p == '-' || *p == '+' || *p == '.' || *p == 'E'))
+        {
+            p++;
+        }
+
+        return (p == end || *p == ',' || *p == '}' || *p == ']' || *p == ' '
+                || *p == '\n' || *p == '\r' || *p == '\t')
+               ? p : NULL;
+    }
+
+    depth = 0;
+
+    while (p < end) {
+        c = *p;
+
+        switch (c) {
+
+        case '"':
+            p = ngx_http_llama_session_json_string(p, end);
+            if (p == NULL) {
+                return NULL;
+            }
+            continue;
+
+        case '{':
+        case '[':
+            if (++depth > NGX_HTTP_LLAMA_SESSION_JSON_DEPTH) {
+                return NULL;
+            }
+            break;
+
+        case '}':
+        case ']':
+            if (--depth == 0) {
+                return p + 1;
+            }
+            break;
+
+        default:
+            break;
+        }
+
+        p++;
+    }
+
+    return NULL;
+}
+
+
+/*
+ * Scans the object at p (its '{'): for each of the n names, the span of
+ * the first member of that name (keys compared as written).  Returns the
+ * byte after the object, or NULL if it is not a well-formed object.
+ */
+
+u_char *
+ngx_http_llama_session_json_object(u_char *p, u_char *end, ngx_str_t *names,
+    ngx_http_llama_session_span_t *values, ngx_uint_t n)
+{
+    u_char      *key, *kend, *v;
+    ngx_uint_t   i;
+
+    for (i = 0; i < n; i++) {
+        values[i].start = NULL;
+        values[i].end = NULL;
+    }
+
+    if (p >= end || *p != '{') {
+        return NULL;
+    }
+
+    p = ngx_http_llama_session_json_ws(p + 1, end);
+
+    if (p < end && *p == '}') {
+        return p + 1;
+    }
+
+    for ( ;; ) {
+        if (p >= end || *p != '"') {
+            return NULL;
+        }
+
+        key = p + 1;
+        p = ngx_http_llama_session_json_string(p, end);
+        if (p == NULL) {
+            return NULL;
+        }
+
+        kend = p - 1;
+
+        p = ngx_http_llama_session_json_ws(p, end);
+        if (p >= end || *p != ':') {
+            return NULL;
+        }
+
+        p = ngx_http_llama_session_json_ws(p + 1, end);
+
+        v = p;
+        p = ngx_http_llama_session_json_skip(p, end);
+        if (p == NULL) {
+            return NULL;
+        }
+
+        for (i = 0; i < n; i++) {
+            if (values[i].start == NULL
+                && (size_t) (kend - key) == names[i].len
+                && ngx_strncmp(key, names[i].data, names[i].len) == 0)
+            {
+                values[i].start = v;
+                values[i].end = p;
+            }
+        }
+
+        p = ngx_http_llama_session_json_ws(p, end);
+
+        if (p < end && *p == ',') {
+            p = ngx_http_llama_session_json_ws(p + 1, end);
+            continue;
+        }
+
+        if (p < end && *p == '}') {
+            return p + 1;
+        }
+
+        return NULL;
+    }
+}
+
+
+/*
+ * The next element of the array whose '[' or last element ended at *pos:
+ * NGX_OK with its span, NGX_DONE at the end, NGX_ERROR if malformed.
+ */
+
+ngx_int_t
+ngx_http_llama_session_json_next(u_char **pos, u_char *end,
+    ngx_http_llama_session_span_t *elt)
+{
+    u_char  *p;
+
+    p = ngx_http_llama_session_json_ws(*pos, end);
+
+    if (p >= end) {
+        return NGX_ERROR;
+    }
+
+    if (*p == '[' || *p == ',') {
+        p = ngx_http_llama_session_json_ws(p + 1, end);
+    }
+
+    if (p < end && *p == ']') {
+        *pos = p + 1;
+        return NGX_DONE;
+    }
+
+    elt->start = p;
+    elt->end = ngx_http_llama_session_json_skip(p, end);
+
+    if (elt->end == NULL) {
+        return NGX_ERROR;
+    }
+
+    *pos = elt->end;
+
+    return NGX_OK;
+}
+
+
+/* is the whole body one JSON object? */
+
+ngx_int_t
+ngx_http_llama_session_json_body(u_char *p, u_char *end, ngx_str_t *names,
+    ngx_http_llama_session_span_t *values, ngx_uint_t n)
+{
+    p = ngx_http_llama_session_json_ws(p, end);
+
+    p = ngx_http_llama_session_json_object(p, end, names, values, n);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    return ngx_http_llama_session_json_ws(p, end) == end ? NGX_OK : NGX_ERROR;
+}
