@@ -31,10 +31,16 @@ static ngx_int_t ngx_http_llama_session_span_text(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *text);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
+static ngx_int_t ngx_http_llama_session_sha256(ngx_http_request_t *r,
+    ngx_str_t *parts, ngx_uint_t n, u_char *out);
 static ngx_int_t ngx_http_llama_session_append_text(ngx_http_request_t *r,
     cJSON *content, ngx_str_t *text);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
+
+
+static EVP_MD      *ngx_http_llama_session_sha256_md;
+static EVP_MD_CTX  *ngx_http_llama_session_sha256_ctx;
 
 
 static ngx_str_t  ngx_http_llama_session_model_name =
@@ -378,10 +384,9 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_loc_conf_t *llcf,
     ngx_http_llama_session_span_t *spans)
 {
-    u_char                         *p, *last, *dot, hash[32];
+    u_char                         *p, *last, *dot, hash[EVP_MAX_MD_SIZE];
     ngx_str_t                      *field, text, name;
     ngx_uint_t                      n;
-    unsigned int                    hlen;
     ngx_http_llama_session_span_t   span;
 
     field = llcf->id_fields->elts;
@@ -452,11 +457,7 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    if (EVP_Digest(text.data, text.len, hash, &hlen, EVP_sha256(), NULL)
-        != 1)
-    {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: SHA-256 failed");
+    if (ngx_http_llama_session_sha256(r, &text, 1, hash) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -684,10 +685,9 @@ ngx_int_t
 ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
 {
-    u_char         *p, c, hash[EVP_MAX_MD_SIZE];
-    size_t          i, n;
-    EVP_MD_CTX     *md;
-    unsigned int    hlen;
+    u_char      *p, c, hash[EVP_MAX_MD_SIZE];
+    size_t       i, n;
+    ngx_str_t    parts[5];
 
     if (ctx->default_session) {
         p = ngx_cpymem(ctx->key, "default", sizeof("default") - 1);
@@ -695,26 +695,15 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    md = EVP_MD_CTX_new();
-    if (md == NULL) {
+    parts[0] = *ns;
+    ngx_str_set(&parts[1], "\0");
+    parts[2] = ctx->model;
+    parts[3] = parts[1];
+    parts[4] = ctx->id;
+
+    if (ngx_http_llama_session_sha256(r, parts, 5, hash) != NGX_OK) {
         return NGX_ERROR;
     }
-
-    if (EVP_DigestInit_ex(md, EVP_sha256(), NULL) != 1
-        || EVP_DigestUpdate(md, ns->data, ns->len) != 1
-        || EVP_DigestUpdate(md, "", 1) != 1
-        || EVP_DigestUpdate(md, ctx->model.data, ctx->model.len) != 1
-        || EVP_DigestUpdate(md, "", 1) != 1
-        || EVP_DigestUpdate(md, ctx->id.data, ctx->id.len) != 1
-        || EVP_DigestFinal_ex(md, hash, &hlen) != 1)
-    {
-        EVP_MD_CTX_free(md);
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: SHA-256 failed");
-        return NGX_ERROR;
-    }
-
-    EVP_MD_CTX_free(md);
 
     p = ctx->key;
     n = ngx_min(ctx->id.len, NGX_HTTP_LLAMA_SESSION_SAFE_MAX);
@@ -737,4 +726,54 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
                    &ctx->source, ctx->key_len, ctx->key);
 
     return NGX_OK;
+}
+
+
+/* SHA-256 of the parts, with digest objects fetched once per worker */
+
+static ngx_int_t
+ngx_http_llama_session_sha256(ngx_http_request_t *r, ngx_str_t *parts,
+    ngx_uint_t n, u_char *out)
+{
+    ngx_uint_t     i;
+    EVP_MD_CTX    *md;
+    unsigned int   len;
+
+    if (ngx_http_llama_session_sha256_ctx == NULL) {
+        /* fetching the digest is slow in OpenSSL 3: do it once */
+        ngx_http_llama_session_sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+        ngx_http_llama_session_sha256_ctx = EVP_MD_CTX_new();
+
+        if (ngx_http_llama_session_sha256_md == NULL
+            || ngx_http_llama_session_sha256_ctx == NULL)
+        {
+            EVP_MD_free(ngx_http_llama_session_sha256_md);
+            EVP_MD_CTX_free(ngx_http_llama_session_sha256_ctx);
+            ngx_http_llama_session_sha256_md = NULL;
+            ngx_http_llama_session_sha256_ctx = NULL;
+            goto failed;
+        }
+    }
+
+    md = ngx_http_llama_session_sha256_ctx;
+
+    if (EVP_DigestInit_ex(md, ngx_http_llama_session_sha256_md, NULL) != 1) {
+        goto failed;
+    }
+
+    for (i = 0; i < n; i++) {
+        if (EVP_DigestUpdate(md, parts[i].data, parts[i].len) != 1) {
+            goto failed;
+        }
+    }
+
+    if (EVP_DigestFinal_ex(md, out, &len) == 1) {
+        return NGX_OK;
+    }
+
+failed:
+
+    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                  "llama_session: SHA-256 failed");
+    return NGX_ERROR;
 }

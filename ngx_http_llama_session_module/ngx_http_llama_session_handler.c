@@ -394,7 +394,6 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.hits);
         return ngx_http_llama_session_proxy(r, ctx);
     }
 
@@ -786,14 +785,15 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
+    if (!ctx->swapped) {
+        /* a hit: the zone marked the slot changed already */
+        return NGX_DECLINED;
+    }
+
     /* whatever runs now leaves the slot holding this session's tokens */
 
     ngx_http_llama_session_slot_set(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
                                     ctx->key, ctx->key_len, 1);
-
-    if (!ctx->swapped) {
-        return NGX_DECLINED;
-    }
 
     ctx->swap_ms = ngx_current_msec - ctx->swap_start;
 

@@ -240,6 +240,10 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     if (hit) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
 
+        /* the request will change the session in the slot */
+        slot->dirty = 1;
+        sh->stats.hits++;
+
     } else {
         /* requests of this session waiting now go before the next swap */
         slot->batch = sh->next_ticket;
