@@ -33,6 +33,8 @@ static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
 static ngx_int_t ngx_http_llama_session_sha256(ngx_http_request_t *r,
     ngx_str_t *parts, ngx_uint_t n, u_char *out);
+static ngx_uint_t ngx_http_llama_session_last_matches(ngx_str_t *ns,
+    ngx_str_t *model, ngx_str_t *id);
 static ngx_int_t ngx_http_llama_session_append_text(ngx_http_request_t *r,
     cJSON *content, ngx_str_t *text);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
@@ -41,6 +43,12 @@ static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
 
 static EVP_MD      *ngx_http_llama_session_sha256_md;
 static EVP_MD_CTX  *ngx_http_llama_session_sha256_ctx;
+
+/* the last key this worker derived, and what it was derived from */
+static u_char   ngx_http_llama_session_last_in[512];
+static size_t   ngx_http_llama_session_last_len;
+static u_char   ngx_http_llama_session_last_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+static size_t   ngx_http_llama_session_last_key_len;
 
 
 static ngx_str_t  ngx_http_llama_session_model_name =
@@ -686,12 +694,28 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
 {
     u_char      *p, c, hash[EVP_MAX_MD_SIZE];
-    size_t       i, n;
+    size_t       i, n, len;
     ngx_str_t    parts[5];
 
     if (ctx->default_session) {
         p = ngx_cpymem(ctx->key, "default", sizeof("default") - 1);
         ctx->key_len = p - ctx->key;
+        return NGX_OK;
+    }
+
+    /*
+     * the same session comes again and again: the worker keeps the last
+     * key it derived, and its input, to skip SHA-256 then
+     */
+
+    len = ns->len + ctx->model.len + ctx->id.len + 2;
+
+    if (len <= sizeof(ngx_http_llama_session_last_in)
+        && len == ngx_http_llama_session_last_len
+        && ngx_http_llama_session_last_matches(ns, &ctx->model, &ctx->id))
+    {
+        ctx->key_len = ngx_http_llama_session_last_key_len;
+        ngx_memcpy(ctx->key, ngx_http_llama_session_last_key, ctx->key_len);
         return NGX_OK;
     }
 
@@ -720,6 +744,18 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     p = ngx_hex_dump(p, hash, NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
 
     ctx->key_len = p - ctx->key;
+
+    if (len <= sizeof(ngx_http_llama_session_last_in)) {
+        p = ngx_cpymem(ngx_http_llama_session_last_in, ns->data, ns->len);
+        *p++ = '\0';
+        p = ngx_cpymem(p, ctx->model.data, ctx->model.len);
+        *p++ = '\0';
+        ngx_memcpy(p, ctx->id.data, ctx->id.len);
+
+        ngx_http_llama_session_last_len = len;
+        ngx_http_llama_session_last_key_len = ctx->key_len;
+        ngx_memcpy(ngx_http_llama_session_last_key, ctx->key, ctx->key_len);
+    }
 
     ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: session from %V, key \"%*s\"",
@@ -776,4 +812,29 @@ failed:
     ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                   "llama_session: SHA-256 failed");
     return NGX_ERROR;
+}
+
+
+static ngx_uint_t
+ngx_http_llama_session_last_matches(ngx_str_t *ns, ngx_str_t *model,
+    ngx_str_t *id)
+{
+    u_char  *p;
+
+    p = ngx_http_llama_session_last_in;
+
+    if (ngx_memcmp(p, ns->data, ns->len) != 0 || p[ns->len] != '\0') {
+        return 0;
+    }
+
+    p += ns->len + 1;
+
+    if (ngx_memcmp(p, model->data, model->len) != 0 || p[model->len] != '\0')
+    {
+        return 0;
+    }
+
+    p += model->len + 1;
+
+    return ngx_memcmp(p, id->data, id->len) == 0;
 }
