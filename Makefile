@@ -8,6 +8,7 @@ SHELL := /bin/bash
 #   make rig        build llama-server and the test model (cached)
 #   make test       build + rig + prove
 #   make demo       run llama-server + nginx with the module and show it
+#   make bench      the benchmarks (docs/benchmarks.md)
 #   make asan       nginx 1.22.1 from Debian's source with AddressSanitizer
 #   make test-asan  the suite under that nginx
 #   make test-valgrind  the suite with nginx under valgrind
@@ -26,7 +27,7 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 g++:g++ make:make valgrind:valgrind prove:perl
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps rig test demo asan test-asan test-valgrind clean
+.PHONY: all deps rig test demo bench asan test-asan test-valgrind clean
 
 all: $(MODULE)
 
@@ -69,6 +70,12 @@ test: deps $(MODULE) rig
 
 demo: deps $(MODULE) rig
 	examples/demo.sh
+
+# benchmarks (not tests): a table on stdout, JSON in bench/results/
+bench: deps $(MODULE) rig
+	@command -v wrk >/dev/null || { apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk; }
+	/usr/bin/python3 bench/bench.py $(BENCH_FLAGS)
 
 asan: deps
 	rig/build-asan-nginx.sh

@@ -94,9 +94,15 @@ class Llama:
         self.args = [rig('build-llama-server.sh'), '-m', rig('make-model.sh'),
                      '--host', '127.0.0.1', '--port', str(self.port),
                      '-np', '1', '-c', str(ctx), '--slot-save-path',
-                     self.slots, '--no-kv-unified', '--no-cache-idle-slots',
-                     '-sps', '0', '--cache-ram', str(cache_ram), '-t', '2',
-                     '--no-webui']
+                     self.slots, '-t', '2', '--no-webui']
+        if cache_ram:
+            # llama-server's own RAM prompt cache, as deployed: its defaults
+            # (prompt similarity, idle slots cached) with a budget
+            self.args += ['--cache-ram', str(cache_ram)]
+        else:
+            # what the module expects
+            self.args += ['--no-kv-unified', '--no-cache-idle-slots',
+                          '-sps', '0', '--cache-ram', '0']
         self.start()
 
     def start(self):
@@ -176,6 +182,7 @@ def stream_turn(port, messages, sid):
     ttft = None
     text = ''
     cache_n = None
+    prompt_n = None
     buf = b''
     while True:
         chunk = r.read1(65536)
@@ -195,19 +202,27 @@ def stream_turn(port, messages, sid):
                     text += piece
             if 'timings' in d:
                 cache_n = d['timings'].get('cache_n')
+                prompt_n = d['timings'].get('prompt_n', 0) + (cache_n or 0)
     if ttft is None:
         ttft = time.perf_counter() - t0
     hdrs = dict(r.getheaders())
     c.close()
-    return ttft, text, cache_n, hdrs
+    return ttft, text, cache_n, hdrs, prompt_n
 
 
-def words_for(port, tokens):
-    """how many filler words make about this many tokens"""
-    sample = ' '.join('w%d' % i for i in range(2000))
-    st, _, payload = post(port, '/tokenize', {'content': sample})
-    per_word = len(json.loads(payload)['tokens']) / 2000.0
-    return int(tokens / per_word)
+def words_for(port, tokens, prefix):
+    """how many filler words make a first turn of about this many tokens"""
+    nwords = 1000
+    for _ in range(3):
+        msgs = [{'role': 'system', 'content': filler('sys', nwords // 4)},
+                {'role': 'user', 'content':
+                 filler(prefix, nwords * 3 // 4) + ' Q1?'}]
+        st, _, payload = post(port, '/apply-template', {'messages': msgs})
+        prompt = json.loads(payload)['prompt']
+        st, _, payload = post(port, '/tokenize', {'content': prompt})
+        n = len(json.loads(payload)['tokens'])
+        nwords = int(nwords * tokens / n)
+    return nwords
 
 
 def filler(prefix, n):
@@ -216,8 +231,10 @@ def filler(prefix, n):
 
 # 1. returning-session time to first token ---------------------------------
 
-def bench_ttft(work, quick):
-    grid = [(2048, [2, 4, 8]), (8192, [2, 4]), (16384, [2])]
+def bench_ttft(work, quick, full=False):
+    grid = [(2048, [2, 4, 8]), (8192, [2, 4, 8]), (16384, [2, 4])]
+    if full:
+        grid[2] = (16384, [2, 4, 8])
     if quick:
         grid = [(2048, [2])]
     kv_per_token = 8.3 * 1024          # the rig model, measured
@@ -225,8 +242,9 @@ def bench_ttft(work, quick):
 
     for ptoks, ns in grid:
         ctx = max(4096, ptoks * 5 // 4 + 512)
-        # the native RAM cache holds two sessions of this size
-        cache_mib = int(2.2 * ptoks * kv_per_token / 2 ** 20) + 8
+        # the native RAM cache holds two sessions of this size (it saves
+        # the outgoing state before it loads the incoming one)
+        cache_mib = int(2.5 * ptoks * kv_per_token / 2 ** 20) + 8
         alone = Llama(work, 'alone-%d' % ptoks, ctx)
         native = Llama(work, 'native-%d' % ptoks, ctx, cache_ram=cache_mib)
         withmod = Llama(work, 'module-%d' % ptoks, ctx)
@@ -254,29 +272,38 @@ def bench_ttft(work, quick):
 
         sides = [('alone', alone.port), ('native_ram_cache', native.port),
                  ('module', nport)]
-        nwords = words_for(alone.port, ptoks)
-        system = filler('sys', nwords // 2)
 
         for n in ns:
+            # a shared system prompt of a quarter and each session's own
+            # history: llama-server's RAM cache moves a slot's state out
+            # only when less than half of it is kept (f_keep < 0.5)
             sessions = ['p%dn%ds%d' % (ptoks, n, i) for i in range(n)]
+            nwords = words_for(alone.port, ptoks, sessions[0] + 'h')
+            system = filler('sys', nwords // 4)
             conv = {(s, sid): [{'role': 'system', 'content': system},
                                {'role': 'user', 'content':
-                                filler(sid + 'h', nwords // 2) + ' Q1?'}]
+                                filler(sid + 'h', nwords * 3 // 4)
+                                + ' Q1?'}]
                     for s, _ in sides for sid in sessions}
             rec = {s: {'fresh': [], 'hit': [], 'return': [],
                        'restart': [], 'return_cache_n': [],
-                       'prompt_words': nwords} for s, _ in sides}
+                       'prompt_tokens': []} for s, _ in sides}
 
             def turn(side, port, sid, kind, question):
                 msgs = conv[(side, sid)]
                 if question:
                     msgs.append({'role': 'user', 'content':
                                  question + ' ' + filler('q', 8)})
-                ttft, text, cache_n, _ = stream_turn(port, msgs, sid)
+                ttft, text, cache_n, _, prompt_n = stream_turn(port, msgs,
+                                                               sid)
                 msgs.append({'role': 'assistant', 'content': text})
                 rec[side][kind].append(ttft)
+                if os.environ.get('BENCH_DEBUG'):
+                    print('  %s %s %s: %.3f s, %s tokens, %s cached'
+                          % (side, sid, kind, ttft, prompt_n, cache_n))
                 if kind == 'return':
                     rec[side]['return_cache_n'].append(cache_n)
+                    rec[side]['prompt_tokens'].append(prompt_n)
                 return ttft
 
             # first turns (fresh) and the hit floor (the next turn at once)
@@ -290,11 +317,12 @@ def bench_ttft(work, quick):
                 for side, port in sides:
                     turn(side, port, sid, 'return', 'Q3?')
 
-            # after llama-server restarts (the smallest group only)
+            # after llama-server restarts (the smallest group only; one
+            # session of the largest prompts)
             if n == ns[0]:
                 for srv in (alone, native, withmod):
                     srv.restart()
-                for sid in sessions:
+                for sid in sessions[:1 if ptoks > 8192 else None]:
                     for side, port in sides:
                         turn(side, port, sid, 'restart', 'Q4?')
 
@@ -312,6 +340,7 @@ def bench_ttft(work, quick):
                                         if r['restart'] else None),
                     'samples': len(r['return']),
                     'return_cache_n': r['return_cache_n'],
+                    'return_prompt_tokens': r['prompt_tokens'],
                 }
             results.append(row)
             print_ttft_row(row)
@@ -374,7 +403,7 @@ def bench_swap(work, quick):
     }''' % (llama.slots, nport, llama.port, llama.port))
     wait_http(nport)
 
-    nwords = words_for(llama.port, ptoks)
+    nwords = words_for(llama.port, ptoks, 'X')
     msgs = {sid: [{'role': 'user', 'content': filler(sid, nwords)}]
             for sid in ('X', 'Y')}
     for sid in ('X', 'Y', 'X', 'Y'):
@@ -626,6 +655,8 @@ def main():
                                                   'latest.json'))
     ap.add_argument('--only', default='ttft,swap,hit,scale')
     ap.add_argument('--quick', action='store_true')
+    ap.add_argument('--full', action='store_true',
+                    help='also 8 sessions of 16k tokens (8 more minutes)')
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix='llama-session-bench.')
@@ -646,7 +677,9 @@ def main():
     try:
         for part in args.only.split(','):
             t1 = time.time()
-            result[part] = globals()['bench_' + part](work, args.quick)
+            fn = globals()['bench_' + part]
+            result[part] = (fn(work, args.quick, args.full) if part == 'ttft'
+                            else fn(work, args.quick))
             result[part + '_seconds'] = round(time.time() - t1, 1)
     finally:
         result['seconds'] = round(time.time() - t0, 1)
