@@ -1,0 +1,118 @@
+#!/usr/bin/python3
+"""Renders a bench.py result (JSON) as the markdown tables of
+docs/benchmarks.md.
+
+usage: report.py [bench/results/latest.json]
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+
+
+def s(x, f='%.3f'):
+    return '-' if x is None else f % x
+
+
+def ms(x):
+    return '-' if x is None else '%.0f' % (1000 * x)
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(
+        ROOT, 'bench', 'results', 'latest.json')
+    d = json.load(open(path))
+    out = []
+    m = d['machine']
+    out.append('Measured %s on %d cores (%s), kernel %s; `%s`, %.0f s in all.'
+               % (d['date'], m['cpus'], m['cpu'], m['kernel'],
+                  'make bench', d['seconds']))
+    out.append('')
+
+    if 'ttft' in d:
+        out.append('### 1. Returning-session time to first token')
+        out.append('')
+        out.append('Medians in ms over the sessions of a group (p95 in '
+                   'brackets); "return" is a session\'s turn after every '
+                   'other session had the slot, "hit" the same kind of turn '
+                   'right after its own previous one, penalty = return - '
+                   'hit, "restart" the next turn right after llama-server '
+                   'restarted.')
+        out.append('')
+        out.append('| prompt | sessions | alone: return | native RAM cache: '
+                   'return | module: return | module / alone | module / '
+                   'native | penalty native | penalty module | restart: '
+                   'alone | native | module |')
+        out.append('|---|---|---|---|---|---|---|---|---|---|---|---|')
+        for r in d['ttft']:
+            a = r['sides']['alone']
+            b = r['sides']['native_ram_cache']
+            c = r['sides']['module']
+            toks = (c['return_prompt_tokens'] or [r['prompt_tokens']])[0]
+            out.append('| %s | %d | %s (%s) | %s (%s) | %s (%s) | %s | %s | '
+                       '%s | %s | %s | %s | %s |'
+                       % (toks, r['sessions'],
+                          ms(a['return_median']), ms(a['return_p95']),
+                          ms(b['return_median']), ms(b['return_p95']),
+                          ms(c['return_median']), ms(c['return_p95']),
+                          s(c['return_median'] / a['return_median']),
+                          s(c['return_median'] / b['return_median']),
+                          ms(b['swap_penalty']), ms(c['swap_penalty']),
+                          ms(a['restart_median']), ms(b['restart_median']),
+                          ms(c['restart_median'])))
+        out.append('')
+
+    if 'swap' in d:
+        out.append('### 2. Swap overhead')
+        out.append('')
+        out.append('| page cache | module swap (ms) | raw save + restore '
+                   '(ms) | module / raw | file |')
+        out.append('|---|---|---|---|---|')
+        for k in ('warm', 'cold'):
+            r = d['swap'][k]
+            out.append('| %s | %s (p95 %s) | %s (p95 %s) | %s | %d MB |'
+                       % (k, s(1000 * r['module_median'], '%.1f'),
+                          s(1000 * r['module_p95'], '%.1f'),
+                          s(1000 * r['raw_median'], '%.1f'),
+                          s(1000 * r['raw_p95'], '%.1f'), s(r['ratio']),
+                          r['file_bytes'] // 2 ** 20))
+        out.append('')
+
+    if 'hit' in d:
+        out.append('### 3. Hit path (fast backend, wrk -c1)')
+        out.append('')
+        out.append('| body | module req/s | plain req/s | ratio | module '
+                   'p50 / p99 (ms) | plain p50 / p99 (ms) | p50 added '
+                   '(ms) |')
+        out.append('|---|---|---|---|---|---|---|')
+        for k in ('2KB', '1MB'):
+            r = d['hit'][k]
+            mo, pl = r['module'], r['plain']
+            out.append('| %s | %.0f | %.0f | %s | %s / %s | %s / %s | %s |'
+                       % (k, mo['rps_median'], pl['rps_median'],
+                          s(r['throughput_ratio']), s(mo['p50_ms_median']),
+                          s(mo['p99_ms_median']), s(pl['p50_ms_median']),
+                          s(pl['p99_ms_median']), s(r['p50_added_ms'])))
+        out.append('')
+
+    if 'scale' in d:
+        out.append('### 4. Scale')
+        out.append('')
+        out.append('| sessions in the zone | shared memory per session '
+                   '(bytes) | hit p50 (ms) | swap to a new session (ms) | '
+                   'nginx start (s) |')
+        out.append('|---|---|---|---|---|')
+        for r in d['scale']:
+            out.append('| %d | %s | %s | %s | %s |'
+                       % (r['known'], s(r['shm_bytes_per_session'], '%.0f'),
+                          s(r['hit_p50_ms']), s(r['swap_median_ms'], '%.2f'),
+                          s(r['start_seconds'], '%.1f')))
+        out.append('')
+
+    print('\n'.join(out))
+
+
+if __name__ == '__main__':
+    main()
