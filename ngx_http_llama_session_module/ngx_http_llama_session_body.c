@@ -838,3 +838,16 @@ ngx_http_llama_session_last_matches(ngx_str_t *ns, ngx_str_t *model,
 
     return ngx_memcmp(p, id->data, id->len) == 0;
 }
+
+
+/* at a worker's exit: the digest objects of ngx_http_llama_session_sha256 */
+
+void
+ngx_http_llama_session_sha256_free(void)
+{
+    EVP_MD_CTX_free(ngx_http_llama_session_sha256_ctx);
+    EVP_MD_free(ngx_http_llama_session_sha256_md);
+
+    ngx_http_llama_session_sha256_ctx = NULL;
+    ngx_http_llama_session_sha256_md = NULL;
+}

@@ -11,6 +11,7 @@
 
 
 static ngx_int_t ngx_http_llama_session_init(ngx_conf_t *cf);
+static void ngx_http_llama_session_exit_process(ngx_cycle_t *cycle);
 static void *ngx_http_llama_session_create_main_conf(ngx_conf_t *cf);
 static void *ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf);
 static char *ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf,
@@ -133,7 +134,7 @@ ngx_module_t  ngx_http_llama_session_module = {
     ngx_http_llama_session_idle_init,      /* init process */
     NULL,                                  /* init thread */
     NULL,                                  /* exit thread */
-    NULL,                                  /* exit process */
+    ngx_http_llama_session_exit_process,   /* exit process */
     NULL,                                  /* exit master */
     NGX_MODULE_V1_PADDING
 };
@@ -781,4 +782,11 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
     *h = ngx_http_llama_session_handler;
 
     return ngx_http_llama_session_capture_init(cf);
+}
+
+
+static void
+ngx_http_llama_session_exit_process(ngx_cycle_t *cycle)
+{
+    ngx_http_llama_session_sha256_free();
 }

@@ -324,6 +324,7 @@ ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
+void ngx_http_llama_session_sha256_free(void);
 
 /* json.c: the body scanner */
 u_char *ngx_http_llama_session_json_skip(u_char *p, u_char *end);
