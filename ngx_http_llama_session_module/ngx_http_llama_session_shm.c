@@ -18,6 +18,10 @@ static void ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log);
 static void ngx_http_llama_session_unqueue_locked(
     ngx_http_llama_session_zone_t *zone, ngx_atomic_uint_t ticket);
+static void ngx_http_llama_session_reap_locked(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
+static void ngx_http_llama_session_take_locked(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
 static ngx_uint_t ngx_http_llama_session_alive(ngx_pid_t pid);
 
 
@@ -136,14 +140,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (slot->busy && !ngx_http_llama_session_alive(slot->owner)) {
-        ngx_log_error(NGX_LOG_ALERT, ctx->request->connection->log, 0,
-                      "llama_session: worker %P died holding slot %ui, "
-                      "its content is unknown now", slot->owner, ctx->slot);
-        slot->busy = 0;
-        slot->owner = 0;
-        slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-    }
+    ngx_http_llama_session_reap_locked(ctx, slot);
 
     hit = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
            && slot->key_len == ctx->key_len
@@ -227,18 +224,11 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
         ctx->queued = 0;
     }
 
-    slot->busy = 1;
-    slot->owner = ngx_pid;
-
-    ctx->acquired = 1;
-
-    ngx_memcpy(ctx->out_key, slot->key, slot->key_len);
-    ctx->out_len = slot->key_len;
-
-    ctx->slot_state = slot->state;
+    ngx_http_llama_session_take_locked(ctx, slot);
 
     if (hit) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
+        ctx->save_pending = 0;
 
         /* the request will change the session in the slot */
         slot->dirty = 1;
@@ -248,14 +238,8 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
         /* requests of this session waiting now go before the next swap */
         slot->batch = sh->next_ticket;
 
-        ctx->save_pending = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-                             && slot->dirty && slot->saveable);
         ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
                            ? 0 : -1;
-
-        if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
-            ctx->out_len = 0;
-        }
     }
 
     sh->stats.requests++;
@@ -284,16 +268,49 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (slot->busy && !ngx_http_llama_session_alive(slot->owner)) {
-        slot->busy = 0;
-        slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-    }
+    ngx_http_llama_session_reap_locked(ctx, slot);
 
     if (slot->busy || !ngx_queue_empty(&sh->waiters)) {
         ngx_shmtx_unlock(&zone->shpool->mutex);
         return NGX_BUSY;
     }
 
+    ngx_http_llama_session_take_locked(ctx, slot);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return NGX_OK;
+}
+
+
+/* a slot whose owner died: free, and nobody can vouch for it */
+
+static void
+ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_slot_t *slot)
+{
+    if (!slot->busy || ngx_http_llama_session_alive(slot->owner)) {
+        return;
+    }
+
+    ngx_log_error(NGX_LOG_ALERT, ctx->request ? ctx->request->connection->log
+                                              : ngx_cycle->log, 0,
+                  "llama_session: worker %P died holding slot %ui, its "
+                  "content is unknown now", slot->owner, ctx->slot);
+
+    slot->busy = 0;
+    slot->owner = 0;
+    slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+    slot->key_len = 0;
+}
+
+
+/* the slot is this process's now; the context learns what it holds */
+
+static void
+ngx_http_llama_session_take_locked(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_slot_t *slot)
+{
     slot->busy = 1;
     slot->owner = ngx_pid;
 
@@ -306,10 +323,6 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
     ctx->out_len = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
                    ? slot->key_len : 0;
     ngx_memcpy(ctx->out_key, slot->key, ctx->out_len);
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    return NGX_OK;
 }
 
 
@@ -342,15 +355,7 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
         return NGX_DECLINED;
     }
 
-    slot->busy = 1;
-    slot->owner = ngx_pid;
-
-    ctx->acquired = 1;
-    ctx->released = 0;
-    ctx->save_pending = 1;
-    ctx->slot_state = slot->state;
-    ctx->out_len = slot->key_len;
-    ngx_memcpy(ctx->out_key, slot->key, slot->key_len);
+    ngx_http_llama_session_take_locked(ctx, slot);
     ngx_memcpy(ctx->fp, sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
