@@ -543,18 +543,25 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
 
 /*
  * With store= the save went to "<key>.<fp>.bin.tmp": move it into place, so
- * a save that fails or dies half way never harms the previous file, and
- * write the session's .json beside it.
+ * a save that fails or dies half way never harms the previous file.
+ *
+ * The previous file is first moved aside to ".bin.old", then the new one
+ * takes its name, then the old one goes: a rename over an existing file
+ * makes ext4 (auto_da_alloc) write the new file's data out at once, which
+ * costs more than the save itself; renames to free names do not.  If the
+ * process dies between the two renames, the next start brings ".bin.old"
+ * back.
  */
 
 ngx_int_t
 ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
-    u_char     from[NGX_MAX_PATH], to[NGX_MAX_PATH];
-    u_char     name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t     n;
-    ngx_str_t *store;
+    u_char      from[NGX_MAX_PATH], to[NGX_MAX_PATH], old[NGX_MAX_PATH];
+    u_char      name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t      n;
+    ngx_str_t  *store;
+    ngx_uint_t  aside;
 
     store = &ctx->zone->store;
 
@@ -566,14 +573,27 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
 
     ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
     ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
+    ngx_snprintf(old, sizeof(old), "%V/%*s.bin.old%Z", store, n, name);
+
+    aside = (ngx_rename_file(to, old) != NGX_FILE_ERROR);
 
     if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_rename_file_n " \"%s\" to \"%s\" failed: is "
                       "store= the folder of llama-server's --slot-save-path "
                       "and writable by nginx's workers?", from, to);
+
+        if (aside) {
+            (void) ngx_rename_file(old, to);
+        }
+
         (void) ngx_delete_file(from);
         return NGX_ERROR;
+    }
+
+    if (aside && ngx_delete_file(old) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", old);
     }
 
     return NGX_OK;

@@ -36,9 +36,9 @@ static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
 
 
 /*
- * Is "name" a session file, "<key>.<8 hex>.bin" (or ".bin.tmp")?  Returns
- * NGX_OK for .bin, NGX_AGAIN for .bin.tmp, NGX_DECLINED otherwise; *base is
- * the length of "<key>.<fp>".
+ * Is "name" a session file, "<key>.<8 hex>.bin" (or ".bin.tmp", ".bin.old")?
+ * Returns NGX_OK for .bin, NGX_AGAIN for .bin.tmp, NGX_DONE for .bin.old,
+ * NGX_DECLINED otherwise; *base is the length of "<key>.<fp>".
  */
 
 static ngx_int_t
@@ -50,6 +50,10 @@ ngx_http_llama_session_store_name(u_char *name, size_t len, size_t *base)
     if (len > 8 && ngx_strncmp(name + len - 8, ".bin.tmp", 8) == 0) {
         b = len - 8;
         rc = NGX_AGAIN;
+
+    } else if (len > 8 && ngx_strncmp(name + len - 8, ".bin.old", 8) == 0) {
+        b = len - 8;
+        rc = NGX_DONE;
 
     } else if (len > 4 && ngx_strncmp(name + len - 4, ".bin", 4) == 0) {
         b = len - 4;
@@ -146,6 +150,41 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
                               "llama_session: deleting \"%s\", left by an "
                               "interrupted save", file);
                 (void) ngx_delete_file(file);
+            }
+
+            continue;
+        }
+
+        if (rc == NGX_DONE) {
+            /* moved aside by a save that did not finish its renames */
+
+            if (clean) {
+                u_char  bin[NGX_MAX_PATH];
+
+                ngx_snprintf(bin, sizeof(bin), "%V/%*s.bin%Z", &zone->store,
+                             base, ngx_de_name(&dir));
+
+                if (ngx_file_info(bin, &fi) == NGX_FILE_ERROR) {
+                    ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                                  "llama_session: bringing back \"%s\"",
+                                  file);
+                    (void) ngx_rename_file(file, bin);
+
+                    f = ngx_array_push(found);
+                    if (f == NULL || ngx_file_info(bin, &fi)
+                                     == NGX_FILE_ERROR)
+                    {
+                        continue;
+                    }
+
+                    ngx_memcpy(f->name, ngx_de_name(&dir), base);
+                    f->len = base;
+                    f->size = ngx_file_size(&fi);
+                    f->mtime = ngx_file_mtime(&fi);
+
+                } else {
+                    (void) ngx_delete_file(file);
+                }
             }
 
             continue;

@@ -57,6 +57,14 @@ close $fh;
 open $fh, '>', "$slots/unrelated.txt" or die;
 close $fh;
 
+# a save that died between its renames: the previous file was moved aside
+my $omega = key('omega');
+put("$omega.$fp", 'omega', { id => 'omega' }, time - 80);
+rename "$slots/$omega.$fp.bin", "$slots/$omega.$fp.bin.old" or die;
+open $fh, '>', "$slots/$alpha.$fp.bin.old" or die;
+print $fh 'an older alpha';
+close $fh;
+
 my $fake = $t->fake;
 $t->nginx(<<'EOF');
     llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=4
@@ -93,14 +101,19 @@ $t->nginx(<<'EOF');
     }
 EOF
 
-ok($t->log_lines(qr/llama_session zone "llama": 2 saved sessions, \d+ bytes/),
-   'at start the index has the two files of the folder');
+ok($t->log_lines(qr/llama_session zone "llama": 3 saved sessions, \d+ bytes/),
+   'at start the index has the three files of the folder');
+ok(-e "$slots/$omega.$fp.bin", 'a file moved aside by a dead save is back');
+ok(!-e "$slots/$alpha.$fp.bin.old",
+   'an old copy beside a whole file is deleted');
+like($t->read_file("$slots/$alpha.$fp.bin"), qr/alpha history/,
+     'and the whole file is kept');
 ok(!-e "$slots/" . key('gamma') . ".$fp.bin.tmp",
    'the leftover of an interrupted save is gone');
 ok(-e "$slots/unrelated.txt", 'files of other names are left alone');
 
 my $list = $t->get('/api/sessions')->{json};
-is($list->{files}, 2, 'the API lists two saved sessions');
+is($list->{files}, 3, 'the API lists three saved sessions');
 my ($a) = grep { $_->{key} eq $alpha } @{ $list->{sessions} };
 ok($a, 'alpha is listed by its key');
 is($a->{id}, 'alpha', 'with its id from the .json');
