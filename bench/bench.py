@@ -434,7 +434,10 @@ def bench_swap(work, quick):
             mod.append(float(h['X-S-Swap']) / 1000)
 
             # raw: the same work straight to llama-server (save the slot,
-            # which holds X now, then restore X's file again)
+            # which holds X now, to a new file, then restore X's file again)
+            copy = os.path.join(llama.slots, 'raw-copy.bin')
+            if os.path.exists(copy):
+                os.unlink(copy)
             if cache == 'cold':
                 evict(file_of('X'))
             t0 = time.perf_counter()

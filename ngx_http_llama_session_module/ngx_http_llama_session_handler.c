@@ -1072,6 +1072,10 @@ ngx_http_llama_session_cleanup(void *data)
 
     ngx_http_llama_session_dequeue(ctx);
 
+    if (ctx->old_len) {
+        ngx_http_llama_session_store_drop_old(r->connection->log, ctx);
+    }
+
     if (!ctx->acquired || ctx->released) {
         return;
     }

@@ -235,6 +235,10 @@ struct ngx_http_llama_session_ctx_s {
     u_char                          out_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          out_len;
 
+    /* its previous file, moved aside by the save, deleted at the end */
+    u_char                          old_name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          old_len;
+
     ngx_uint_t                      state;
     ngx_uint_t                      action;
     ngx_uint_t                      slot;
@@ -394,6 +398,8 @@ ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
     double *ms);
 ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,

@@ -591,12 +591,39 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
+    if (aside && ctx->request && !ctx->api) {
+        /* deleting a large file takes its time: after the request */
+        ngx_memcpy(ctx->old_name, name, n);
+        ctx->old_len = n;
+        return NGX_OK;
+    }
+
     if (aside && ngx_delete_file(old) == NGX_FILE_ERROR) {
         ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
                       ngx_delete_file_n " \"%s\" failed", old);
     }
 
     return NGX_OK;
+}
+
+
+/* a previous file moved aside by a save, once the request is over */
+
+void
+ngx_http_llama_session_store_drop_old(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char  file[NGX_MAX_PATH];
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin.old%Z", &ctx->zone->store,
+                 ctx->old_len, ctx->old_name);
+
+    ctx->old_len = 0;
+
+    if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", file);
+    }
 }
 
 
