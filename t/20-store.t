@@ -153,15 +153,16 @@ $r = $t->post('/v1/chat/completions',
 ok($t->wait_for(sub { $t->read_file("$slots/$alpha.$fp.bin") =~ /alpha more/ },
                10), 'the idle save wrote the latest turn, with no request '
                     . 'behind it');
-ok($t->log_lines(qr/idle save of "$alpha" from slot 0 of zone "llama"/),
+ok($t->wait_for(sub { $t->log_lines(qr/idle save of "$alpha" from slot 0 of zone "llama"/) }, 10),
    'the idle save is logged');
 my @idle = grep { $_->{query} eq 'action=save' && $_->{time} >= $t0
                   && ($_->{headers}{'user-agent'} // '') =~ /llama-session/ }
            @{ $t->fake_calls };
 is(scalar @idle, 1, 'through the module\'s own connection, once');
 cmp_ok($idle[0]{time} - $t0, '>=', 1, 'not before save_idle');
-is($t->get('/api/sessions/current')->{json}{slots}[0]{changed_since_save},
-   JSON::PP::false, 'the slot is clean after the idle save');
+ok($t->wait_for(sub { !$t->get('/api/sessions/current')->{json}{slots}[0]
+                                {changed_since_save} }, 10),
+   'the slot is clean after the idle save');
 sleep 1.5;
 is(scalar(grep { $_->{query} eq 'action=save' && $_->{time} >= $t0 }
           @{ $t->fake_calls }), 1, 'a clean slot is not saved again');
