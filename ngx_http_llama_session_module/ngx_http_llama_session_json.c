@@ -62,7 +62,7 @@ ngx_http_llama_session_json_string(u_char *p, u_char *end)
 u_char *
 ngx_http_llama_session_json_skip(u_char *p, u_char *end)
 {
-    u_char      c;
+    u_char      c, *start, close[NGX_HTTP_LLAMA_SESSION_JSON_DEPTH];
     ngx_uint_t  depth;
 
     if (p >= end) {
@@ -76,7 +76,9 @@ ngx_http_llama_session_json_skip(u_char *p, u_char *end)
     }
 
     if (c != '{' && c != '[') {
-        /* a number, true, false or null */
+        /* a number, true, false or null: at least one byte of one */
+
+        start = p;
 
         while (p < end
                && ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'z')
@@ -85,10 +87,16 @@ ngx_http_llama_session_json_skip(u_char *p, u_char *end)
             p++;
         }
 
+        if (p == start) {
+            return NULL;
+        }
+
         return (p == end || *p == ',' || *p == '}' || *p == ']' || *p == ' '
                 || *p == '\n' || *p == '\r' || *p == '\t')
                ? p : NULL;
     }
+
+    /* an object or an array: brackets must pair */
 
     depth = 0;
 
@@ -106,16 +114,23 @@ ngx_http_llama_session_json_skip(u_char *p, u_char *end)
 
         case '{':
         case '[':
-            if (++depth > NGX_HTTP_LLAMA_SESSION_JSON_DEPTH) {
+            if (depth == NGX_HTTP_LLAMA_SESSION_JSON_DEPTH) {
                 return NULL;
             }
+
+            close[depth++] = (c == '{') ? '}' : ']';
             break;
 
         case '}':
         case ']':
-            if (--depth == 0) {
+            if (depth == 0 || close[--depth] != c) {
+                return NULL;
+            }
+
+            if (depth == 0) {
                 return p + 1;
             }
+
             break;
 
         default:
@@ -238,7 +253,7 @@ ngx_http_llama_session_json_next(u_char **pos, u_char *end,
     elt->start = p;
     elt->end = ngx_http_llama_session_json_skip(p, end);
 
-    if (elt->end == NULL) {
+    if (elt->end == NULL || elt->end <= elt->start) {
         return NGX_ERROR;
     }
 

@@ -153,6 +153,16 @@ my ($last) = grep { $_->{path} eq '/v1/chat/completions' }
              reverse @{ $t->fake_calls };
 is($last->{body}, '{"session_id": "broken"', 'invalid JSON arrives unchanged');
 
+# bodies built to trip a scanner: answered, default, at once
+for my $evil ('{"messages":[{]}}', '{"messages":[1 }]}',
+              '{"messages":[{"role":"system","content":[}]}]}',
+              '{"system":' . ('[' x 600) . (']' x 600) . '}',
+              '{"messages":["a\\"]}', '{"a":}') {
+    $r = ask($evil, 'Content-Type' => 'application/json');
+    is($r->{status}, 200, 'a malformed body is proxied: ' . substr($evil, 0, 30));
+    is($r->{id}, 'default', 'and runs as default');
+}
+
 # default is never saved: a named session, then default, then another one
 $t->fake_script({});
 ask($chat, 'X-Session-Id' => 'keep-me');
