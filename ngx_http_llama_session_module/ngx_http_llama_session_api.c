@@ -964,11 +964,9 @@ static ngx_int_t
 ngx_http_llama_session_api_send(ngx_http_request_t *r, ngx_uint_t status,
     cJSON *json)
 {
-    char         *text;
-    size_t        len;
-    ngx_int_t     rc;
-    ngx_buf_t    *b;
-    ngx_chain_t   out;
+    char       *text;
+    size_t      len;
+    ngx_buf_t  *b;
 
     text = cJSON_PrintUnformatted(json);
     cJSON_Delete(json);
@@ -989,25 +987,7 @@ ngx_http_llama_session_api_send(ngx_http_request_t *r, ngx_uint_t status,
     *b->last++ = '\n';
     cJSON_free(text);
 
-    b->last_buf = (r == r->main) ? 1 : 0;
-    b->last_in_chain = 1;
-
-    r->headers_out.status = status;
-    r->headers_out.content_length_n = b->last - b->pos;
-    ngx_str_set(&r->headers_out.content_type, "application/json");
-    r->headers_out.content_type_len = r->headers_out.content_type.len;
-    r->headers_out.content_type_lowcase = NULL;
-
-    rc = ngx_http_send_header(r);
-
-    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
-        return rc;
-    }
-
-    out.buf = b;
-    out.next = NULL;
-
-    return ngx_http_output_filter(r, &out);
+    return ngx_http_llama_session_send_json(r, status, b);
 }
 
 

@@ -953,9 +953,7 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
     char *message, time_t retry_after)
 {
     size_t            len;
-    ngx_int_t         rc;
     ngx_buf_t        *b;
-    ngx_chain_t       out;
     ngx_table_elt_t  *h;
 
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
@@ -974,15 +972,6 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
     b->last = ngx_sprintf(b->last,
                           "{\"error\":{\"code\":%ui,\"message\":\"%s\","
                           "\"type\":\"%s\"}}\n", status, message, type);
-    b->last_buf = 1;
-    b->last_in_chain = 1;
-
-    r->headers_out.status = status;
-    r->headers_out.content_length_n = b->last - b->pos;
-    ngx_str_set(&r->headers_out.content_type, "application/json");
-    r->headers_out.content_type_len = r->headers_out.content_type.len;
-    r->headers_out.content_type_lowcase = NULL;
-
     if (retry_after) {
         h = ngx_list_push(&r->headers_out.headers);
         if (h == NULL) {
@@ -1002,19 +991,41 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
                        - h->value.data;
     }
 
+    ngx_http_finalize_request(r, ngx_http_llama_session_send_json(r, status,
+                                                                  b));
+
+    return NGX_DONE;
+}
+
+
+/* sends a JSON body in b as the whole response; returns for finalizing */
+
+ngx_int_t
+ngx_http_llama_session_send_json(ngx_http_request_t *r, ngx_uint_t status,
+    ngx_buf_t *b)
+{
+    ngx_int_t    rc;
+    ngx_chain_t  out;
+
+    b->last_buf = (r == r->main) ? 1 : 0;
+    b->last_in_chain = 1;
+
+    r->headers_out.status = status;
+    r->headers_out.content_length_n = b->last - b->pos;
+    ngx_str_set(&r->headers_out.content_type, "application/json");
+    r->headers_out.content_type_len = r->headers_out.content_type.len;
+    r->headers_out.content_type_lowcase = NULL;
+
     rc = ngx_http_send_header(r);
 
     if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
-        ngx_http_finalize_request(r, rc);
-        return NGX_DONE;
+        return rc;
     }
 
     out.buf = b;
     out.next = NULL;
 
-    ngx_http_finalize_request(r, ngx_http_output_filter(r, &out));
-
-    return NGX_DONE;
+    return ngx_http_output_filter(r, &out);
 }
 
 

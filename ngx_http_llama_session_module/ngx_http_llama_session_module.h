@@ -307,6 +307,8 @@ ngx_http_llama_session_ctx_t *ngx_http_llama_session_get_ctx(
 ngx_http_llama_session_ctx_t *ngx_http_llama_session_create_ctx(
     ngx_http_request_t *r, ngx_http_llama_session_zone_t *zone);
 void ngx_http_llama_session_wake_local(void);
+ngx_int_t ngx_http_llama_session_send_json(ngx_http_request_t *r,
+    ngx_uint_t status, ngx_buf_t *b);
 void ngx_http_llama_session_saved_ok(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes);
 
