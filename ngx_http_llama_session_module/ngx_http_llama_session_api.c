@@ -36,6 +36,7 @@ typedef struct {
     ngx_uint_t                      slot;
     cJSON                          *result;    /* the reply's slot list */
     ngx_uint_t                      failed;
+    ngx_uint_t                      busy;       /* llama-server ran it */
 } ngx_http_llama_session_api_t;
 
 
@@ -49,6 +50,11 @@ static ngx_int_t ngx_http_llama_session_api_one(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
+static void ngx_http_llama_session_api_cleanup(void *data);
+static ngx_int_t ngx_http_llama_session_api_checked(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api, cJSON *item);
 static cJSON *ngx_http_llama_session_api_node(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
     ngx_uint_t in_slot);
@@ -104,12 +110,20 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
     u_char                             *p, *last, *s;
     ngx_int_t                           rc;
     ngx_str_t                           rest, id;
+    ngx_pool_cleanup_t                 *cln;
     ngx_http_llama_session_api_t       *api;
     ngx_http_llama_session_zone_t      *zone;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
     zone = llcf->api_zone;
+
+    if (r != r->main) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: refused a subrequest to the "
+                      "management API \"%V\"", &r->uri);
+        return NGX_HTTP_FORBIDDEN;
+    }
 
     /* the part after the last "/sessions" */
 
@@ -189,6 +203,14 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         if (api == NULL) {
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
+
+        cln = ngx_pool_cleanup_add(r->pool, 0);
+        if (cln == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cln->handler = ngx_http_llama_session_api_cleanup;
+        cln->data = api;
 
         api->ctx = ngx_http_llama_session_create_ctx(r, zone);
         if (api->ctx == NULL) {
@@ -407,6 +429,8 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     if (ngx_http_llama_session_api_str(json, "zone", zone->name.data,
                                        zone->name.len) == NULL
         || cJSON_AddNumberToObject(json, "waiting", waiting) == NULL
+        || cJSON_AddNumberToObject(json, "max_waiting", copy.waiters_max)
+           == NULL
         || cJSON_AddNumberToObject(json, "sessions", copy.nsessions) == NULL
         || cJSON_AddNumberToObject(json, "shm_bytes",
                                    zone->shm_zone->shm.size) == NULL
@@ -454,6 +478,9 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     ngx_http_llama_session_api_stat(evictions);
     ngx_http_llama_session_api_stat(idle_saves);
     ngx_http_llama_session_api_stat(restarts);
+    ngx_http_llama_session_api_stat(queue_full);
+    ngx_http_llama_session_api_stat(forgotten);
+    ngx_http_llama_session_api_stat(refused);
 
 #undef ngx_http_llama_session_api_stat
 
@@ -558,7 +585,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     cJSON                              *json, *list, *item;
     ngx_str_t                           ns, model;
     ngx_uint_t                          i, n, is_key;
-    ngx_queue_t                        *q;
+    ngx_queue_t                        *q, *next;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_node_t      *nodes, *node;
     ngx_http_llama_session_loc_conf_t  *llcf;
@@ -648,8 +675,10 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
 
     for (q = ngx_queue_head(&zone->sh->lru);
          q != ngx_queue_sentinel(&zone->sh->lru) && n < 8;
-         q = ngx_queue_next(q))
+         q = next)
     {
+        next = ngx_queue_next(q);   /* a deleted record changes queue */
+
         node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
         klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
 
@@ -716,19 +745,19 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
 
 /*
  * POST .../sessions/save and .../sessions/clear, slot after slot: take the
- * slot if it is free (409 otherwise), then save the session in it (when
- * it changed since its last save) or erase it, through the slot calls.
+ * slot when it is free (wait for it up to llama_session_wait_timeout, then
+ * 409), learn the backend's fingerprint if needed, ask GET /slots (idle?
+ * tokens? restarted?), then save the session in it (when it changed since
+ * its last save) or erase it.  A save takes the checks and the commit of
+ * every other save.
  */
 
 static ngx_int_t
 ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
-    off_t                          bytes;
     cJSON                         *json, *item;
-    double                         ms;
     ngx_int_t                      rc;
-    ngx_uint_t                     tokens;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = api->ctx;
@@ -753,59 +782,57 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
                 if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
                     /* a request or an idle save has it: try again soon */
-                    ngx_add_timer(&ctx->wait_ev, 20);
-                    r->write_event_handler =
-                                        ngx_http_llama_session_api_resume;
-                    return NGX_DONE;
+                    goto again;
                 }
 
-                cJSON_Delete(api->result);
-                api->result = NULL;
                 return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
                                   "a slot stayed busy with requests, retry "
                                   "later", NULL);
             }
 
-            ctx->acquired = 1;
-            ctx->released = 0;
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+            ctx->slots_checked = 0;
+            ctx->restarted = 0;
+            ctx->slot_tokens = -1;
+            ctx->slot_task = -1;
         }
 
         if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
 
-            if (api->op == NGX_HTTP_LLAMA_SESSION_API_CLEAR) {
-                rc = ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
-                                             NULL, 0);
-
-            } else if (!ctx->save_pending) {
+            if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
+                && !ctx->save_pending)
+            {
                 ngx_http_llama_session_release(ctx,
-                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 api->slot++;
                 continue;
+            }
 
-            } else if (!ngx_http_llama_session_fingerprint(ctx)) {
+            if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
+                && !ngx_http_llama_session_fingerprint(ctx))
+            {
+                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
                 rc = ngx_http_llama_session_call(r, ctx,
                                              NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
                                              NULL, 0);
 
             } else {
+                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
                 rc = ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                             ctx->out_key, ctx->out_len);
+                                             NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                             NULL, 0);
             }
 
             if (rc != NGX_AGAIN) {
                 return rc;
             }
 
-            r->write_event_handler = ngx_http_llama_session_api_resume;
-
-            return NGX_DONE;
+            goto wait;
         }
 
         if (!ctx->call_done) {
-            return NGX_DONE;
+            goto wait;
         }
 
         if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
@@ -813,12 +840,41 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
             {
                 api->failed = 1;
+                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
                 ngx_http_llama_session_release(ctx,
-                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 break;
             }
 
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+
+            rc = ngx_http_llama_session_call(r, ctx,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                             NULL, 0);
+            if (rc != NGX_AGAIN) {
+                return rc;
+            }
+
+            goto wait;
+        }
+
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+            rc = ngx_http_llama_session_api_checked(r, api);
+
+            if (rc == NGX_AGAIN) {
+                goto wait;
+            }
+
+            if (rc == NGX_BUSY) {
+                goto again;
+            }
+
+            if (rc != NGX_DECLINED) {
+                return rc;
+            }
+
+            /* nothing to do on this slot */
             continue;
         }
 
@@ -828,79 +884,16 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
         }
 
         cJSON_AddItemToArray(api->result, item);
-        cJSON_AddNumberToObject(item, "slot", api->slot);
-        cJSON_AddNumberToObject(item, "status", ctx->call_status);
 
-        if (ctx->call_status != NGX_HTTP_OK
-            || ngx_http_llama_session_parse_action(r->connection->log, ctx,
-                                                   &tokens, &bytes,
-                                                   &ms)
-               != NGX_OK)
-        {
-            api->failed = 1;
-
-            if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
-                ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                                      ctx->out_key,
-                                                      ctx->out_len);
-                ngx_http_llama_session_release(ctx,
-                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
-            } else {
-                ngx_http_llama_session_release(ctx,
-                                         NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
-            }
-
-            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                          "llama_session: the API's %s of slot %ui failed "
-                          "(%i)", api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                                  ? "save" : "erase",
-                          api->slot, ctx->call_status);
-
-            api->slot++;
-            continue;
+        if (ngx_http_llama_session_api_done(r, api, item) != NGX_OK) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
-
-        if (api->op == NGX_HTTP_LLAMA_SESSION_API_CLEAR) {
-            ngx_http_llama_session_slot_set(ctx,
-                                            NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
-                                            NULL, 0, 0);
-            cJSON_AddNumberToObject(item, "erased_tokens", tokens);
-
-            ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                          "llama_session: slot %ui of zone \"%V\" cleared "
-                          "through the API (%ui tokens)", api->slot,
-                          &ctx->zone->name, tokens);
-
-        } else if (ngx_http_llama_session_store_commit(r->connection->log, ctx,
-                   ctx->out_key,
-                                                       ctx->out_len)
-                   == NGX_OK)
-        {
-            ngx_http_llama_session_saved_ok(r->connection->log, ctx,
-                                            tokens, bytes);
-
-            ngx_http_llama_session_api_str(item, "key", ctx->out_key,
-                                           ctx->out_len);
-            cJSON_AddNumberToObject(item, "tokens", tokens);
-            cJSON_AddNumberToObject(item, "bytes", bytes);
-            cJSON_AddNumberToObject(item, "save_ms", ms);
-
-        } else {
-            api->failed = 1;
-        }
-
-        ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
-        ngx_http_llama_session_wake_local();
-
-        ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-        api->slot++;
     }
 
     ngx_http_llama_session_wake_local();
 
     json = cJSON_CreateObject();
     if (json == NULL) {
-        cJSON_Delete(api->result);
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
@@ -912,6 +905,203 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     return ngx_http_llama_session_api_send(r, api->failed
                                               ? NGX_HTTP_BAD_GATEWAY
                                               : NGX_HTTP_OK, json);
+
+again:
+
+    ngx_add_timer(&ctx->wait_ev, 20);
+
+wait:
+
+    /* a client that leaves while the API waits ends the request */
+
+    r->read_event_handler = ngx_http_test_reading;
+    r->write_event_handler = ngx_http_llama_session_api_resume;
+
+    return NGX_DONE;
+}
+
+
+/*
+ * GET /slots answered: NGX_AGAIN with the next call started, NGX_BUSY to
+ * try again later (llama-server still runs the slot), NGX_DECLINED when
+ * the slot is done with.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_checked(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    ngx_int_t                      rc;
+    ngx_uint_t                     processing;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = api->ctx;
+    processing = 0;
+
+    if (ctx->call_status != NGX_HTTP_OK
+        || ngx_http_llama_session_parse_slots(r->connection->log, ctx,
+                                              &processing)
+           != NGX_OK)
+    {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: the API's GET /slots for slot %ui "
+                      "failed (%i): nothing is done to it", api->slot,
+                      ctx->call_status);
+
+        api->failed = 1;
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+        ngx_http_llama_session_release(ctx,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        api->slot++;
+        return NGX_DECLINED;
+    }
+
+    ctx->slots_checked = 1;
+
+    if (ngx_http_llama_session_slot_task(ctx, ctx->slot_task) && !processing)
+    {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: llama-server restarted (slot %ui shows "
+                      "task %i), the slot no longer holds \"%*s\", nothing "
+                      "is saved", ctx->slot, ctx->slot_task,
+                      ctx->out_len ? ctx->out_len : 1,
+                      ctx->out_len ? ctx->out_key : (u_char *) "-");
+
+        ctx->restarted = 1;
+        ctx->save_pending = 0;
+    }
+
+    if (processing) {
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+        ngx_http_llama_session_release(ctx,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+
+        if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
+            return NGX_BUSY;
+        }
+
+        api->failed = 1;
+        api->slot++;
+
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: the API left slot %ui alone: "
+                      "llama-server kept running it", ctx->slot);
+        return NGX_DECLINED;
+    }
+
+    if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
+
+        if (!ngx_http_llama_session_may_save(ctx)) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+            ngx_http_llama_session_release(ctx, ctx->restarted
+                                          ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
+                                          : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            api->slot++;
+            return NGX_DECLINED;
+        }
+
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_SAVE;
+        rc = ngx_http_llama_session_call(r, ctx,
+                                         NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
+                                         ctx->out_key, ctx->out_len);
+
+    } else {
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_LOAD;
+        ctx->load_file = 0;
+        rc = ngx_http_llama_session_call(r, ctx,
+                                         NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
+                                         NULL, 0);
+    }
+
+    return rc;
+}
+
+
+/* the save or the erase answered: the slot's line of the reply */
+
+static ngx_int_t
+ngx_http_llama_session_api_done(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api, cJSON *item)
+{
+    off_t                          bytes;
+    double                         ms;
+    ngx_uint_t                     tokens, state;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = api->ctx;
+    state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
+
+    if (cJSON_AddNumberToObject(item, "slot", api->slot) == NULL
+        || cJSON_AddNumberToObject(item, "status", ctx->call_status) == NULL)
+    {
+        return NGX_ERROR;
+    }
+
+    if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
+
+        if (ngx_http_llama_session_save_done(r->connection->log, ctx, "API")
+            == NGX_OK)
+        {
+            if (ngx_http_llama_session_api_str(item, "key", ctx->out_key,
+                                               ctx->out_len) == NULL
+                || cJSON_AddNumberToObject(item, "tokens", ctx->saved_tokens)
+                   == NULL
+                || cJSON_AddNumberToObject(item, "bytes", ctx->saved_bytes)
+                   == NULL
+                || cJSON_AddNumberToObject(item, "save_ms", ctx->save_ms)
+                   == NULL)
+            {
+                return NGX_ERROR;
+            }
+
+        } else {
+            api->failed = 1;
+
+            if (ctx->call_status == 0) {
+                state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+            }
+        }
+
+    } else if (ctx->call_status == NGX_HTTP_OK
+               && ngx_http_llama_session_parse_action(r->connection->log,
+                                                      ctx, &tokens, &bytes,
+                                                      &ms)
+                  == NGX_OK)
+    {
+        state = NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY;
+
+        ngx_http_llama_session_slot_set(ctx,
+                                        NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
+                                        NULL, 0, 0);
+
+        if (cJSON_AddNumberToObject(item, "erased_tokens", tokens) == NULL) {
+            return NGX_ERROR;
+        }
+
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: slot %ui of zone \"%V\" cleared "
+                      "through the API (%ui tokens)", api->slot,
+                      &ctx->zone->name, tokens);
+
+    } else {
+        api->failed = 1;
+        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: the API's erase of slot %ui failed "
+                      "(%i), its content is unknown now", api->slot,
+                      ctx->call_status);
+    }
+
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    ngx_http_llama_session_release(ctx, state);
+    ngx_http_llama_session_wake_local();
+
+    api->slot++;
+
+    return NGX_OK;
 }
 
 
@@ -939,6 +1129,20 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
     }
 
     ngx_http_finalize_request(r, rc);
+}
+
+
+/* the reply's slot list, whatever ended the request */
+
+static void
+ngx_http_llama_session_api_cleanup(void *data)
+{
+    ngx_http_llama_session_api_t *api = data;
+
+    if (api->result) {
+        cJSON_Delete(api->result);
+        api->result = NULL;
+    }
 }
 
 

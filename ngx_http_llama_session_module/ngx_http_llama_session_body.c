@@ -24,21 +24,24 @@ static ngx_int_t ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_loc_conf_t *llcf,
     ngx_http_llama_session_span_t *spans);
-static ngx_int_t ngx_http_llama_session_system_text(ngx_http_request_t *r,
+static ngx_int_t ngx_http_llama_session_system_digest(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *system,
-    ngx_http_llama_session_span_t *messages, ngx_str_t *text);
-static ngx_int_t ngx_http_llama_session_span_text(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *span, ngx_str_t *text);
+    ngx_http_llama_session_span_t *messages, u_char *out, ngx_uint_t *found);
+static ngx_int_t ngx_http_llama_session_digest_text(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *span, ngx_uint_t *found);
+static ngx_int_t ngx_http_llama_session_digest_string(ngx_http_request_t *r,
+    u_char *start, u_char *end, ngx_uint_t *found);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
 static ngx_int_t ngx_http_llama_session_sha256(ngx_http_request_t *r,
     ngx_str_t *parts, ngx_uint_t n, u_char *out);
+static EVP_MD_CTX *ngx_http_llama_session_sha256_begin(ngx_http_request_t *r);
 static ngx_uint_t ngx_http_llama_session_last_matches(ngx_str_t *ns,
     ngx_str_t *model, ngx_str_t *id);
-static ngx_int_t ngx_http_llama_session_append_text(ngx_http_request_t *r,
-    cJSON *content, ngx_str_t *text);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
+static ngx_uint_t ngx_http_llama_session_suffix(ngx_str_t *uri,
+    ngx_str_t *suffix);
 
 
 static EVP_MD      *ngx_http_llama_session_sha256_md;
@@ -59,90 +62,103 @@ static ngx_str_t  ngx_http_llama_session_messages_name =
     ngx_string("messages");
 
 
-static ngx_str_t  ngx_http_llama_session_no_slot[] = {
-    ngx_string("tokenize"),
-    ngx_string("detokenize"),
-    ngx_string("apply-template"),
-    ngx_string("count_tokens"),
-    ngx_string("props"),
-    ngx_string("slots"),
-    ngx_string("health"),
-    ngx_string("models"),
-    ngx_string("metrics"),
-    ngx_string("lora-adapters"),
-    ngx_string("show"),
-    ngx_string("tags"),
-    ngx_null_string
-};
-
+/* llama-server's endpoints that use a slot but carry no conversation */
 
 static ngx_str_t  ngx_http_llama_session_no_session[] = {
-    ngx_string("embedding"),
-    ngx_string("embeddings"),
-    ngx_string("rerank"),
-    ngx_string("reranking"),
+    ngx_string("/embedding"),
+    ngx_string("/embeddings"),
+    ngx_string("/rerank"),
+    ngx_string("/reranking"),
     ngx_null_string
 };
 
 
 /*
- * Only POSTs run inference.  Among them, llama-server's endpoints that never
- * touch a slot pass by; embeddings and rerank use the slot but carry no
- * conversation, so they count as "default".
+ * Which requests take the slot: POSTs to the inference endpoints of
+ * llama_session_endpoints (an allow-list: anything else passes by).
+ * Embeddings and rerank use the slot but carry no conversation, so they
+ * count as "default".  Refused (ctx->refuse): a client's POST to the slot
+ * API (it would save, restore or erase other sessions' states) and the
+ * replayable streams (GET /v1/stream?conv_id= reads or cancels another
+ * session's generation).
  */
 
 ngx_uint_t
 ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    u_char     *p, *last;
-    ngx_str_t   name, *s;
+    u_char                             *p, *last, *c;
+    ngx_str_t                           uri, *s;
+    ngx_uint_t                          i;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    uri = r->uri;
+
+    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
+        uri.len--;
+    }
+
+    /* path components: "slots" followed by another one, "stream(s)" */
+
+    last = uri.data + uri.len;
+
+    for (p = uri.data; p < last; p = c + 1) {
+        c = ngx_strlchr(p, last, '/');
+        if (c == NULL) {
+            c = last;
+        }
+
+        if ((c - p == 6 && ngx_strncasecmp(p, (u_char *) "stream", 6) == 0)
+            || (c - p == 7
+                && ngx_strncasecmp(p, (u_char *) "streams", 7) == 0)
+            || (c - p == 5 && c < last && r->method == NGX_HTTP_POST
+                && ngx_strncasecmp(p, (u_char *) "slots", 5) == 0))
+        {
+            ctx->refuse = 1;
+            return 0;
+        }
+    }
 
     if (r->method != NGX_HTTP_POST) {
         return 0;
     }
 
-    last = r->uri.data + r->uri.len;
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    while (last > r->uri.data && last[-1] == '/') {
-        last--;
-    }
+    s = llcf->endpoints->elts;
 
-    for (p = last; p > r->uri.data && p[-1] != '/'; p--) { /* void */ }
-
-    name.data = p;
-    name.len = last - p;
-
-    /*
-     * POST .../slots/N is llama-server's slot API: a client could save,
-     * restore or erase other sessions' states with it
-     */
-
-    if (p - r->uri.data >= 7
-        && ngx_strncasecmp(p - 7, (u_char *) "/slots/", 7) == 0)
-    {
-        ctx->refuse = 1;
-        return 0;
-    }
-
-    for (s = ngx_http_llama_session_no_slot; s->len; s++) {
-        if (s->len == name.len
-            && ngx_strncasecmp(s->data, name.data, name.len) == 0)
-        {
-            return 0;
+    for (i = 0; i < llcf->endpoints->nelts; i++) {
+        if (ngx_http_llama_session_suffix(&uri, &s[i])) {
+            break;
         }
     }
 
+    if (i == llcf->endpoints->nelts) {
+        return 0;
+    }
+
     for (s = ngx_http_llama_session_no_session; s->len; s++) {
-        if (s->len == name.len
-            && ngx_strncasecmp(s->data, name.data, name.len) == 0)
-        {
+        if (ngx_http_llama_session_suffix(&uri, s)) {
             ctx->use_default = 1;
             break;
         }
     }
 
     return 1;
+}
+
+
+/* does the path end with suffix ("/chat/completions") at a "/"? */
+
+static ngx_uint_t
+ngx_http_llama_session_suffix(ngx_str_t *uri, ngx_str_t *suffix)
+{
+    if (uri->len < suffix->len) {
+        return 0;
+    }
+
+    return ngx_strncmp(uri->data + uri->len - suffix->len, suffix->data,
+                       suffix->len) == 0;
 }
 
 
@@ -174,8 +190,8 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
 
     rc = ngx_http_llama_session_from_headers(r, ctx, llcf->id_headers);
 
-    if (rc == NGX_ERROR) {
-        return NGX_ERROR;
+    if (rc == NGX_ERROR || rc == NGX_ABORT) {
+        return rc;
     }
 
     rc = ngx_http_llama_session_read_body(r, llcf->body_max, &body);
@@ -214,17 +230,21 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         goto fallback;
     }
 
-    if (spans[0].start
+    /* only a string is a model name: a span of another type is not parsed */
+
+    if (spans[0].start && *spans[0].start == '"'
         && ngx_http_llama_session_span_str(r, &spans[0], &ctx->model)
            == NGX_ERROR)
     {
         return NGX_ERROR;
     }
 
-    if (ctx->id.len == 0
-        && ngx_http_llama_session_from_json(r, ctx, llcf, spans) == NGX_ERROR)
-    {
-        return NGX_ERROR;
+    if (ctx->id.len == 0) {
+        rc = ngx_http_llama_session_from_json(r, ctx, llcf, spans);
+
+        if (rc == NGX_ERROR || rc == NGX_ABORT) {
+            return rc;
+        }
     }
 
 fallback:
@@ -368,6 +388,14 @@ ngx_http_llama_session_from_headers(ngx_http_request_t *r,
                 continue;
             }
 
+            if (last - p > NGX_HTTP_LLAMA_SESSION_ID_MAX) {
+                ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                              "llama_session: the session id in header "
+                              "\"%V\" is longer than %d bytes",
+                              &name[n], NGX_HTTP_LLAMA_SESSION_ID_MAX);
+                return NGX_ABORT;
+            }
+
             ctx->id.data = p;
             ctx->id.len = last - p;
             ctx->source.len = sizeof("header:") - 1 + name[n].len;
@@ -386,6 +414,12 @@ ngx_http_llama_session_from_headers(ngx_http_request_t *r,
 }
 
 
+/*
+ * The id from the body fields, in their order; else the system prompt's
+ * digest.  NGX_DECLINED: none; NGX_ABORT: an id too long (the client's
+ * error).
+ */
+
 static ngx_int_t
 ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx,
@@ -393,8 +427,8 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *spans)
 {
     u_char                         *p, *last, *dot, hash[EVP_MAX_MD_SIZE];
-    ngx_str_t                      *field, text, name;
-    ngx_uint_t                      n;
+    ngx_str_t                      *field, name;
+    ngx_uint_t                      n, found;
     ngx_http_llama_session_span_t   span;
 
     field = llcf->id_fields->elts;
@@ -429,13 +463,28 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
             p = dot + 1;
         }
 
-        if (span.start == NULL) {
+        /* a string or a number: anything else is not parsed at all */
+
+        if (span.start == NULL
+            || !(*span.start == '"' || *span.start == '-'
+                 || (*span.start >= '0' && *span.start <= '9')))
+        {
             continue;
+        }
+
+        /* every byte of an id decodes to at most 6 of JSON text */
+
+        if (span.end - span.start > 6 * NGX_HTTP_LLAMA_SESSION_ID_MAX + 2) {
+            goto too_long;
         }
 
         if (ngx_http_llama_session_span_str(r, &span, &ctx->id) == NGX_ERROR)
         {
             return NGX_ERROR;
+        }
+
+        if (ctx->id.len > NGX_HTTP_LLAMA_SESSION_ID_MAX) {
+            goto too_long;
         }
 
         if (ctx->id.len) {
@@ -455,18 +504,17 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    if (ngx_http_llama_session_system_text(r, &spans[1], &spans[2], &text)
+    found = 0;
+
+    if (ngx_http_llama_session_system_digest(r, &spans[1], &spans[2], hash,
+                                             &found)
         != NGX_OK)
     {
         return NGX_ERROR;
     }
 
-    if (text.len == 0) {
+    if (!found) {
         return NGX_DECLINED;
-    }
-
-    if (ngx_http_llama_session_sha256(r, &text, 1, hash) != NGX_OK) {
-        return NGX_ERROR;
     }
 
     ctx->id.data = ngx_pnalloc(r->pool, sizeof("sys-") - 1 + 16);
@@ -481,88 +529,180 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_str_set(&ctx->source, "system_hash");
 
     return NGX_OK;
+
+too_long:
+
+    ngx_str_null(&ctx->id);
+
+    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                  "llama_session: the session id in body field \"%V\" is "
+                  "longer than %d bytes", &field[n],
+                  NGX_HTTP_LLAMA_SESSION_ID_MAX);
+
+    return NGX_ABORT;
 }
 
 
 /*
- * The system prompt: Anthropic's top-level "system" (a string or text
- * blocks; also Ollama's /api/generate "system"), then every message with
- * role "system" (OpenAI, Ollama /api/chat), joined by newlines.
+ * SHA-256 of the system prompt: Anthropic's top-level "system" (a string
+ * or text blocks; also Ollama's /api/generate "system"), then every
+ * message with role "system" (OpenAI, Ollama /api/chat), joined by
+ * newlines.  Hashed piece by piece as the scanner finds them, so memory
+ * stays that of the largest single string, whatever the body holds.
  */
 
 static ngx_int_t
-ngx_http_llama_session_system_text(ngx_http_request_t *r,
+ngx_http_llama_session_system_digest(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *system,
-    ngx_http_llama_session_span_t *messages, ngx_str_t *text)
+    ngx_http_llama_session_span_t *messages, u_char *out, ngx_uint_t *found)
 {
     u_char                         *pos;
+    EVP_MD_CTX                     *md;
     ngx_int_t                       rc;
     ngx_str_t                       names[2];
+    unsigned int                    len;
     ngx_http_llama_session_span_t   elt, fields[2];
 
-    ngx_str_null(text);
+    md = ngx_http_llama_session_sha256_begin(r);
+    if (md == NULL) {
+        return NGX_ERROR;
+    }
 
     if (system->start
-        && ngx_http_llama_session_span_text(r, system, text) != NGX_OK)
+        && ngx_http_llama_session_digest_text(r, system, found) != NGX_OK)
     {
         return NGX_ERROR;
     }
 
-    if (messages->start == NULL || *messages->start != '[') {
-        return NGX_OK;
+    if (messages->start && *messages->start == '[') {
+
+        ngx_str_set(&names[0], "role");
+        ngx_str_set(&names[1], "content");
+
+        pos = messages->start;
+
+        for ( ;; ) {
+            rc = ngx_http_llama_session_json_next(&pos, messages->end, &elt);
+
+            if (rc != NGX_OK) {
+                break;
+            }
+
+            if (*elt.start != '{'
+                || ngx_http_llama_session_json_object(elt.start, elt.end,
+                                                      names, fields, 2)
+                   == NULL)
+            {
+                continue;
+            }
+
+            if (fields[0].start == NULL || fields[1].start == NULL
+                || fields[0].end - fields[0].start != sizeof("\"system\"") - 1
+                || ngx_strncmp(fields[0].start, "\"system\"",
+                               sizeof("\"system\"") - 1) != 0)
+            {
+                continue;
+            }
+
+            if (ngx_http_llama_session_digest_text(r, &fields[1], found)
+                != NGX_OK)
+            {
+                return NGX_ERROR;
+            }
+        }
     }
 
-    ngx_str_set(&names[0], "role");
-    ngx_str_set(&names[1], "content");
-
-    pos = messages->start;
-
-    for ( ;; ) {
-        rc = ngx_http_llama_session_json_next(&pos, messages->end, &elt);
-
-        if (rc != NGX_OK) {
-            return NGX_OK;
-        }
-
-        if (*elt.start != '{'
-            || ngx_http_llama_session_json_object(elt.start, elt.end, names,
-                                                  fields, 2)
-               == NULL)
-        {
-            continue;
-        }
-
-        if (fields[0].start == NULL || fields[1].start == NULL
-            || fields[0].end - fields[0].start != sizeof("\"system\"") - 1
-            || ngx_strncmp(fields[0].start, "\"system\"",
-                           sizeof("\"system\"") - 1) != 0)
-        {
-            continue;
-        }
-
-        if (ngx_http_llama_session_span_text(r, &fields[1], text) != NGX_OK) {
-            return NGX_ERROR;
-        }
+    if (EVP_DigestFinal_ex(md, out, &len) != 1) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: SHA-256 failed");
+        return NGX_ERROR;
     }
+
+    return NGX_OK;
 }
 
 
-/* the text of a string or of text parts, decoded, appended to text */
+/* a string, or the strings and "text" members of an array's parts */
 
 static ngx_int_t
-ngx_http_llama_session_span_text(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *span, ngx_str_t *text)
+ngx_http_llama_session_digest_text(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *span, ngx_uint_t *found)
 {
-    cJSON      *json;
-    ngx_int_t   rc;
+    u_char                         *pos;
+    ngx_str_t                       name;
+    ngx_http_llama_session_span_t   elt, text;
 
-    json = cJSON_ParseWithLength((const char *) span->start,
-                                 span->end - span->start);
+    if (*span->start == '"') {
+        return ngx_http_llama_session_digest_string(r, span->start,
+                                                    span->end, found);
+    }
+
+    if (*span->start != '[') {
+        return NGX_OK;
+    }
+
+    ngx_str_set(&name, "text");
+
+    pos = span->start;
+
+    while (ngx_http_llama_session_json_next(&pos, span->end, &elt) == NGX_OK)
+    {
+        if (*elt.start == '"') {
+            text = elt;
+
+        } else if (*elt.start != '{'
+                   || ngx_http_llama_session_json_object(elt.start, elt.end,
+                                                         &name, &text, 1)
+                      == NULL
+                   || text.start == NULL || *text.start != '"')
+        {
+            continue;
+        }
+
+        if (ngx_http_llama_session_digest_string(r, text.start, text.end,
+                                                 found)
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/* one JSON string, decoded, into the digest: "\n" before all but the first */
+
+static ngx_int_t
+ngx_http_llama_session_digest_string(ngx_http_request_t *r, u_char *start,
+    u_char *end, ngx_uint_t *found)
+{
+    cJSON       *json;
+    size_t       len;
+    ngx_int_t    rc;
+    EVP_MD_CTX  *md;
+
+    json = cJSON_ParseWithLength((const char *) start, end - start);
     if (json == NULL) {
         return NGX_OK;
     }
 
-    rc = ngx_http_llama_session_append_text(r, json, text);
+    rc = NGX_OK;
+    md = ngx_http_llama_session_sha256_ctx;
+
+    if (cJSON_IsString(json) && json->valuestring[0] != '\0') {
+        len = ngx_strlen(json->valuestring);
+
+        if ((*found && EVP_DigestUpdate(md, "\n", 1) != 1)
+            || EVP_DigestUpdate(md, json->valuestring, len) != 1)
+        {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: SHA-256 failed");
+            rc = NGX_ERROR;
+        }
+
+        *found = 1;
+    }
 
     cJSON_Delete(json);
 
@@ -592,54 +732,6 @@ ngx_http_llama_session_span_str(ngx_http_request_t *r,
     cJSON_Delete(json);
 
     return rc;
-}
-
-
-static ngx_int_t
-ngx_http_llama_session_append_text(ngx_http_request_t *r, cJSON *content,
-    ngx_str_t *text)
-{
-    u_char  *p;
-    cJSON   *part, *t;
-    size_t   len;
-
-    if (cJSON_IsArray(content)) {
-        cJSON_ArrayForEach(part, content) {
-            t = cJSON_IsObject(part)
-                ? cJSON_GetObjectItemCaseSensitive(part, "text") : part;
-
-            if (cJSON_IsString(t)
-                && ngx_http_llama_session_append_text(r, t, text) != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
-        }
-
-        return NGX_OK;
-    }
-
-    if (!cJSON_IsString(content) || content->valuestring[0] == '\0') {
-        return NGX_OK;
-    }
-
-    len = ngx_strlen(content->valuestring);
-
-    p = ngx_pnalloc(r->pool, text->len + 1 + len);
-    if (p == NULL) {
-        return NGX_ERROR;
-    }
-
-    if (text->len) {
-        ngx_memcpy(p, text->data, text->len);
-        p[text->len++] = '\n';
-    }
-
-    ngx_memcpy(p + text->len, content->valuestring, len);
-
-    text->data = p;
-    text->len += len;
-
-    return NGX_OK;
 }
 
 
@@ -699,6 +791,18 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
 
     if (ctx->default_session) {
         p = ngx_cpymem(ctx->key, "default", sizeof("default") - 1);
+
+        if (ns->len) {
+            /* tenants never share the default session either */
+
+            if (ngx_http_llama_session_sha256(r, ns, 1, hash) != NGX_OK) {
+                return NGX_ERROR;
+            }
+
+            *p++ = '-';
+            p = ngx_hex_dump(p, hash, NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
+        }
+
         ctx->key_len = p - ctx->key;
         return NGX_OK;
     }
@@ -765,7 +869,7 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
 }
 
 
-/* SHA-256 of the parts, with digest objects fetched once per worker */
+/* SHA-256 of the parts */
 
 static ngx_int_t
 ngx_http_llama_session_sha256(ngx_http_request_t *r, ngx_str_t *parts,
@@ -775,26 +879,9 @@ ngx_http_llama_session_sha256(ngx_http_request_t *r, ngx_str_t *parts,
     EVP_MD_CTX    *md;
     unsigned int   len;
 
-    if (ngx_http_llama_session_sha256_ctx == NULL) {
-        /* fetching the digest is slow in OpenSSL 3: do it once */
-        ngx_http_llama_session_sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
-        ngx_http_llama_session_sha256_ctx = EVP_MD_CTX_new();
-
-        if (ngx_http_llama_session_sha256_md == NULL
-            || ngx_http_llama_session_sha256_ctx == NULL)
-        {
-            EVP_MD_free(ngx_http_llama_session_sha256_md);
-            EVP_MD_CTX_free(ngx_http_llama_session_sha256_ctx);
-            ngx_http_llama_session_sha256_md = NULL;
-            ngx_http_llama_session_sha256_ctx = NULL;
-            goto failed;
-        }
-    }
-
-    md = ngx_http_llama_session_sha256_ctx;
-
-    if (EVP_DigestInit_ex(md, ngx_http_llama_session_sha256_md, NULL) != 1) {
-        goto failed;
+    md = ngx_http_llama_session_sha256_begin(r);
+    if (md == NULL) {
+        return NGX_ERROR;
     }
 
     for (i = 0; i < n; i++) {
@@ -812,6 +899,45 @@ failed:
     ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                   "llama_session: SHA-256 failed");
     return NGX_ERROR;
+}
+
+
+/*
+ * The worker's digest context, started; the digest is fetched once per
+ * worker (slow in OpenSSL 3), or taken from EVP_sha256() before 3.0.
+ */
+
+static EVP_MD_CTX *
+ngx_http_llama_session_sha256_begin(ngx_http_request_t *r)
+{
+    if (ngx_http_llama_session_sha256_ctx == NULL) {
+#if (OPENSSL_VERSION_NUMBER >= 0x30000000L)
+        ngx_http_llama_session_sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+#else
+        ngx_http_llama_session_sha256_md = (EVP_MD *) EVP_sha256();
+#endif
+        ngx_http_llama_session_sha256_ctx = EVP_MD_CTX_new();
+
+        if (ngx_http_llama_session_sha256_md == NULL
+            || ngx_http_llama_session_sha256_ctx == NULL)
+        {
+            ngx_http_llama_session_sha256_free();
+            goto failed;
+        }
+    }
+
+    if (EVP_DigestInit_ex(ngx_http_llama_session_sha256_ctx,
+                          ngx_http_llama_session_sha256_md, NULL)
+        == 1)
+    {
+        return ngx_http_llama_session_sha256_ctx;
+    }
+
+failed:
+
+    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                  "llama_session: SHA-256 failed");
+    return NULL;
 }
 
 
@@ -846,7 +972,9 @@ void
 ngx_http_llama_session_sha256_free(void)
 {
     EVP_MD_CTX_free(ngx_http_llama_session_sha256_ctx);
+#if (OPENSSL_VERSION_NUMBER >= 0x30000000L)
     EVP_MD_free(ngx_http_llama_session_sha256_md);
+#endif
 
     ngx_http_llama_session_sha256_ctx = NULL;
     ngx_http_llama_session_sha256_md = NULL;

@@ -20,7 +20,13 @@
 
 #define NGX_HTTP_LLAMA_SESSION_POLL_MIN    2
 #define NGX_HTTP_LLAMA_SESSION_POLL_MAX    20
-#define NGX_HTTP_LLAMA_SESSION_BUSY_DELAY  25
+
+/*
+ * while llama-server still runs the slot: GET /slots again after 25 ms,
+ * doubling up to 1 s (each poll is a subrequest in the request's pool)
+ */
+#define NGX_HTTP_LLAMA_SESSION_BUSY_MIN    25
+#define NGX_HTTP_LLAMA_SESSION_BUSY_MAX    1000
 
 
 static ngx_int_t ngx_http_llama_session_start(ngx_http_request_t *r,
@@ -55,6 +61,8 @@ static ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
     char *message, time_t retry_after);
 static void ngx_http_llama_session_cleanup(void *data);
+static ngx_int_t ngx_http_llama_session_subrequest(ngx_http_request_t *r);
+static void ngx_http_llama_session_drop_headers(ngx_http_request_t *r);
 
 
 static ngx_str_t  ngx_http_llama_session_call_names[] = {
@@ -80,7 +88,7 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     if (r != r->main) {
-        return NGX_DECLINED;
+        return ngx_http_llama_session_subrequest(r);
     }
 
     ctx = ngx_http_llama_session_get_ctx(r);
@@ -150,8 +158,118 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return NGX_DECLINED;
 
     default: /* NGX_HTTP_LLAMA_SESSION_ST_DONE */
+
+        if (ctx->fail_status) {
+            return ngx_http_llama_session_error(r, ctx, ctx->fail_status,
+                                                ctx->fail_type,
+                                                ctx->fail_message, 0);
+        }
+
         return ctx->status ? ctx->status : NGX_DECLINED;
     }
+}
+
+
+/*
+ * A subrequest in a location with llama_session: the module's own slot
+ * calls pass; any other (SSI, mirror, addition, njs) that would run an
+ * inference is refused, as it would bypass the slot's queue.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_subrequest(ngx_http_request_t *r)
+{
+    ngx_http_llama_session_ctx_t        ctx;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    if (ngx_http_llama_session_own_call(r)) {
+        return NGX_DECLINED;
+    }
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    if (!llcf->enable) {
+        return NGX_DECLINED;
+    }
+
+    ngx_memzero(&ctx, sizeof(ngx_http_llama_session_ctx_t));
+
+    if (!ngx_http_llama_session_uses_slot(r, &ctx) && !ctx.refuse) {
+        ngx_http_llama_session_drop_headers(r);
+        return NGX_DECLINED;
+    }
+
+    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                  "llama_session: refused a subrequest to \"%V\": "
+                  "inference goes through the slot's queue, only main "
+                  "requests may take it", &r->uri);
+
+    return NGX_HTTP_FORBIDDEN;
+}
+
+
+/*
+ * Request headers that llama-server gives a meaning of its own never reach
+ * it: X-Conversation-Id keys a replayable stream (any client could read or
+ * cancel another's generation with it, and the generation would keep the
+ * slot after its client left).  The list is copied without them; the
+ * pointers of r->headers_in stay valid.
+ */
+
+static void
+ngx_http_llama_session_drop_headers(ngx_http_request_t *r)
+{
+    ngx_uint_t        i, found;
+    ngx_list_t        headers;
+    ngx_list_part_t  *part;
+    ngx_table_elt_t  *h, *nh;
+
+    found = 0;
+
+    for (part = &r->headers_in.headers.part; part; part = part->next) {
+        h = part->elts;
+
+        for (i = 0; i < part->nelts; i++) {
+            if (h[i].key.len == sizeof("x-conversation-id") - 1
+                && ngx_strncmp(h[i].lowcase_key, "x-conversation-id",
+                               sizeof("x-conversation-id") - 1) == 0)
+            {
+                found = 1;
+            }
+        }
+    }
+
+    if (!found) {
+        return;
+    }
+
+    if (ngx_list_init(&headers, r->pool, 20, sizeof(ngx_table_elt_t))
+        != NGX_OK)
+    {
+        return;
+    }
+
+    for (part = &r->headers_in.headers.part; part; part = part->next) {
+        h = part->elts;
+
+        for (i = 0; i < part->nelts; i++) {
+            if (h[i].key.len == sizeof("x-conversation-id") - 1
+                && ngx_strncmp(h[i].lowcase_key, "x-conversation-id",
+                               sizeof("x-conversation-id") - 1) == 0)
+            {
+                continue;
+            }
+
+            nh = ngx_list_push(&headers);
+            if (nh == NULL) {
+                return;
+            }
+
+            *nh = h[i];
+        }
+    }
+
+    r->headers_in.headers = headers;
 }
 
 
@@ -209,13 +327,27 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
     if (!ngx_http_llama_session_uses_slot(r, ctx)) {
 
+        ngx_http_llama_session_drop_headers(r);
+
         if (ctx->refuse) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                          "llama_session: refused a client's call to the "
-                          "slot API \"%V\"", &r->uri);
+                          "llama_session: refused a client's call to "
+                          "\"%V\": llama-server's slot actions and "
+                          "replayable streams are not for clients", &r->uri);
+
+            ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
-            ctx->status = NGX_HTTP_FORBIDDEN;
-            return NGX_HTTP_FORBIDDEN;
+
+            if (ngx_http_discard_request_body(r) != NGX_OK) {
+                ctx->status = NGX_HTTP_FORBIDDEN;
+                return NGX_HTTP_FORBIDDEN;
+            }
+
+            return ngx_http_llama_session_error(r, ctx, NGX_HTTP_FORBIDDEN,
+                                                "permission_error",
+                                                "this endpoint is not "
+                                                "available", 0);
         }
 
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
@@ -243,6 +375,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 static void
 ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 {
+    ngx_int_t                           rc;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
@@ -250,7 +383,18 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 
     if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
 
-        if (ngx_http_llama_session_identify(r, ctx) != NGX_OK) {
+        rc = ngx_http_llama_session_identify(r, ctx);
+
+        /* after identity, which may take the id from such a header */
+        ngx_http_llama_session_drop_headers(r);
+
+        if (rc == NGX_ABORT) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->fail_status = NGX_HTTP_BAD_REQUEST;
+            ctx->fail_type = "invalid_request_error";
+            ctx->fail_message = "the session id is too long";
+
+        } else if (rc != NGX_OK) {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
@@ -298,7 +442,17 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         return ngx_http_llama_session_plan(r, ctx);
     }
 
-    if (rc == NGX_ERROR || (ngx_msec_int_t) (now - ctx->deadline) >= 0) {
+    if (rc == NGX_DECLINED) {
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.wait_timeouts);
+
+        return ngx_http_llama_session_error(r, ctx,
+                                  NGX_HTTP_SERVICE_UNAVAILABLE,
+                                  "unavailable_error",
+                                  "too many requests wait for the model, "
+                                  "retry later", 1);
+    }
+
+    if ((ngx_msec_int_t) (now - ctx->deadline) >= 0) {
 
         ngx_http_llama_session_dequeue(ctx);
 
@@ -497,13 +651,26 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
             return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
         }
 
+        ctx->slots_checked = 1;
+
     } else {
-        /* --no-slots: we cannot look, so we assume the slot holds tokens */
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: GET /slots answered %i, the module "
-                      "cannot check the slot: start llama-server with "
-                      "--slots", ctx->call_status);
+        /*
+         * --no-slots: the module cannot look, so it assumes the slot holds
+         * tokens, and saves nothing: what is there may be empty, or a
+         * restarted llama-server's other state
+         */
+
+        if (ctx->save_pending) {
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: GET /slots answered %i, the module "
+                          "cannot check the slot and does not save "
+                          "\"%*s\": start llama-server with --slots",
+                          ctx->call_status, ctx->out_len, ctx->out_key);
+        }
+
         ctx->slot_tokens = -1;
+        ctx->slots_checked = 0;
+        ctx->save_pending = 0;
     }
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
@@ -547,11 +714,17 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                                   "retry later", 1);
         }
 
+        ctx->polls++;
+        ctx->delay = (ctx->polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
+                     : ngx_min(ctx->delay * 2, NGX_HTTP_LLAMA_SESSION_BUSY_MAX);
+
         return ngx_http_llama_session_sleep(r, ctx,
-                                            NGX_HTTP_LLAMA_SESSION_BUSY_DELAY);
+                                      ngx_min(ctx->delay,
+                                              (ngx_msec_t) (ctx->deadline
+                                                         - ngx_current_msec)));
     }
 
-    if (ctx->save_pending && ctx->slot_tokens != 0) {
+    if (ngx_http_llama_session_may_save(ctx)) {
         ctx->state = NGX_HTTP_LLAMA_SESSION_ST_SAVE;
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
@@ -568,8 +741,6 @@ static ngx_int_t
 ngx_http_llama_session_saved(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_uint_t  tokens;
-
     if (ctx->call_status == 0) {
         /* llama-server may have died in the middle: its file stays whole */
         ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
@@ -578,44 +749,12 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
-    if (ctx->call_status == NGX_HTTP_OK
-        && ngx_http_llama_session_parse_action(r->connection->log, ctx, &tokens,
-                                               &ctx->saved_bytes,
-                                               &ctx->save_ms)
-           == NGX_OK
-        && ngx_http_llama_session_store_commit(r->connection->log, ctx,
-                                               ctx->out_key,
-                                               ctx->out_len)
-           == NGX_OK)
+    if (ngx_http_llama_session_save_done(r->connection->log, ctx, "swap")
+        != NGX_OK)
     {
-        ctx->saved_tokens = tokens;
-
-        ngx_http_llama_session_saved_ok(r->connection->log, ctx, tokens,
-                                        ctx->saved_bytes);
-
-    } else {
         /* the session's previous file, if any, stays as it was */
-
         ctx->save_pending = 0;
         ctx->save_failed = 1;
-
-        ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                              ctx->out_key,
-                                              ctx->out_len);
-
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
-
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: saving session \"%*s\" from slot %ui "
-                      "failed (%i: \"%*s\"), its previous file is kept and "
-                      "its latest turns are lost",
-                      ctx->out_len, ctx->out_key, ctx->slot,
-                      ctx->call_status,
-                      ctx->call_reply
-                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
-                                200)
-                      : 0,
-                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
     }
 
     return ngx_http_llama_session_load(r, ctx);
@@ -1063,7 +1202,6 @@ ngx_http_llama_session_cleanup(void *data)
 {
     ngx_http_llama_session_ctx_t *ctx = data;
 
-    ngx_uint_t           state;
     ngx_http_request_t  *r;
 
     r = ctx->request;
@@ -1083,44 +1221,91 @@ ngx_http_llama_session_cleanup(void *data)
 
     ngx_http_llama_session_dequeue(ctx);
 
+    ngx_http_llama_session_finish(ctx);
+
     if (ctx->old_len) {
         ngx_http_llama_session_store_drop_old(r->connection->log, ctx);
     }
+}
+
+
+/*
+ * Gives the slot back, once: when the response ends (the last buffer
+ * passes the body filter) or when the request goes, whatever ended it.
+ * What the slot holds then is decided from the stage the request reached,
+ * never from the flags of a slot call that its end may have cleared:
+ *
+ *   waiting, GET /props, GET /slots   untouched: as the zone says
+ *   a save in flight                  the slot still holds the session
+ *                                     leaving; its temporary file goes
+ *   a restore or an erase             anything: unknown
+ *   proxying                          this session, unless the backend
+ *                                     failed or vanished: unknown
+ */
+
+void
+ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_uint_t           state;
+    ngx_http_request_t  *r;
 
     if (!ctx->acquired || ctx->released) {
         return;
     }
 
+    r = ctx->request;
     state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
 
-    if (ctx->call_inflight
-        && ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_GET
-        && ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_SAVE)
-    {
-        /* a restore or erase that did not finish: anything may be there */
-        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+    switch (ctx->state) {
 
-    } else if (ctx->call_inflight
-               && ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
-               && ctx->zone->store.len == 0)
-    {
-        /* the interrupted save may have truncated the session's file */
-        ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 0,
-                                          0, 0);
+    case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
 
-    } else if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
-               && r->upstream
-               && (r->upstream->headers_in.status_n == 0
-                   || r->upstream->headers_in.status_n
-                      >= NGX_HTTP_INTERNAL_SERVER_ERROR))
-    {
-        /* the backend failed or vanished while it ran the request */
+        if (ctx->zone->store.len == 0) {
+            /* llama-server writes over the session's file itself */
+            ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len,
+                                              0, 0, 0);
+
+        } else {
+            ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
+                                                  ctx->out_key, ctx->out_len);
+        }
+
+        break;
+
+    case NGX_HTTP_LLAMA_SESSION_ST_LOAD:
         state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        break;
+
+    case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
+
+        if (r->upstream
+            && (r->upstream->headers_in.status_n == 0
+                || r->upstream->headers_in.status_n
+                   >= NGX_HTTP_INTERNAL_SERVER_ERROR))
+        {
+            state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        }
+
+        break;
+
+    default:
+        break;
     }
 
-    ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                   "llama_session: session \"%*s\" releases slot %ui (%ui)",
-                   ctx->key_len, ctx->key, ctx->slot, state);
+    ngx_log_debug5(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "llama_session: session \"%*s\" releases slot %ui "
+                   "at stage %ui (%ui)", ctx->key_len, ctx->key, ctx->slot,
+                   ctx->state, state);
+
+    if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
+        && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
+    {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: the request of session \"%*s\" ended "
+                      "during a %s of slot %ui, whose content is unknown now",
+                      ctx->key_len, ctx->key,
+                      ctx->load_file ? "restore" : "erase", ctx->slot);
+    }
 
     ngx_http_llama_session_release(ctx, state);
     ngx_http_llama_session_wake_local();

@@ -50,6 +50,14 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
     ngx_http_llama_session_zone_t      **zp, *zone;
     ngx_http_llama_session_main_conf_t  *lmcf;
 
+    /* only workers: not the cache manager nor the cache loader */
+
+    if (ngx_process != NGX_PROCESS_WORKER
+        && ngx_process != NGX_PROCESS_SINGLE)
+    {
+        return NGX_OK;
+    }
+
     lmcf = ngx_http_cycle_get_module_main_conf(cycle,
                                                ngx_http_llama_session_module);
     if (lmcf == NULL) {
@@ -444,10 +452,8 @@ static void
 ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
 {
     u_char                         *p, *body;
-    off_t                           bytes;
-    double                          ms;
     ngx_int_t                       status;
-    ngx_uint_t                      processing, tokens;
+    ngx_uint_t                      processing;
     ngx_buf_t                      *b;
     ngx_http_llama_session_ctx_t   *ctx;
 
@@ -511,7 +517,9 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
             return;
         }
 
-        if (processing || ctx->slot_tokens == 0) {
+        ctx->slots_checked = 1;
+
+        if (processing || !ngx_http_llama_session_may_save(ctx)) {
             /* still running for a client that left, or nothing to save */
             ngx_http_llama_session_idle_done(job,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
@@ -529,34 +537,19 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
         return;
     }
 
-    /* the save */
+    /* the save, with the checks and the commit of every other save */
 
-    if (status == NGX_HTTP_OK
-        && ngx_http_llama_session_parse_action(job->log, ctx, &tokens,
-                                               &bytes, &ms)
-           == NGX_OK
-        && ngx_http_llama_session_store_commit(job->log, ctx, ctx->out_key,
-                                               ctx->out_len)
-           == NGX_OK)
+    if (ngx_http_llama_session_save_done(job->log, ctx, "idle save")
+        == NGX_OK)
     {
-        ngx_http_llama_session_saved_ok(job->log, ctx, tokens, bytes);
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.idle_saves);
 
         ngx_log_error(NGX_LOG_INFO, job->log, 0,
                       "llama_session: idle save of \"%*s\" from slot %ui of "
                       "zone \"%V\": %ui tokens, %O bytes in %.1f ms",
                       ctx->out_len, ctx->out_key, ctx->slot,
-                      &ctx->zone->name, tokens, bytes, ms);
-
-    } else {
-        ngx_http_llama_session_store_drop_tmp(job->log, ctx, ctx->out_key,
-                                              ctx->out_len);
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
-
-        ngx_log_error(NGX_LOG_ERR, job->log, 0,
-                      "llama_session: idle save of \"%*s\" failed (%i), its "
-                      "previous file is kept", ctx->out_len, ctx->out_key,
-                      status);
+                      &ctx->zone->name, ctx->saved_tokens, ctx->saved_bytes,
+                      ctx->save_ms);
     }
 
     ngx_http_llama_session_idle_done(job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
@@ -570,6 +563,13 @@ ngx_http_llama_session_idle_done(ngx_http_llama_session_idle_t *job,
     if (job->peer.connection) {
         ngx_close_connection(job->peer.connection);
         job->peer.connection = NULL;
+    }
+
+    if (job->ctx.call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
+        /* committed (renamed) or not: no temporary file stays */
+        ngx_http_llama_session_store_drop_tmp(job->log, &job->ctx,
+                                              job->ctx.out_key,
+                                              job->ctx.out_len);
     }
 
     ngx_http_llama_session_release(&job->ctx, state);

@@ -11,6 +11,7 @@
 
 
 static ngx_int_t ngx_http_llama_session_init(ngx_conf_t *cf);
+static ngx_int_t ngx_http_llama_session_init_process(ngx_cycle_t *cycle);
 static void ngx_http_llama_session_exit_process(ngx_cycle_t *cycle);
 static void *ngx_http_llama_session_create_main_conf(ngx_conf_t *cf);
 static void *ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf);
@@ -24,6 +25,10 @@ static char *ngx_http_llama_session_slots_uri(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
 static char *ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
+static char *ngx_http_llama_session_endpoints(ngx_conf_t *cf,
+    ngx_command_t *cmd, void *conf);
+static ngx_int_t ngx_http_llama_session_old_zone(ngx_conf_t *cf,
+    ngx_str_t *name, size_t size, ngx_str_t *store);
 
 
 static ngx_conf_enum_t  ngx_http_llama_session_fallbacks[] = {
@@ -98,6 +103,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       0,
       NULL },
 
+    { ngx_string("llama_session_endpoints"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_1MORE,
+      ngx_http_llama_session_endpoints,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, endpoints),
+      NULL },
+
     { ngx_string("llama_session_body_max"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_size_slot,
@@ -131,7 +143,7 @@ ngx_module_t  ngx_http_llama_session_module = {
     NGX_HTTP_MODULE,                       /* module type */
     NULL,                                  /* init master */
     NULL,                                  /* init module */
-    ngx_http_llama_session_idle_init,      /* init process */
+    ngx_http_llama_session_init_process,   /* init process */
     NULL,                                  /* init thread */
     NULL,                                  /* exit thread */
     ngx_http_llama_session_exit_process,   /* exit process */
@@ -146,6 +158,28 @@ static ngx_str_t  ngx_http_llama_session_default_headers[] = {
     ngx_string("session-id"),
     ngx_string("conversation-id"),
     ngx_string("x-openwebui-chat-id"),
+    ngx_null_string
+};
+
+
+/*
+ * llama-server's inference endpoints (and Ollama's, that older builds
+ * aliased): a POST whose path ends with one of them takes the slot
+ */
+
+static ngx_str_t  ngx_http_llama_session_default_endpoints[] = {
+    ngx_string("/completion"),
+    ngx_string("/completions"),
+    ngx_string("/chat/completions"),
+    ngx_string("/v1/messages"),
+    ngx_string("/responses"),
+    ngx_string("/infill"),
+    ngx_string("/embedding"),
+    ngx_string("/embeddings"),
+    ngx_string("/rerank"),
+    ngx_string("/reranking"),
+    ngx_string("/api/chat"),
+    ngx_string("/api/generate"),
     ngx_null_string
 };
 
@@ -202,6 +236,7 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
     conf->enable = NGX_CONF_UNSET;
     conf->id_headers = NGX_CONF_UNSET_PTR;
     conf->id_fields = NGX_CONF_UNSET_PTR;
+    conf->endpoints = NGX_CONF_UNSET_PTR;
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->wait_timeout = NGX_CONF_UNSET_MSEC;
     conf->body_max = NGX_CONF_UNSET_SIZE;
@@ -277,6 +312,18 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
         conf->id_fields = prev->id_fields;
     }
 
+    if (conf->endpoints == NGX_CONF_UNSET_PTR) {
+        if (prev->endpoints == NGX_CONF_UNSET_PTR) {
+            prev->endpoints = ngx_http_llama_session_default_list(cf,
+                                     ngx_http_llama_session_default_endpoints);
+            if (prev->endpoints == NULL) {
+                return NGX_CONF_ERROR;
+            }
+        }
+
+        conf->endpoints = prev->endpoints;
+    }
+
     ngx_conf_merge_uint_value(conf->fallback, prev->fallback,
                               NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM);
 
@@ -309,7 +356,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_str_t                       *value, name, s, store, api_key;
     ngx_str_t                        backend_name;
     ngx_url_t                        u;
-    ngx_uint_t                       i, nslots, max_files;
+    ngx_uint_t                       i, nslots, max_files, max_waiting;
     ngx_msec_t                       save_idle;
     ngx_addr_t                      *backend;
     ngx_shm_zone_t                  *shm_zone;
@@ -321,6 +368,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     nslots = 1;
     name.len = 0;
     max_files = 0;
+    max_waiting = 0;
     max_size = 0;
     save_idle = 0;
     backend = NULL;
@@ -431,6 +479,21 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
+        if (ngx_strncmp(value[i].data, "max_waiting=", 12) == 0) {
+
+            n = ngx_atoi(value[i].data + 12, value[i].len - 12);
+
+            if (n == NGX_ERROR || n < 1 || n > 65536) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid number of waiting requests "
+                                   "\"%V\": 1 to 65536", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            max_waiting = n;
+            continue;
+        }
+
         if (ngx_strncmp(value[i].data, "max_size=", 9) == 0) {
 
             s.data = value[i].data + 9;
@@ -513,6 +576,28 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         }
     }
 
+    if (max_waiting == 0) {
+        /* an eighth of the zone, 32 to 4096 waiting requests */
+        max_waiting = size / 8 / sizeof(ngx_http_llama_session_waiter_t);
+        max_waiting = ngx_max(max_waiting, 32);
+        max_waiting = ngx_min(max_waiting, 4096);
+    }
+
+    if (max_waiting * sizeof(ngx_http_llama_session_waiter_t)
+        > (size_t) size / 2)
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "zone \"%V\" is too small for max_waiting=%ui: "
+                           "a waiting request takes %uz bytes, at most half "
+                           "the zone goes to them", &name, max_waiting,
+                           sizeof(ngx_http_llama_session_waiter_t));
+        return NGX_CONF_ERROR;
+    }
+
+    if (ngx_http_llama_session_old_zone(cf, &name, size, &store) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
     zone = ngx_pcalloc(cf->pool, sizeof(ngx_http_llama_session_zone_t));
     if (zone == NULL) {
         return NGX_CONF_ERROR;
@@ -548,6 +633,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     zone->name = name;
     zone->nslots = nslots;
+    zone->waiters_max = max_waiting;
     zone->store = store;
     zone->max_files = max_files;
     zone->max_size = max_size;
@@ -782,6 +868,141 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
     *h = ngx_http_llama_session_handler;
 
     return ngx_http_llama_session_capture_init(cf);
+}
+
+
+/*
+ * A reload with a zone of another size (or another name over the same
+ * store folder) would make a second zone: two coordinators for one
+ * backend while the old workers finish, and the new zone's index would
+ * delete the temporary files of saves still running.  nginx keeps a
+ * zone only when its name and size stay; anything else needs a restart.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
+    ngx_str_t *store)
+{
+    ngx_uint_t                      i;
+    ngx_list_part_t                *part;
+    ngx_shm_zone_t                 *shm_zone;
+    ngx_http_llama_session_zone_t  *ozone;
+
+    if (cf->cycle->old_cycle == NULL
+        || cf->cycle->old_cycle->conf_ctx == NULL)
+    {
+        return NGX_OK;
+    }
+
+    part = &cf->cycle->old_cycle->shared_memory.part;
+    shm_zone = part->elts;
+
+    for (i = 0; /* void */ ; i++) {
+
+        if (i >= part->nelts) {
+            if (part->next == NULL) {
+                break;
+            }
+
+            part = part->next;
+            shm_zone = part->elts;
+            i = 0;
+        }
+
+        if (shm_zone[i].tag != &ngx_http_llama_session_module) {
+            continue;
+        }
+
+        ozone = shm_zone[i].data;
+
+        if (shm_zone[i].shm.name.len == name->len
+            && ngx_strncmp(shm_zone[i].shm.name.data, name->data, name->len)
+               == 0)
+        {
+            if (shm_zone[i].shm.size != size) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "llama_session zone \"%V\" cannot change "
+                                   "its size from %uz to %uz on a reload: "
+                                   "restart nginx", name, shm_zone[i].shm.size,
+                                   size);
+                return NGX_ERROR;
+            }
+
+            continue;
+        }
+
+        if (ozone && store->len && ozone->store.len == store->len
+            && ngx_strncmp(ozone->store.data, store->data, store->len) == 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "llama_session zone \"%V\" would take the "
+                               "store \"%V\" of the running zone \"%V\" on a "
+                               "reload: restart nginx to rename a zone", name,
+                               store, &shm_zone[i].shm.name);
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * llama_session_endpoints uri ...;
+ */
+
+static char *
+ngx_http_llama_session_endpoints(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf)
+{
+    ngx_http_llama_session_loc_conf_t *llcf = conf;
+
+    ngx_str_t   *value, *s;
+    ngx_uint_t   i;
+
+    if (llcf->endpoints != NGX_CONF_UNSET_PTR) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    llcf->endpoints = ngx_array_create(cf->pool, cf->args->nelts,
+                                       sizeof(ngx_str_t));
+    if (llcf->endpoints == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    for (i = 1; i < cf->args->nelts; i++) {
+
+        if (value[i].len < 2 || value[i].data[0] != '/'
+            || value[i].data[value[i].len - 1] == '/'
+            || ngx_strlchr(value[i].data, value[i].data + value[i].len, '?'))
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid endpoint \"%V\": give the end of a "
+                               "path, such as \"/chat/completions\"",
+                               &value[i]);
+            return NGX_CONF_ERROR;
+        }
+
+        s = ngx_array_push(llcf->endpoints);
+        if (s == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        *s = value[i];
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_init_process(ngx_cycle_t *cycle)
+{
+    ngx_http_llama_session_process_init();
+
+    return ngx_http_llama_session_idle_init(cycle);
 }
 
 

@@ -14,7 +14,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     2
+#define NGX_HTTP_LLAMA_SESSION_VERSION     3
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -26,6 +26,7 @@
 #define NGX_HTTP_LLAMA_SESSION_MODEL_SHOW  64
 #define NGX_HTTP_LLAMA_SESSION_PATH_SHOW   200
 #define NGX_HTTP_LLAMA_SESSION_FIELDS_MAX  16
+#define NGX_HTTP_LLAMA_SESSION_ID_MAX      256    /* a client's id, bytes */
 
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
@@ -87,19 +88,29 @@ typedef struct {
     u_char                          saveable;   /* not "default" */
     u_char                          busy;       /* a request holds it */
     ngx_pid_t                       owner;
+    uint64_t                        owner_start; /* tells a reused pid */
+    ngx_msec_t                      taken_at;
+    ngx_msec_t                      checked_at; /* owner last checked */
+    ngx_msec_t                      free_since;
     ngx_atomic_uint_t               batch;      /* tickets of the session
                                                    swapped in that may still
                                                    go before the next swap */
+    ngx_uint_t                      batch_left; /* how many of them wait */
+    u_short                         batch_len;
+    u_char                          batch_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     ngx_msec_t                      last_used;
     time_t                          used_at;
     ngx_int_t                       task;       /* last id_task seen, -1 */
 } ngx_http_llama_session_slot_t;
 
 
+/* a waiting request: reserved at the zone's start, never slab-allocated */
+
 typedef struct {
-    ngx_queue_t                     queue;
-    ngx_atomic_uint_t               ticket;
+    ngx_queue_t                     queue;      /* waiters or free list */
+    ngx_atomic_uint_t               ticket;     /* 0: free */
     ngx_pid_t                       pid;
+    uint64_t                        start;
     u_short                         key_len;
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
 } ngx_http_llama_session_waiter_t;
@@ -109,7 +120,8 @@ typedef struct {
 
 typedef struct {
     ngx_rbtree_node_t               node;       /* key: crc32 of the name */
-    ngx_queue_t                     lru;
+    ngx_queue_t                     lru;        /* sh->lru or sh->nofile */
+    ngx_uint_t                      seq;        /* sh->seq when saved */
     u_char                          name_len;
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     u_char                          saved;      /* a file exists */
@@ -139,6 +151,9 @@ typedef struct {
     ngx_atomic_uint_t               evictions;
     ngx_atomic_uint_t               idle_saves;
     ngx_atomic_uint_t               restarts;
+    ngx_atomic_uint_t               queue_full;
+    ngx_atomic_uint_t               forgotten;  /* records recycled */
+    ngx_atomic_uint_t               refused;
 } ngx_http_llama_session_stats_t;
 
 
@@ -148,11 +163,16 @@ typedef struct {
     ngx_uint_t                      nslots;
     ngx_atomic_uint_t               next_ticket;
     ngx_uint_t                      nwaiters;
+    ngx_uint_t                      waiters_max;
     ngx_queue_t                     waiters;
+    ngx_queue_t                     free_waiters;
+    ngx_http_llama_session_waiter_t *waiter_pool;
     ngx_rbtree_t                    rbtree;
     ngx_rbtree_node_t               sentinel;
-    ngx_queue_t                     lru;
+    ngx_queue_t                     lru;        /* records with a file */
+    ngx_queue_t                     nofile;     /* records without */
     ngx_uint_t                      nsessions;
+    ngx_uint_t                      seq;        /* saves recorded */
     ngx_uint_t                      files;      /* saved, any configuration */
     off_t                           bytes;
     u_char                          fp_known;
@@ -170,6 +190,7 @@ typedef struct {
 typedef struct {
     ngx_str_t                       name;
     ngx_uint_t                      nslots;
+    ngx_uint_t                      waiters_max;
     ngx_str_t                       store;      /* empty: not visible */
     ngx_uint_t                      max_files;  /* 0: no limit */
     off_t                           max_size;   /* 0: no limit */
@@ -198,6 +219,7 @@ typedef struct {
     ngx_str_t                       slots_uri;
     ngx_array_t                    *id_headers; /* ngx_str_t, lowercase */
     ngx_array_t                    *id_fields;  /* ngx_str_t, a.b paths */
+    ngx_array_t                    *endpoints;  /* ngx_str_t, "/a/b" */
     ngx_uint_t                      fallback;
     ngx_http_complex_value_t       *namespace;
     ngx_msec_t                      wait_timeout;
@@ -254,12 +276,20 @@ struct ngx_http_llama_session_ctx_s {
 
     ngx_event_t                     wait_ev;
     ngx_queue_t                     local;      /* this worker's waiters */
+    ngx_http_llama_session_waiter_t *waiter;   /* its place in the zone */
 
     /* the slot call in flight and its reply */
     ngx_uint_t                      call;
     ngx_str_t                       call_uri;
     ngx_int_t                       call_status;
     ngx_buf_t                      *call_reply;
+    ngx_buf_t                      *capture;   /* reused across calls */
+    ngx_uint_t                      polls;
+
+    /* a refusal to send, from the states before the slot */
+    ngx_uint_t                      fail_status;
+    char                           *fail_type;
+    char                           *fail_message;
     ngx_int_t                       slot_tokens; /* -1: unknown */
     ngx_int_t                       slot_task;   /* -1: none */
     ngx_uint_t                      slot_state;
@@ -286,17 +316,10 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        load_file:1;
     unsigned                        released:1;
     unsigned                        restarted:1;
+    unsigned                        slots_checked:1; /* GET /slots vouched */
 
     void                           *api;        /* the management API's */
 };
-
-
-/* the capture of a slot call's reply, set on the subrequest */
-
-typedef struct {
-    ngx_http_llama_session_ctx_t   *parent;
-    ngx_buf_t                      *buf;
-} ngx_http_llama_session_capture_t;
 
 
 ngx_int_t ngx_http_llama_session_handler(ngx_http_request_t *r);
@@ -345,6 +368,7 @@ ngx_int_t ngx_http_llama_session_json_body(u_char *p, u_char *end,
 ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,
     void *data);
 ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_process_init(void);
 ngx_int_t ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
     ngx_msec_t save_idle);
@@ -390,6 +414,8 @@ ngx_int_t ngx_http_llama_session_store_sync(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 
 /* slots.c: slot calls */
+ngx_uint_t ngx_http_llama_session_own_call(ngx_http_request_t *r);
+void ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_call(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
     size_t len);
@@ -399,7 +425,11 @@ ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
     double *ms);
 ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
+ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, const char *what);
+ngx_uint_t ngx_http_llama_session_may_save(
+    ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,

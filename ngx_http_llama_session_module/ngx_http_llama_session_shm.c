@@ -14,15 +14,31 @@
 static ngx_http_llama_session_node_t *ngx_http_llama_session_lookup(
     ngx_http_llama_session_sh_t *sh, u_char *name, size_t len,
     uint32_t hash);
+static void ngx_http_llama_session_rbtree_insert(ngx_rbtree_node_t *temp,
+    ngx_rbtree_node_t *node, ngx_rbtree_node_t *sentinel);
 static void ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
-    ngx_log_t *log);
+    ngx_http_llama_session_slot_t *slot, ngx_log_t *log);
 static void ngx_http_llama_session_unqueue_locked(
-    ngx_http_llama_session_zone_t *zone, ngx_atomic_uint_t ticket);
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_uint_t ngx_http_llama_session_count_batch(
+    ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_slot_t *slot);
 static void ngx_http_llama_session_reap_locked(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
 static void ngx_http_llama_session_take_locked(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
-static ngx_uint_t ngx_http_llama_session_alive(ngx_pid_t pid);
+static ngx_uint_t ngx_http_llama_session_alive(ngx_pid_t pid, uint64_t start);
+static uint64_t ngx_http_llama_session_proc_start(ngx_pid_t pid);
+
+
+/* how long a free slot may see no grant before the queue is checked */
+#define NGX_HTTP_LLAMA_SESSION_STALL     200
+
+/* how long a slot is held before its owner is checked, and how often */
+#define NGX_HTTP_LLAMA_SESSION_OWNER_CHECK  1000
+
+
+/* when this process started (/proc/PID/stat), with its pid its identity */
+static uint64_t  ngx_http_llama_session_self_start;
 
 
 ngx_int_t
@@ -49,6 +65,15 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
             return NGX_ERROR;
         }
 
+        if (ozone->sh->waiters_max != zone->waiters_max) {
+            ngx_log_error(NGX_LOG_EMERG, shm_zone->shm.log, 0,
+                          "llama_session zone \"%V\" uses max_waiting=%ui "
+                          "while previously it used %ui: restart nginx to "
+                          "change it", &shm_zone->shm.name,
+                          zone->waiters_max, ozone->sh->waiters_max);
+            return NGX_ERROR;
+        }
+
         if (ozone->nslots != zone->nslots) {
             ngx_log_error(NGX_LOG_EMERG, shm_zone->shm.log, 0,
                           "llama_session zone \"%V\" uses slots=%ui while "
@@ -71,6 +96,7 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
         return NGX_OK;
     }
 
+
     sh = ngx_slab_calloc(zone->shpool, sizeof(ngx_http_llama_session_sh_t));
     if (sh == NULL) {
         return NGX_ERROR;
@@ -85,8 +111,31 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     sh->next_ticket = 1;
 
     ngx_queue_init(&sh->waiters);
+    ngx_queue_init(&sh->free_waiters);
     ngx_queue_init(&sh->lru);
-    ngx_rbtree_init(&sh->rbtree, &sh->sentinel, ngx_rbtree_insert_value);
+    ngx_queue_init(&sh->nofile);
+    ngx_rbtree_init(&sh->rbtree, &sh->sentinel,
+                    ngx_http_llama_session_rbtree_insert);
+
+    /*
+     * waiting requests have storage of their own, reserved now: records
+     * of sessions may fill the rest of the zone, they never take it
+     */
+
+    sh->waiters_max = zone->waiters_max;
+    sh->waiter_pool = ngx_slab_calloc(zone->shpool, zone->waiters_max
+                                      * sizeof(ngx_http_llama_session_waiter_t));
+    if (sh->waiter_pool == NULL) {
+        ngx_log_error(NGX_LOG_EMERG, shm_zone->shm.log, 0,
+                      "llama_session zone \"%V\" is too small for "
+                      "max_waiting=%ui", &shm_zone->shm.name,
+                      zone->waiters_max);
+        return NGX_ERROR;
+    }
+
+    for (i = 0; i < zone->waiters_max; i++) {
+        ngx_queue_insert_tail(&sh->free_waiters, &sh->waiter_pool[i].queue);
+    }
 
     /* after a start nobody can vouch for what the backend's slots hold */
 
@@ -118,21 +167,24 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 /*
  * Takes the slot for the request or queues it.  NGX_OK: the request holds
  * the slot, and ctx->out_key, ctx->action tell what the slot held;
- * NGX_AGAIN: queued, poll again; NGX_ERROR: no memory for the queue.
+ * NGX_AGAIN: queued, poll again; NGX_DECLINED: the queue is full.
  *
  * Order: the oldest waiter goes first.  When a session was swapped in, its
  * requests that were already waiting then may go before the next swap.
+ * A poll costs the same whatever the queue's length; only a queue that
+ * stalls (a free slot, nobody taking it) is walked, to drop the waiters
+ * of dead workers wherever they stand.
  */
 
 ngx_int_t
 ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_uint_t                        grant, hit, batch;
+    ngx_uint_t                        grant, hit, member;
     ngx_queue_t                      *q;
     ngx_http_llama_session_sh_t      *sh;
     ngx_http_llama_session_slot_t    *slot;
     ngx_http_llama_session_zone_t    *zone;
-    ngx_http_llama_session_waiter_t  *w, *head;
+    ngx_http_llama_session_waiter_t  *w;
 
     zone = ctx->zone;
     sh = zone->sh;
@@ -147,6 +199,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
            && ngx_memcmp(slot->key, ctx->key, ctx->key_len) == 0);
 
     grant = 0;
+    member = 0;
 
     if (!ctx->queued) {
 
@@ -154,63 +207,66 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
             grant = 1;
 
         } else {
-            w = ngx_slab_alloc_locked(zone->shpool,
-                                      sizeof(ngx_http_llama_session_waiter_t));
-            if (w == NULL) {
+            if (ngx_queue_empty(&sh->free_waiters)) {
+                sh->stats.queue_full++;
                 ngx_shmtx_unlock(&zone->shpool->mutex);
-                ngx_log_error(NGX_LOG_CRIT, ctx->request->connection->log, 0,
-                              "llama_session zone \"%V\" has no room for "
-                              "another waiting request", &zone->name);
-                return NGX_ERROR;
+
+                ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
+                              "llama_session zone \"%V\" has %ui requests "
+                              "waiting already, its max_waiting",
+                              &zone->name, zone->waiters_max);
+                return NGX_DECLINED;
             }
+
+            q = ngx_queue_head(&sh->free_waiters);
+            ngx_queue_remove(q);
+
+            w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
 
             w->ticket = sh->next_ticket++;
             w->pid = ngx_pid;
+            w->start = ngx_http_llama_session_self_start;
             w->key_len = (u_short) ctx->key_len;
             ngx_memcpy(w->key, ctx->key, ctx->key_len);
 
             ngx_queue_insert_tail(&sh->waiters, &w->queue);
             sh->nwaiters++;
 
+            ctx->waiter = w;
             ctx->ticket = w->ticket;
             ctx->queued = 1;
         }
 
     } else if (!slot->busy) {
 
-        ngx_http_llama_session_prune(zone, ctx->request->connection->log);
+        if ((ngx_msec_int_t) (ngx_current_msec - slot->free_since)
+            >= NGX_HTTP_LLAMA_SESSION_STALL)
+        {
+            /* nobody took the free slot for a while: who waits really? */
+            ngx_http_llama_session_prune(zone, slot,
+                                         ctx->request->connection->log);
+            slot->free_since = ngx_current_msec;
+        }
 
-        if (hit && ctx->ticket < slot->batch) {
+        member = (hit && ctx->ticket < slot->batch
+                  && slot->batch_len == ctx->key_len
+                  && ngx_memcmp(slot->batch_key, ctx->key, ctx->key_len)
+                     == 0);
+
+        if (member) {
             /* waited already when its session was swapped in */
             grant = 1;
 
-        } else {
-            head = NULL;
-            batch = 0;
+        } else if (slot->batch_left == 0
+                   || slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                   || slot->key_len != slot->batch_len
+                   || ngx_memcmp(slot->key, slot->batch_key, slot->key_len)
+                      != 0)
+        {
+            q = ngx_queue_head(&sh->waiters);
+            w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
 
-            for (q = ngx_queue_head(&sh->waiters);
-                 q != ngx_queue_sentinel(&sh->waiters);
-                 q = ngx_queue_next(q))
-            {
-                w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
-
-                if (head == NULL) {
-                    head = w;
-                }
-
-                if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-                    && w->ticket < slot->batch
-                    && w->key_len == slot->key_len
-                    && ngx_memcmp(w->key, slot->key, w->key_len) == 0)
-                {
-                    batch = 1;
-                    break;
-                }
-            }
-
-            if (!batch && (head == NULL || head->ticket == ctx->ticket)) {
-                grant = 1;
-            }
+            grant = (w == ctx->waiter && w->ticket == ctx->ticket);
         }
     }
 
@@ -220,8 +276,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     }
 
     if (ctx->queued) {
-        ngx_http_llama_session_unqueue_locked(zone, ctx->ticket);
-        ctx->queued = 0;
+        ngx_http_llama_session_unqueue_locked(ctx);
     }
 
     ngx_http_llama_session_take_locked(ctx, slot);
@@ -237,6 +292,9 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     } else {
         /* requests of this session waiting now go before the next swap */
         slot->batch = sh->next_ticket;
+        slot->batch_len = (u_short) ctx->key_len;
+        ngx_memcpy(slot->batch_key, ctx->key, ctx->key_len);
+        slot->batch_left = ngx_http_llama_session_count_batch(sh, slot);
 
         ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
                            ? 0 : -1;
@@ -247,6 +305,35 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     return NGX_OK;
+}
+
+
+/* the waiters of the session swapped in that came before the swap */
+
+static ngx_uint_t
+ngx_http_llama_session_count_batch(ngx_http_llama_session_sh_t *sh,
+    ngx_http_llama_session_slot_t *slot)
+{
+    ngx_uint_t                        n;
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_waiter_t  *w;
+
+    n = 0;
+
+    for (q = ngx_queue_head(&sh->waiters);
+         q != ngx_queue_sentinel(&sh->waiters);
+         q = ngx_queue_next(q))
+    {
+        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+        if (w->ticket < slot->batch && w->key_len == slot->batch_len
+            && ngx_memcmp(w->key, slot->batch_key, w->key_len) == 0)
+        {
+            n++;
+        }
+    }
+
+    return n;
 }
 
 
@@ -283,13 +370,33 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
 }
 
 
-/* a slot whose owner died: free, and nobody can vouch for it */
+/*
+ * A slot whose owner died: free, and nobody can vouch for it.  The owner
+ * is looked at once it held the slot for a while, and then at most once
+ * a second: a pid and the start time of its process, so a pid that came
+ * back for another process is no owner.
+ */
 
 static void
 ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_slot_t *slot)
 {
-    if (!slot->busy || ngx_http_llama_session_alive(slot->owner)) {
+    if (!slot->busy) {
+        return;
+    }
+
+    if (slot->owner != ngx_pid
+        && ((ngx_msec_int_t) (ngx_current_msec - slot->taken_at)
+            < NGX_HTTP_LLAMA_SESSION_OWNER_CHECK
+            || (ngx_msec_int_t) (ngx_current_msec - slot->checked_at)
+               < NGX_HTTP_LLAMA_SESSION_OWNER_CHECK))
+    {
+        return;
+    }
+
+    slot->checked_at = ngx_current_msec;
+
+    if (ngx_http_llama_session_alive(slot->owner, slot->owner_start)) {
         return;
     }
 
@@ -300,8 +407,12 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
 
     slot->busy = 0;
     slot->owner = 0;
+    slot->owner_start = 0;
+    slot->free_since = ngx_current_msec;
     slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
     slot->key_len = 0;
+    slot->dirty = 0;
+    slot->saveable = 0;
 }
 
 
@@ -313,6 +424,9 @@ ngx_http_llama_session_take_locked(ngx_http_llama_session_ctx_t *ctx,
 {
     slot->busy = 1;
     slot->owner = ngx_pid;
+    slot->owner_start = ngx_http_llama_session_self_start;
+    slot->taken_at = ngx_current_msec;
+    slot->checked_at = ngx_current_msec;
 
     ctx->acquired = 1;
     ctx->released = 0;
@@ -442,36 +556,44 @@ ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx)
     zone = ctx->zone;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
-    ngx_http_llama_session_unqueue_locked(zone, ctx->ticket);
+    ngx_http_llama_session_unqueue_locked(ctx);
     ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    ctx->queued = 0;
 }
 
 
+/* the request leaves the queue, granted or not */
+
 static void
-ngx_http_llama_session_unqueue_locked(ngx_http_llama_session_zone_t *zone,
-    ngx_atomic_uint_t ticket)
+ngx_http_llama_session_unqueue_locked(ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_queue_t                      *q;
     ngx_http_llama_session_sh_t      *sh;
+    ngx_http_llama_session_slot_t    *slot;
     ngx_http_llama_session_waiter_t  *w;
 
-    sh = zone->sh;
+    sh = ctx->zone->sh;
+    w = ctx->waiter;
 
-    for (q = ngx_queue_head(&sh->waiters);
-         q != ngx_queue_sentinel(&sh->waiters);
-         q = ngx_queue_next(q))
-    {
-        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+    ctx->queued = 0;
+    ctx->waiter = NULL;
 
-        if (w->ticket == ticket) {
-            ngx_queue_remove(q);
-            ngx_slab_free_locked(zone->shpool, w);
-            sh->nwaiters--;
-            return;
-        }
+    if (w == NULL || w->ticket != ctx->ticket || w->pid != ngx_pid) {
+        /* dropped already (taken for a dead worker's) */
+        return;
     }
+
+    slot = &sh->slots[ctx->slot];
+
+    if (ctx->ticket < slot->batch && slot->batch_left
+        && w->key_len == slot->batch_len
+        && ngx_memcmp(w->key, slot->batch_key, w->key_len) == 0)
+    {
+        slot->batch_left--;
+    }
+
+    ngx_queue_remove(&w->queue);
+    w->ticket = 0;
+    ngx_queue_insert_head(&sh->free_waiters, &w->queue);
+    sh->nwaiters--;
 }
 
 
@@ -533,6 +655,8 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     if (slot->busy && slot->owner == ngx_pid) {
         slot->busy = 0;
         slot->owner = 0;
+        slot->owner_start = 0;
+        slot->free_since = ngx_current_msec;
     }
 
     if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN) {
@@ -816,7 +940,7 @@ ngx_http_llama_session_evict(ngx_log_t *log,
     off_t                           sizes[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
     size_t                          klen;
     ngx_uint_t                      i, n, used;
-    ngx_queue_t                    *q;
+    ngx_queue_t                    *q, *prev;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *node;
     ngx_http_llama_session_slot_t  *slot;
@@ -835,8 +959,10 @@ ngx_http_llama_session_evict(ngx_log_t *log,
          && n < NGX_HTTP_LLAMA_SESSION_EVICT_BATCH
          && ((zone->max_files && sh->files > zone->max_files)
              || (zone->max_size && sh->bytes > zone->max_size));
-         q = ngx_queue_prev(q))
+         q = prev)
     {
+        prev = ngx_queue_prev(q);
+
         node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
 
         if (!node->saved) {
@@ -899,7 +1025,10 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
-/* marks a record as having a file or not, and keeps the zone's totals */
+/*
+ * Marks a record as having a file or not, keeps the zone's totals, and
+ * keeps it in the queue of its kind (most recently used first).
+ */
 
 void
 ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
@@ -913,9 +1042,16 @@ ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     node->saved = (u_char) saved;
     node->bytes = saved ? bytes : 0;
 
+    ngx_queue_remove(&node->lru);
+
     if (saved) {
         sh->files++;
         sh->bytes += bytes;
+        node->seq = ++sh->seq;
+        ngx_queue_insert_head(&sh->lru, &node->lru);
+
+    } else {
+        ngx_queue_insert_head(&sh->nofile, &node->lru);
     }
 }
 
@@ -958,11 +1094,53 @@ ngx_http_llama_session_lookup(ngx_http_llama_session_sh_t *sh, u_char *name,
 }
 
 
+/* inserts in the order the lookup walks: crc32, then the name */
+
+static void
+ngx_http_llama_session_rbtree_insert(ngx_rbtree_node_t *temp,
+    ngx_rbtree_node_t *node, ngx_rbtree_node_t *sentinel)
+{
+    ngx_rbtree_node_t              **p;
+    ngx_http_llama_session_node_t   *sn, *snt;
+
+    for ( ;; ) {
+
+        if (node->key < temp->key) {
+            p = &temp->left;
+
+        } else if (node->key > temp->key) {
+            p = &temp->right;
+
+        } else { /* node->key == temp->key */
+
+            sn = (ngx_http_llama_session_node_t *) node;
+            snt = (ngx_http_llama_session_node_t *) temp;
+
+            p = (ngx_memn2cmp(sn->name, snt->name, sn->name_len,
+                              snt->name_len) < 0)
+                ? &temp->left : &temp->right;
+        }
+
+        if (*p == sentinel) {
+            break;
+        }
+
+        temp = *p;
+    }
+
+    *p = node;
+    node->parent = temp;
+    node->left = sentinel;
+    node->right = sentinel;
+    ngx_rbt_red(node);
+}
+
+
 /*
- * Finds or adds a record, and makes it the most recently used.  When the
- * zone is full, the least recently used record without a file is
- * forgotten, then the oldest with one (its file stays on disk, and the
- * folder's index at the next start finds it again).
+ * Finds or adds a record, and makes it the most recently used of its
+ * kind.  When the zone is full, the least recently used record without
+ * a file is forgotten, else the oldest with one (its file stays on disk:
+ * the folder says it exists, and the next index finds it again).
  */
 
 ngx_http_llama_session_node_t *
@@ -971,7 +1149,7 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
 {
     uint32_t                        hash;
     ngx_uint_t                      tries;
-    ngx_queue_t                    *q;
+    ngx_queue_t                    *q, *queue;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *sn;
 
@@ -983,7 +1161,7 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
     if (sn) {
         sn->used_at = ngx_time();
         ngx_queue_remove(&sn->lru);
-        ngx_queue_insert_head(&sh->lru, &sn->lru);
+        ngx_queue_insert_head(sn->saved ? &sh->lru : &sh->nofile, &sn->lru);
         return sn;
     }
 
@@ -995,18 +1173,21 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
             break;
         }
 
-        if (ngx_queue_empty(&sh->lru)) {
+        queue = ngx_queue_empty(&sh->nofile) ? &sh->lru : &sh->nofile;
+
+        if (ngx_queue_empty(queue)) {
             return NULL;
         }
 
-        q = ngx_queue_last(&sh->lru);
-        ngx_queue_remove(q);
+        q = ngx_queue_last(queue);
 
         sn = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
         ngx_http_llama_session_node_file(sh, sn, 0, 0);
+        ngx_queue_remove(&sn->lru);
         ngx_rbtree_delete(&sh->rbtree, &sn->node);
         ngx_slab_free_locked(zone->shpool, sn);
         sh->nsessions--;
+        sh->stats.forgotten++;
         sn = NULL;
     }
 
@@ -1020,24 +1201,30 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
     sn->used_at = ngx_time();
 
     ngx_rbtree_insert(&sh->rbtree, &sn->node);
-    ngx_queue_insert_head(&sh->lru, &sn->lru);
+    ngx_queue_insert_head(&sh->nofile, &sn->lru);
     sh->nsessions++;
 
     return sn;
 }
 
 
-/* drops waiters whose worker died */
+/*
+ * Drops the waiters of dead workers, wherever they stand in the queue,
+ * and counts again who of the swapped-in session still waits.
+ */
 
 static void
 ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
-    ngx_log_t *log)
+    ngx_http_llama_session_slot_t *slot, ngx_log_t *log)
 {
+    ngx_pid_t                         dead, alive;
     ngx_queue_t                      *q, *next;
     ngx_http_llama_session_sh_t      *sh;
     ngx_http_llama_session_waiter_t  *w;
 
     sh = zone->sh;
+    dead = 0;
+    alive = ngx_pid;
 
     for (q = ngx_queue_head(&sh->waiters);
          q != ngx_queue_sentinel(&sh->waiters);
@@ -1047,32 +1234,123 @@ ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
 
         w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
 
-        if (w->pid == ngx_pid || ngx_http_llama_session_alive(w->pid)) {
-            /* only the head can block the others */
-            break;
+        /* the waiters of one worker come in runs: ask once per run */
+
+        if (w->pid == alive
+            || (w->pid != dead
+                && ngx_http_llama_session_alive(w->pid, w->start)))
+        {
+            alive = w->pid;
+            continue;
         }
 
+        dead = w->pid;
+
         ngx_log_error(NGX_LOG_WARN, log, 0,
-                      "llama_session: dropping a waiter of dead worker %P",
-                      w->pid);
+                      "llama_session: dropping a waiter of dead worker %P "
+                      "from zone \"%V\"", w->pid, &zone->name);
 
         ngx_queue_remove(q);
-        ngx_slab_free_locked(zone->shpool, w);
+        w->ticket = 0;
+        ngx_queue_insert_head(&sh->free_waiters, q);
         sh->nwaiters--;
     }
+
+    slot->batch_left = ngx_http_llama_session_count_batch(sh, slot);
 }
 
 
+/* is the process (pid, start) still there? */
+
 static ngx_uint_t
-ngx_http_llama_session_alive(ngx_pid_t pid)
+ngx_http_llama_session_alive(ngx_pid_t pid, uint64_t start)
 {
-    if (pid == ngx_pid || pid == 0) {
+    uint64_t  now;
+
+    if (pid == 0) {
         return 1;
+    }
+
+    if (pid == ngx_pid) {
+        return start == ngx_http_llama_session_self_start;
     }
 
     if (kill(pid, 0) == -1 && ngx_errno == NGX_ESRCH) {
         return 0;
     }
 
-    return 1;
+    if (start == 0) {
+        return 1;
+    }
+
+    now = ngx_http_llama_session_proc_start(pid);
+
+    return now == 0 || now == start;
+}
+
+
+/*
+ * When a process started, in clock ticks since boot: field 22 of
+ * /proc/PID/stat, counted after the command's closing parenthesis.
+ * 0 when it cannot be read.
+ */
+
+static uint64_t
+ngx_http_llama_session_proc_start(ngx_pid_t pid)
+{
+    u_char      *p, *last, file[64], buf[1024];
+    ssize_t      n;
+    uint64_t     v;
+    ngx_fd_t     fd;
+    ngx_uint_t   field;
+
+    ngx_sprintf(file, "/proc/%P/stat%Z", pid);
+
+    fd = ngx_open_file(file, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    if (fd == NGX_INVALID_FILE) {
+        return 0;
+    }
+
+    n = ngx_read_fd(fd, buf, sizeof(buf));
+    ngx_close_file(fd);
+
+    if (n <= 0) {
+        return 0;
+    }
+
+    last = buf + n;
+
+    for (p = last; p > buf && p[-1] != ')'; p--) { /* void */ }
+
+    if (p == buf) {
+        return 0;
+    }
+
+    for (field = 2; field < 22 && p < last; p++) {
+        if (*p == ' ') {
+            field++;
+        }
+    }
+
+    while (p < last && *p == ' ') {
+        p++;
+    }
+
+    v = 0;
+
+    while (p < last && *p >= '0' && *p <= '9') {
+        v = v * 10 + (*p++ - '0');
+    }
+
+    return v;
+}
+
+
+/* at a process's start: who it is, for the owner of a slot or a wait */
+
+void
+ngx_http_llama_session_process_init(void)
+{
+    ngx_http_llama_session_self_start =
+                              ngx_http_llama_session_proc_start(ngx_getpid());
 }

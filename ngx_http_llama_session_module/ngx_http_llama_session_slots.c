@@ -23,7 +23,7 @@ static ngx_int_t ngx_http_llama_session_call_done(ngx_http_request_t *sr,
 static ngx_int_t ngx_http_llama_session_capture_filter(ngx_http_request_t *r,
     ngx_chain_t *in);
 static ngx_int_t ngx_http_llama_session_capture_append(ngx_http_request_t *r,
-    ngx_http_llama_session_capture_t *cap, u_char *data, size_t size);
+    ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t size);
 static cJSON *ngx_http_llama_session_reply_json(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
 
@@ -71,7 +71,6 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
     ngx_http_core_main_conf_t          *cmcf;
     ngx_http_post_subrequest_t         *ps;
     ngx_http_request_body_t            *rb;
-    ngx_http_llama_session_capture_t   *cap;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -211,14 +210,12 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         sr->headers_in.content_type = h;
     }
 
-    cap = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_capture_t));
-    if (cap == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    /* the reply's buffer is kept from call to call */
+
+    if (ctx->capture) {
+        ctx->capture->pos = ctx->capture->start;
+        ctx->capture->last = ctx->capture->start;
     }
-
-    cap->parent = ctx;
-
-    ngx_http_set_ctx(sr, cap, ngx_http_llama_session_module);
 
     ctx->call = call;
     ctx->call_done = 0;
@@ -239,8 +236,6 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
 {
     ngx_http_llama_session_ctx_t *ctx = data;
 
-    ngx_http_llama_session_capture_t  *cap;
-
     if (ctx->call_done) {
         return rc;
     }
@@ -248,9 +243,8 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
     ctx->call_done = 1;
     ctx->call_inflight = 0;
 
-    cap = ngx_http_get_module_ctx(sr, ngx_http_llama_session_module);
-
-    ctx->call_reply = cap ? cap->buf : NULL;
+    ctx->call_reply = (ctx->capture && ctx->capture->last > ctx->capture->pos)
+                      ? ctx->capture : NULL;
 
     if (sr->upstream) {
         /* 0: no answer from the backend (refused, reset, timed out) */
@@ -278,33 +272,52 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
 }
 
 
-/* keeps the reply of our slot calls instead of sending it anywhere */
+/*
+ * Keeps the reply of the module's own slot calls instead of sending it
+ * anywhere.  They are known by their post-subrequest handler, which an
+ * internal redirect (error_page in the slots location) does not change,
+ * unlike the request's module context.  For the main request, the end of
+ * the response gives the slot back.
+ */
 
 static ngx_int_t
 ngx_http_llama_session_capture_filter(ngx_http_request_t *r, ngx_chain_t *in)
 {
-    off_t                              size;
-    ssize_t                            n;
-    u_char                            *p;
-    ngx_buf_t                         *b;
-    ngx_chain_t                       *cl;
-    ngx_http_llama_session_capture_t  *cap;
+    off_t                          size;
+    ssize_t                        n;
+    u_char                        *p;
+    ngx_buf_t                     *b;
+    ngx_chain_t                   *cl;
+    ngx_http_llama_session_ctx_t  *ctx;
 
     if (r == r->main) {
+        ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+        if (ctx && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
+            && ctx->acquired && !ctx->released)
+        {
+            for (cl = in; cl; cl = cl->next) {
+                if (cl->buf->last_buf) {
+                    ngx_http_llama_session_finish(ctx);
+                    break;
+                }
+            }
+        }
+
         return ngx_http_next_body_filter(r, in);
     }
 
-    cap = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-    if (cap == NULL) {
+    if (!ngx_http_llama_session_own_call(r)) {
         return ngx_http_next_body_filter(r, in);
     }
+
+    ctx = r->post_subrequest->data;
 
     for (cl = in; cl; cl = cl->next) {
         b = cl->buf;
 
         if (ngx_buf_in_memory(b)) {
-            if (ngx_http_llama_session_capture_append(r, cap, b->pos,
+            if (ngx_http_llama_session_capture_append(r, ctx, b->pos,
                                                       b->last - b->pos)
                 != NGX_OK)
             {
@@ -331,7 +344,7 @@ ngx_http_llama_session_capture_filter(ngx_http_request_t *r, ngx_chain_t *in)
                 return NGX_ERROR;
             }
 
-            if (ngx_http_llama_session_capture_append(r, cap, p, n)
+            if (ngx_http_llama_session_capture_append(r, ctx, p, n)
                 != NGX_OK)
             {
                 return NGX_ERROR;
@@ -345,18 +358,29 @@ ngx_http_llama_session_capture_filter(ngx_http_request_t *r, ngx_chain_t *in)
 }
 
 
+/* is this subrequest one of the module's slot calls? */
+
+ngx_uint_t
+ngx_http_llama_session_own_call(ngx_http_request_t *r)
+{
+    return r != r->main && r->post_subrequest
+           && r->post_subrequest->handler
+              == ngx_http_llama_session_call_done;
+}
+
+
 static ngx_int_t
 ngx_http_llama_session_capture_append(ngx_http_request_t *r,
-    ngx_http_llama_session_capture_t *cap, u_char *data, size_t size)
+    ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t size)
 {
     size_t      want;
     ngx_buf_t  *b;
 
-    if (size == 0) {
+    if (size == 0 || ctx->call_done) {
         return NGX_OK;
     }
 
-    b = cap->buf;
+    b = ctx->capture;
 
     if (b == NULL || (size_t) (b->end - b->last) < size) {
 
@@ -372,17 +396,19 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
 
         want = ngx_max(want * 2, 4096);
 
-        b = ngx_create_temp_buf(r->pool, want);
+        /* in the main request's pool: it outlives the subrequest */
+
+        b = ngx_create_temp_buf(r->main->pool, want);
         if (b == NULL) {
             return NGX_ERROR;
         }
 
-        if (cap->buf) {
-            b->last = ngx_cpymem(b->last, cap->buf->pos,
-                                 cap->buf->last - cap->buf->pos);
+        if (ctx->capture) {
+            b->last = ngx_cpymem(b->last, ctx->capture->pos,
+                                 ctx->capture->last - ctx->capture->pos);
         }
 
-        cap->buf = b;
+        ctx->capture = b;
     }
 
     b->last = ngx_cpymem(b->last, data, size);
@@ -511,14 +537,17 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    *tokens = (ngx_uint_t) item->valuedouble;
+    *tokens = (item->valuedouble > 0 && item->valuedouble < 1e15)
+              ? (ngx_uint_t) item->valuedouble : 0;
 
     item = cJSON_GetObjectItemCaseSensitive(json, "n_written");
     if (item == NULL) {
         item = cJSON_GetObjectItemCaseSensitive(json, "n_read");
     }
 
-    if (cJSON_IsNumber(item)) {
+    if (cJSON_IsNumber(item) && item->valuedouble > 0
+        && item->valuedouble < 1e15)
+    {
         *bytes = (off_t) item->valuedouble;
     }
 
@@ -542,8 +571,96 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
 
 
 /*
+ * The end of a save, the same for a swap, an idle save and the API: the
+ * reply must say the slot held tokens, and with store= the file must be
+ * what llama-server says it wrote (it does not check its last fclose: a
+ * full disk or NFS can answer 200 with a short file).  Then the file
+ * takes its name and the session is recorded.  Else its previous file is
+ * kept, untouched.  NGX_OK: saved.
+ */
+
+ngx_int_t
+ngx_http_llama_session_save_done(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, const char *what)
+{
+    off_t       bytes;
+    double      ms;
+    ngx_uint_t  tokens;
+
+    tokens = 0;
+    bytes = 0;
+    ms = 0;
+
+    if (ctx->call_status == NGX_HTTP_OK
+        && ngx_http_llama_session_parse_action(log, ctx, &tokens, &bytes, &ms)
+           == NGX_OK)
+    {
+        if (tokens == 0) {
+            ngx_log_error(NGX_LOG_ERR, log, 0,
+                          "llama_session: %s: llama-server saved no tokens "
+                          "of session \"%*s\" from slot %ui, nothing is "
+                          "kept of it", what, ctx->out_len, ctx->out_key,
+                          ctx->slot);
+
+        } else if (ngx_http_llama_session_store_commit(log, ctx, ctx->out_key,
+                                                       ctx->out_len, bytes)
+                   == NGX_OK)
+        {
+            ctx->saved_tokens = tokens;
+            ctx->saved_bytes = bytes;
+            ctx->save_ms = ms;
+
+            ngx_http_llama_session_saved_ok(log, ctx, tokens, bytes);
+
+            return NGX_OK;
+        }
+    }
+
+    if (ctx->zone->store.len == 0 && ctx->call_status == NGX_HTTP_OK) {
+        /* llama-server wrote over the file itself: it cannot be trusted */
+        ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 0,
+                                          0, 0);
+    }
+
+    ngx_http_llama_session_store_drop_tmp(log, ctx, ctx->out_key,
+                                          ctx->out_len);
+
+    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
+
+    ngx_log_error(NGX_LOG_ERR, log, 0,
+                  "llama_session: %s: saving session \"%*s\" from slot %ui "
+                  "failed (%i: \"%*s\"), its previous file is kept and its "
+                  "latest turns are lost", what,
+                  ctx->out_len, ctx->out_key, ctx->slot, ctx->call_status,
+                  ctx->call_reply
+                  ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos, 200)
+                  : 0,
+                  ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
+
+    return NGX_ERROR;
+}
+
+
+/*
+ * May the slot be saved?  Only after a GET /slots in the same hold of the
+ * slot showed it idle, holding tokens, and llama-server not restarted
+ * (the caller checked the task ids): else the state may be empty, or
+ * another session's.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_may_save(ngx_http_llama_session_ctx_t *ctx)
+{
+    return ctx->save_pending && ctx->slots_checked && ctx->slot_tokens > 0
+           && !ctx->restarted;
+}
+
+
+/*
  * With store= the save went to "<key>.<fp>.bin.tmp": move it into place, so
- * a save that fails or dies half way never harms the previous file.
+ * a save that fails or dies half way never harms the previous file.  The
+ * temporary file must be a regular file (no link) of the size llama-server
+ * says it wrote.
  *
  * The previous file is first moved aside to ".bin.old", then the new one
  * takes its name, then the old one goes: a rename over an existing file
@@ -555,13 +672,14 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
 
 ngx_int_t
 ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size)
 {
-    u_char      from[NGX_MAX_PATH], to[NGX_MAX_PATH], old[NGX_MAX_PATH];
-    u_char      name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t      n;
-    ngx_str_t  *store;
-    ngx_uint_t  aside;
+    u_char           from[NGX_MAX_PATH], to[NGX_MAX_PATH], old[NGX_MAX_PATH];
+    u_char           name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t           n;
+    ngx_str_t       *store;
+    ngx_uint_t       aside;
+    ngx_file_info_t  fi;
 
     store = &ctx->zone->store;
 
@@ -575,6 +693,22 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
     ngx_snprintf(old, sizeof(old), "%V/%*s.bin.old%Z", store, n, name);
 
+    if (ngx_link_info(from, &fi) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_link_info_n " \"%s\" failed: is store= the folder "
+                      "of llama-server's --slot-save-path?", from);
+        return NGX_ERROR;
+    }
+
+    if (!ngx_is_file(&fi) || (size && ngx_file_size(&fi) != size)) {
+        ngx_log_error(NGX_LOG_ERR, log, 0,
+                      "llama_session: \"%s\" is not the file llama-server "
+                      "said it wrote (%O bytes, it has %O): a full disk?",
+                      from, size,
+                      ngx_is_file(&fi) ? ngx_file_size(&fi) : (off_t) -1);
+        return NGX_ERROR;
+    }
+
     aside = (ngx_rename_file(to, old) != NGX_FILE_ERROR);
 
     if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
@@ -587,7 +721,6 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
             (void) ngx_rename_file(old, to);
         }
 
-        (void) ngx_delete_file(from);
         return NGX_ERROR;
     }
 

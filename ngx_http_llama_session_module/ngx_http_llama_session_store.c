@@ -21,14 +21,26 @@ typedef struct {
     size_t                          len;
     off_t                           size;
     time_t                          mtime;
+
+    /* what its .json says */
+    u_char                          id_len;
+    u_char                          id[NGX_HTTP_LLAMA_SESSION_ID_SHOW];
+    u_char                          model_len;
+    u_char                          model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW];
+    ngx_uint_t                      tokens;
+    unsigned                        known:1;
 } ngx_http_llama_session_found_t;
 
 
 static ngx_int_t ngx_http_llama_session_store_name(u_char *name, size_t len,
     size_t *base);
 static void ngx_http_llama_session_store_read_meta(
-    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_found_t *f,
     ngx_log_t *log);
+static void ngx_http_llama_session_store_set_meta(
+    ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f);
+static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
+    ngx_file_info_t *fi);
 static int ngx_libc_cdecl ngx_http_llama_session_found_cmp(const void *one,
     const void *two);
 static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
@@ -164,18 +176,26 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
                 ngx_snprintf(bin, sizeof(bin), "%V/%*s.bin%Z", &zone->store,
                              base, ngx_de_name(&dir));
 
-                if (ngx_file_info(bin, &fi) == NGX_FILE_ERROR) {
+                if (ngx_http_llama_session_file_info(bin, &fi)
+                    == NGX_FILE_ERROR)
+                {
                     ngx_log_error(NGX_LOG_NOTICE, log, 0,
                                   "llama_session: bringing back \"%s\"",
                                   file);
                     (void) ngx_rename_file(file, bin);
 
-                    f = ngx_array_push(found);
-                    if (f == NULL || ngx_file_info(bin, &fi)
-                                     == NGX_FILE_ERROR)
+                    if (ngx_http_llama_session_file_info(bin, &fi)
+                        == NGX_FILE_ERROR)
                     {
                         continue;
                     }
+
+                    f = ngx_array_push(found);
+                    if (f == NULL) {
+                        continue;
+                    }
+
+                    ngx_memzero(f, sizeof(ngx_http_llama_session_found_t));
 
                     ngx_memcpy(f->name, ngx_de_name(&dir), base);
                     f->len = base;
@@ -190,7 +210,7 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
             continue;
         }
 
-        if (ngx_file_info(file, &fi) == NGX_FILE_ERROR) {
+        if (ngx_http_llama_session_file_info(file, &fi) == NGX_FILE_ERROR) {
             continue;
         }
 
@@ -199,6 +219,8 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
             ngx_close_dir(&dir);
             return NGX_ERROR;
         }
+
+        ngx_memzero(f, sizeof(ngx_http_llama_session_found_t));
 
         ngx_memcpy(f->name, ngx_de_name(&dir), base);
         f->len = base;
@@ -250,6 +272,10 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
     ngx_qsort(f, found->nelts, sizeof(ngx_http_llama_session_found_t),
               ngx_http_llama_session_found_cmp);
 
+    for (i = 0; i < found->nelts; i++) {
+        ngx_http_llama_session_store_read_meta(zone, &f[i], log);
+    }
+
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     for (i = 0; i < found->nelts; i++) {
@@ -265,7 +291,7 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
         node->saved_at = f[i].mtime;
         node->used_at = f[i].mtime;
 
-        ngx_http_llama_session_store_read_meta(zone, node, log);
+        ngx_http_llama_session_store_set_meta(node, &f[i]);
     }
 
     ngx_log_error(NGX_LOG_NOTICE, log, 0,
@@ -285,7 +311,9 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
 
 /*
  * The folder is the truth: files that appeared are added to the index,
- * files that vanished are no longer counted as saved.
+ * files that vanished are no longer counted as saved.  A save recorded
+ * while the folder was read is newer than what the scan saw: it stays.
+ * The .json files of new sessions are read before the lock is taken.
  */
 
 ngx_int_t
@@ -293,10 +321,10 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log)
 {
     ngx_int_t                        rc;
-    ngx_uint_t                       i, lo, hi, mid, seen;
+    ngx_uint_t                       i, lo, hi, mid, seen, seq;
     ngx_pool_t                      *pool;
     ngx_array_t                     *found;
-    ngx_queue_t                     *q;
+    ngx_queue_t                     *q, *next;
     ngx_http_llama_session_node_t   *node;
     ngx_http_llama_session_found_t  *f;
 
@@ -308,6 +336,10 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     if (pool == NULL) {
         return NGX_ERROR;
     }
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+    seq = zone->sh->seq;
+    ngx_shmtx_unlock(&zone->shpool->mutex);
 
     rc = ngx_http_llama_session_store_scan(zone, pool, 0, log, &found);
 
@@ -321,15 +353,34 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     ngx_qsort(f, found->nelts, sizeof(ngx_http_llama_session_found_t),
               ngx_http_llama_session_name_cmp);
 
+    /* which files the index does not know: their .json, without the lock */
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (i = 0; i < found->nelts; i++) {
+        node = ngx_http_llama_session_lookup_name(zone, f[i].name, f[i].len);
+        f[i].known = (node != NULL);
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    for (i = 0; i < found->nelts; i++) {
+        if (!f[i].known) {
+            ngx_http_llama_session_store_read_meta(zone, &f[i], log);
+        }
+    }
+
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     for (q = ngx_queue_head(&zone->sh->lru);
          q != ngx_queue_sentinel(&zone->sh->lru);
-         q = ngx_queue_next(q))
+         q = next)
     {
+        next = ngx_queue_next(q);
+
         node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
 
-        if (!node->saved) {
+        if (!node->saved || node->seq > seq) {
             continue;
         }
 
@@ -365,7 +416,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     for (i = 0; i < found->nelts; i++) {
         node = ngx_http_llama_session_lookup_name(zone, f[i].name, f[i].len);
 
-        if (node && node->saved) {
+        if (node && (node->saved || node->seq > seq)) {
             continue;
         }
 
@@ -376,7 +427,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
             }
 
             node->used_at = f[i].mtime;
-            ngx_http_llama_session_store_read_meta(zone, node, log);
+            ngx_http_llama_session_store_set_meta(node, &f[i]);
         }
 
         ngx_http_llama_session_node_file(zone->sh, node, 1, f[i].size);
@@ -410,9 +461,11 @@ ngx_http_llama_session_found_cmp(const void *one, const void *two)
 }
 
 
+/* what "<name>.json" says, read without following a symbolic link */
+
 static void
 ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
-    ngx_http_llama_session_node_t *node, ngx_log_t *log)
+    ngx_http_llama_session_found_t *f, ngx_log_t *log)
 {
     u_char           file[NGX_MAX_PATH], buf[4096];
     cJSON           *json, *item;
@@ -420,9 +473,10 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
     ngx_fd_t         fd;
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store,
-                 (size_t) node->name_len, node->name);
+                 f->len, f->name);
 
-    fd = ngx_open_file(file, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    fd = ngx_open_file(file, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW|NGX_FILE_NONBLOCK,
+                       NGX_FILE_OPEN, 0);
     if (fd == NGX_INVALID_FILE) {
         return;
     }
@@ -443,24 +497,64 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
 
     item = cJSON_GetObjectItemCaseSensitive(json, "id");
     if (cJSON_IsString(item)) {
-        node->id_len = (u_char) ngx_min(ngx_strlen(item->valuestring),
-                                        NGX_HTTP_LLAMA_SESSION_ID_SHOW);
-        ngx_memcpy(node->id, item->valuestring, node->id_len);
+        f->id_len = (u_char) ngx_min(ngx_strlen(item->valuestring),
+                                     NGX_HTTP_LLAMA_SESSION_ID_SHOW);
+        ngx_memcpy(f->id, item->valuestring, f->id_len);
     }
 
     item = cJSON_GetObjectItemCaseSensitive(json, "model");
     if (cJSON_IsString(item)) {
-        node->model_len = (u_char) ngx_min(ngx_strlen(item->valuestring),
-                                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
-        ngx_memcpy(node->model, item->valuestring, node->model_len);
+        f->model_len = (u_char) ngx_min(ngx_strlen(item->valuestring),
+                                        NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
+        ngx_memcpy(f->model, item->valuestring, f->model_len);
     }
 
     item = cJSON_GetObjectItemCaseSensitive(json, "tokens");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        node->tokens = (ngx_uint_t) item->valuedouble;
+    if (cJSON_IsNumber(item) && item->valuedouble >= 0
+        && item->valuedouble < 1e15)
+    {
+        f->tokens = (ngx_uint_t) item->valuedouble;
     }
 
     cJSON_Delete(json);
+}
+
+
+static void
+ngx_http_llama_session_store_set_meta(ngx_http_llama_session_node_t *node,
+    ngx_http_llama_session_found_t *f)
+{
+    if (f->id_len) {
+        node->id_len = f->id_len;
+        ngx_memcpy(node->id, f->id, f->id_len);
+    }
+
+    if (f->model_len) {
+        node->model_len = f->model_len;
+        ngx_memcpy(node->model, f->model, f->model_len);
+    }
+
+    if (f->tokens) {
+        node->tokens = f->tokens;
+    }
+}
+
+
+/* a regular file's information, without following a symbolic link */
+
+static ngx_int_t
+ngx_http_llama_session_file_info(u_char *file, ngx_file_info_t *fi)
+{
+    if (ngx_link_info(file, fi) == NGX_FILE_ERROR) {
+        return NGX_FILE_ERROR;
+    }
+
+    if (!ngx_is_file(fi)) {
+        ngx_set_errno(NGX_ENOENT);
+        return NGX_FILE_ERROR;
+    }
+
+    return NGX_OK;
 }
 
 
@@ -471,6 +565,9 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len)
 {
     u_char                         file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    u_char                         id[NGX_HTTP_LLAMA_SESSION_ID_SHOW + 1];
+    u_char                         model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
+    u_char                         nm[NGX_HTTP_LLAMA_SESSION_NAME_MAX + 1];
     char                          *text;
     cJSON                         *json;
     ssize_t                        n;
@@ -486,13 +583,15 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    node.id[node.id_len] = '\0';
-    node.model[node.model_len] = '\0';
-    node.name[node.name_len] = '\0';
+    /* the record's fields are not terminated, and may fill their arrays */
 
-    if (cJSON_AddStringToObject(json, "id", (char *) node.id) == NULL
-        || cJSON_AddStringToObject(json, "model", (char *) node.model) == NULL
-        || cJSON_AddStringToObject(json, "name", (char *) node.name) == NULL
+    *ngx_cpymem(id, node.id, node.id_len) = '\0';
+    *ngx_cpymem(model, node.model, node.model_len) = '\0';
+    *ngx_cpymem(nm, node.name, node.name_len) = '\0';
+
+    if (cJSON_AddStringToObject(json, "id", (char *) id) == NULL
+        || cJSON_AddStringToObject(json, "model", (char *) model) == NULL
+        || cJSON_AddStringToObject(json, "name", (char *) nm) == NULL
         || cJSON_AddNumberToObject(json, "tokens", node.tokens) == NULL
         || cJSON_AddNumberToObject(json, "bytes", node.bytes) == NULL
         || cJSON_AddNumberToObject(json, "saved_at", node.saved_at) == NULL)
@@ -512,7 +611,12 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_snprintf(tmp, sizeof(tmp), "%V/%*s.json.tmp%Z", &zone->store, len,
                  name);
 
-    fd = ngx_open_file(tmp, NGX_FILE_WRONLY, NGX_FILE_TRUNCATE,
+    /* a new file of our own: never through a link, never another's */
+
+    (void) ngx_delete_file(tmp);
+
+    fd = ngx_open_file(tmp, NGX_FILE_WRONLY|NGX_FILE_NOFOLLOW,
+                       NGX_FILE_CREATE_OR_OPEN|O_EXCL,
                        NGX_FILE_DEFAULT_ACCESS);
     if (fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
