@@ -846,6 +846,27 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 break;
             }
 
+            rc = ngx_http_llama_session_call(r, ctx,
+                                             NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
+                                             NULL, 0);
+            if (rc != NGX_AGAIN) {
+                return rc;
+            }
+
+            goto wait;
+        }
+
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS) {
+            if (ctx->call_status == 0
+                || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
+            {
+                api->failed = 1;
+                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+                ngx_http_llama_session_release(ctx,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                break;
+            }
+
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
 

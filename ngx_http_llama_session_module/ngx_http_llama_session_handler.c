@@ -70,7 +70,9 @@ static ngx_str_t  ngx_http_llama_session_call_names[] = {
     ngx_string("GET /slots"),
     ngx_string("save"),
     ngx_string("restore"),
-    ngx_string("erase")
+    ngx_string("erase"),
+    ngx_string("GET /props"),
+    ngx_string("GET /v1/models")
 };
 
 
@@ -577,10 +579,23 @@ static ngx_int_t
 ngx_http_llama_session_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->call_status != NGX_HTTP_OK
-        || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
+    if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+
+        if (ctx->call_status != NGX_HTTP_OK
+            || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
+        {
+            return ngx_http_llama_session_backend_error(r, ctx, "GET /props");
+        }
+
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
+                                           NULL, 0);
+    }
+
+    if (ctx->call_status == 0
+        || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
     {
-        return ngx_http_llama_session_backend_error(r, ctx, "GET /props");
+        return ngx_http_llama_session_backend_error(r, ctx, "GET /v1/models");
     }
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;

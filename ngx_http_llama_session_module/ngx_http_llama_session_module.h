@@ -74,7 +74,8 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
     NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
     NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
-    NGX_HTTP_LLAMA_SESSION_CALL_PROPS
+    NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+    NGX_HTTP_LLAMA_SESSION_CALL_MODELS
 } ngx_http_llama_session_call_e;
 
 
@@ -286,6 +287,12 @@ struct ngx_http_llama_session_ctx_s {
     ngx_buf_t                      *capture;   /* reused across calls */
     ngx_uint_t                      polls;
 
+    /* GET /props, until GET /v1/models completes the fingerprint */
+    ngx_str_t                       props_text;
+    ngx_str_t                       props_model;
+    ngx_uint_t                      props_n_ctx;
+    ngx_uint_t                      props_slots;
+
     /* a refusal to send, from the states before the slot */
     ngx_uint_t                      fail_status;
     char                           *fail_type;
@@ -435,6 +442,8 @@ void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
 void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_parse_models(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 
 /* store.c: the store folder */

@@ -37,6 +37,7 @@ static ngx_str_t  ngx_http_llama_session_actions[] = {
     ngx_string("action=save"),
     ngx_string("action=restore"),
     ngx_string("action=erase"),
+    ngx_null_string,
     ngx_null_string
 };
 
@@ -86,6 +87,9 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
         p = ngx_sprintf(uri.data, "%V/props", &llcf->slots_uri);
+
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS) {
+        p = ngx_sprintf(uri.data, "%V/v1/models", &llcf->slots_uri);
 
     } else {
         p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
@@ -143,7 +147,8 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
     sr->request_body = rb;
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET
-        || call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS)
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
     {
         sr->method = NGX_HTTP_GET;
         ngx_str_set(&sr->method_name, "GET");
@@ -789,18 +794,18 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
 /*
  * GET /props: the backend's configuration.  A saved state fits only the
  * model and KV layout that wrote it, so every file name carries a
- * fingerprint of model path, slot context and slot count.
+ * fingerprint: model path, slot context, slot count, the model's type and
+ * llama-server's build from /props, then what GET /v1/models says of the
+ * model (ngx_http_llama_session_parse_models).  What stays outside
+ * (unified KV, -fa, cache types) makes a restore fail with a clean 400.
  */
 
 ngx_int_t
 ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    u_char        fp[NGX_HTTP_LLAMA_SESSION_FP_LEN], text[512], *p;
-    u_char        hash[32];
-    cJSON        *json, *path, *slots, *settings, *n_ctx;
-    ngx_str_t     model;
-    unsigned int  hlen;
+    u_char  *p;
+    cJSON   *json, *path, *slots, *settings, *n_ctx, *ftype, *build;
 
     json = ngx_http_llama_session_reply_json(r->connection->log, ctx);
     if (json == NULL) {
@@ -812,9 +817,13 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     settings = cJSON_GetObjectItemCaseSensitive(json,
                                                "default_generation_settings");
     n_ctx = cJSON_GetObjectItemCaseSensitive(settings, "n_ctx");
+    ftype = cJSON_GetObjectItemCaseSensitive(json, "model_ftype");
+    build = cJSON_GetObjectItemCaseSensitive(json, "build_info");
 
     if (!cJSON_IsString(path) || !cJSON_IsNumber(slots)
-        || !cJSON_IsNumber(n_ctx))
+        || !cJSON_IsNumber(n_ctx) || slots->valuedouble < 1
+        || slots->valuedouble > 1e6 || n_ctx->valuedouble < 0
+        || n_ctx->valuedouble > 1e12)
     {
         cJSON_Delete(json);
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
@@ -823,33 +832,121 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    model.data = (u_char *) path->valuestring;
-    model.len = ngx_strlen(path->valuestring);
+    ctx->props_slots = (ngx_uint_t) slots->valuedouble;
+    ctx->props_n_ctx = (ngx_uint_t) n_ctx->valuedouble;
 
-    p = ngx_snprintf(text, sizeof(text), "%V%Z%i%Z%i", &model,
-                     (ngx_int_t) n_ctx->valuedouble,
-                     (ngx_int_t) slots->valuedouble);
+    ctx->props_model.len = ngx_min(ngx_strlen(path->valuestring),
+                                   NGX_HTTP_LLAMA_SESSION_PATH_SHOW);
+    ctx->props_model.data = ngx_pnalloc(r->pool, ctx->props_model.len);
+    if (ctx->props_model.data == NULL) {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(ctx->props_model.data, path->valuestring,
+               ctx->props_model.len);
+
+    ctx->props_text.data = ngx_pnalloc(r->pool, 1024);
+    if (ctx->props_text.data == NULL) {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    p = ngx_snprintf(ctx->props_text.data, 1024, "%s%Z%ui%Z%ui%Z%s%Z%s",
+                     path->valuestring, ctx->props_n_ctx, ctx->props_slots,
+                     cJSON_IsString(ftype) ? ftype->valuestring : "",
+                     cJSON_IsString(build) ? build->valuestring : "");
+
+    ctx->props_text.len = p - ctx->props_text.data;
+
+    if (ctx->props_slots != ctx->zone->nslots) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: llama-server has %ui slots, zone \"%V\" "
+                      "has slots=%ui", ctx->props_slots, &ctx->zone->name,
+                      ctx->zone->nslots);
+    }
+
+    cJSON_Delete(json);
+
+    return NGX_OK;
+}
+
+
+/*
+ * GET /v1/models: the model's size, parameters, vocabulary and shape join
+ * /props in the fingerprint, so a requantized or fine-tuned model at the
+ * same path never gets a file of the other.  A backend without the reply
+ * (an error, no "meta") keeps the fingerprint of /props alone.
+ */
+
+ngx_int_t
+ngx_http_llama_session_parse_models(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char        fp[NGX_HTTP_LLAMA_SESSION_FP_LEN], text[2048], *p, *last;
+    u_char        hash[32];
+    cJSON        *json, *data, *model, *meta, *item;
+    ngx_uint_t    i;
+    unsigned int  hlen;
+
+    static const char  *fields[] = {
+        "n_vocab", "n_ctx_train", "n_embd", "n_params", "size", "ftype",
+        "vocab_type", NULL
+    };
+
+    if (ctx->props_text.len == 0) {
+        return NGX_ERROR;
+    }
+
+    p = ngx_cpymem(text, ctx->props_text.data,
+                   ngx_min(ctx->props_text.len, 1024));
+    last = text + sizeof(text);
+
+    json = (ctx->call_status == NGX_HTTP_OK)
+           ? ngx_http_llama_session_reply_json(r->connection->log, ctx)
+           : NULL;
+
+    data = cJSON_GetObjectItemCaseSensitive(json, "data");
+    model = cJSON_IsArray(data) ? cJSON_GetArrayItem(data, 0) : NULL;
+    meta = cJSON_GetObjectItemCaseSensitive(model, "meta");
+
+    if (cJSON_IsObject(meta)) {
+        for (i = 0; fields[i]; i++) {
+            item = cJSON_GetObjectItemCaseSensitive(meta, fields[i]);
+
+            if (cJSON_IsNumber(item)) {
+                p = ngx_slprintf(p, last, "%Z%s=%.0f", fields[i],
+                                 item->valuedouble);
+
+            } else if (cJSON_IsString(item)) {
+                p = ngx_slprintf(p, last, "%Z%s=%*s", fields[i],
+                                 ngx_min(ngx_strlen(item->valuestring), 64),
+                                 item->valuestring);
+
+            } else if (cJSON_IsBool(item)) {
+                p = ngx_slprintf(p, last, "%Z%s=%d", fields[i],
+                                 cJSON_IsTrue(item));
+            }
+        }
+
+    } else {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: GET /v1/models answered %i without "
+                      "the model's \"meta\": file names carry what /props "
+                      "says only", ctx->call_status);
+    }
+
+    cJSON_Delete(json);
 
     if (EVP_Digest(text, p - text, hash, &hlen, EVP_sha256(), NULL) != 1) {
-        cJSON_Delete(json);
         return NGX_ERROR;
     }
 
     ngx_hex_dump(fp, hash, NGX_HTTP_LLAMA_SESSION_FP_LEN / 2);
 
-    if ((ngx_uint_t) slots->valuedouble != ctx->zone->nslots) {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: llama-server has %i slots, zone \"%V\" "
-                      "has slots=%ui", (ngx_int_t) slots->valuedouble,
-                      &ctx->zone->name, ctx->zone->nslots);
-    }
-
-    ngx_http_llama_session_set_fingerprint(ctx, fp,
-                                           (ngx_uint_t) n_ctx->valuedouble,
-                                           (ngx_uint_t) slots->valuedouble,
-                                           &model);
-
-    cJSON_Delete(json);
+    ngx_http_llama_session_set_fingerprint(ctx, fp, ctx->props_n_ctx,
+                                           ctx->props_slots,
+                                           &ctx->props_model);
 
     return NGX_OK;
 }

@@ -21,7 +21,7 @@ my $t = LlamaTest->new(workers => 2);
 my $slots = $t->dir . '/slots';
 mkdir $slots;
 
-my $fp = substr(sha256_hex(join "\0", 'fake.gguf', 16384, 1), 0, 8);
+my $fp = LlamaTest::fake_fp('fake.gguf');
 my $now = time;
 
 # 1,000 sessions, session 0 the oldest

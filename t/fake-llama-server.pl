@@ -18,7 +18,9 @@
 # for "save", "restore", "erase", "slots" (GET /slots) and "completion":
 #   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
 # partial (save): write part of the file, then drop the connection, as a
-# llama-server killed mid-save would; --model sets /props's model_path;
+# llama-server killed mid-save would; short (save): a 200 whose file is
+# shorter than its n_written, as a full disk gives; --model sets /props's
+# model_path, --meta (JSON) what GET /v1/models says of the model;
 # close: drop the connection without an answer; processing: GET /slots
 # shows the slot busy; path: the completion fault applies to that path only;
 # chunks, chunk_ms: the shape of a streamed reply.  Every request is appended to --calls as JSON.
@@ -33,9 +35,10 @@ use JSON::PP;
 use POSIX qw(:sys_wait_h);
 use Time::HiRes qw(sleep time);
 
-my %o = (np => 1, model => 'fake.gguf');
+my %o = (np => 1, model => 'fake.gguf',
+         meta => '{"n_vocab":32000,"size":1000000}');
 GetOptions(\%o, 'port=i', 'np=i', 'slots=s', 'state=s', 'script=s',
-           'calls=s', 'model=s') or die "usage\n";
+           'calls=s', 'model=s', 'meta=s') or die "usage\n";
 
 my $json = JSON::PP->new->utf8->canonical->allow_nonref;
 
@@ -218,6 +221,12 @@ sub handle {
                                     { n_ctx => 16384 } });
     }
 
+    if ($m eq 'GET' && $p eq '/v1/models') {
+        return reply($c, 200, { object => 'list', data => [
+            { id => $o{model}, object => 'model',
+              meta => $json->decode($o{meta}) } ] });
+    }
+
     if ($m eq 'GET' && $p eq '/slots') {
         my $f = fault($c, $script->{slots});
         return $f == 1 if $f;
@@ -276,9 +285,11 @@ sub handle {
             }
             print $fh $json->encode({ text => $text, n => $n });
             close $fh;
+            my $written = -s $file;
+            truncate $file, 3 if $script->{save}{short};
             return reply($c, 200, { id_slot => $id, filename => $name,
                                     n_saved => $n,
-                                    n_written => -s $file,
+                                    n_written => $written,
                                     timings => { save_ms => 1.5 } });
         }
 

@@ -163,7 +163,8 @@ sub fake {
                  '--state', "$self->{dir}/$name.state",
                  '--script', $self->{fake_script}{$name},
                  '--calls', "$self->{dir}/$name.calls",
-                 $o{model} ? ('--model', $o{model}) : ());
+                 $o{model} ? ('--model', $o{model}) : (),
+                 $o{meta} ? ('--meta', $JSON->encode($o{meta})) : ());
     $self->wait_port($port, 10, $name);
 
     $self->{llama_port}{$name} = $port;
@@ -192,6 +193,20 @@ sub fake_calls {
     my @calls = map { $JSON->decode($_) } grep { /\S/ } <$fh>;
     close $fh;
     return \@calls;
+}
+
+# the fingerprint in file names for the fake backend: /props (model path,
+# n_ctx 16384, slots, no ftype nor build) then /v1/models' meta, in the
+# module's order
+sub fake_fp {
+    my ($model, %o) = @_;
+    require Digest::SHA;
+    my $meta = $o{meta} // { n_vocab => 32000, size => 1000000 };
+    my $text = join "\0", $model // 'fake.gguf', 16384, $o{np} // 1, '', '';
+    for my $k (qw(n_vocab n_ctx_train n_embd n_params size ftype vocab_type)) {
+        $text .= "\0$k=$meta->{$k}" if defined $meta->{$k};
+    }
+    return substr(Digest::SHA::sha256_hex($text), 0, 8);
 }
 
 sub stop_proc {
