@@ -196,7 +196,14 @@ ngx_http_llama_session_subrequest(ngx_http_request_t *r)
 
     ngx_memzero(&ctx, sizeof(ngx_http_llama_session_ctx_t));
 
-    if (!ngx_http_llama_session_uses_slot(r, &ctx) && !ctx.refuse) {
+    /*
+     * any POST: a subrequest's URI need not be the one proxy_pass sends
+     * (a mirror to "location /m { proxy_pass .../v1/chat/completions; }")
+     */
+
+    if (r->method != NGX_HTTP_POST
+        && !ngx_http_llama_session_uses_slot(r, &ctx) && !ctx.refuse)
+    {
         ngx_http_llama_session_drop_headers(r);
         return NGX_DECLINED;
     }
