@@ -49,6 +49,7 @@ static ngx_int_t ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete);
 static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
+static void ngx_http_llama_session_api_start(ngx_http_request_t *r);
 static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
 static void ngx_http_llama_session_api_cleanup(void *data);
 static ngx_int_t ngx_http_llama_session_api_checked(ngx_http_request_t *r,
@@ -157,16 +158,21 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
     }
 
     if (rest.len && rest.data[0] != '/') {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
         return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
                                                 "no such resource", NULL);
     }
 
-    rc = ngx_http_discard_request_body(r);
-    if (rc != NGX_OK) {
-        return rc;
-    }
-
     if (rest.len == 0) {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
         if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
             return ngx_http_llama_session_api_error(r,
                                   NGX_HTTP_NOT_ALLOWED,
@@ -181,6 +187,11 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
     rest.len--;
 
     if (rest.len == 7 && ngx_strncmp(rest.data, "current", 7) == 0) {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
         if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
             return ngx_http_llama_session_api_error(r,
                                   NGX_HTTP_NOT_ALLOWED,
@@ -194,6 +205,11 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         || (rest.len == 5 && ngx_strncmp(rest.data, "clear", 5) == 0))
     {
         if (r->method != NGX_HTTP_POST) {
+            rc = ngx_http_discard_request_body(r);
+            if (rc != NGX_OK) {
+                return rc;
+            }
+
             return ngx_http_llama_session_api_error(r,
                                   NGX_HTTP_NOT_ALLOWED,
                                   "save and clear are POSTs", "POST");
@@ -222,13 +238,24 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
 
-        rc = ngx_http_llama_session_api_slots(r, api);
+        /*
+         * the body is read whole first (and ignored): a discard still
+         * running would take the client's read events from the slot
+         * calls' subrequests
+         */
 
-        if (rc == NGX_DONE) {
-            /* the request lives on across its slot calls */
-            r->main->count++;
+        rc = ngx_http_read_client_request_body(r,
+                                          ngx_http_llama_session_api_start);
+
+        if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
+            return rc;
         }
 
+        return NGX_DONE;
+    }
+
+    rc = ngx_http_discard_request_body(r);
+    if (rc != NGX_OK) {
         return rc;
     }
 
@@ -1123,6 +1150,27 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     api->slot++;
 
     return NGX_OK;
+}
+
+
+/* the body of a save or a clear is in: the slots, one after the other */
+
+static void
+ngx_http_llama_session_api_start(ngx_http_request_t *r)
+{
+    ngx_int_t                      rc;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    rc = ngx_http_llama_session_api_slots(r, ctx->api);
+
+    if (rc == NGX_DONE) {
+        /* the request lives on across its slot calls */
+        return;
+    }
+
+    ngx_http_finalize_request(r, rc);
 }
 
 

@@ -778,7 +778,8 @@ ngx_http_llama_session_json_str(ngx_http_request_t *r, cJSON *item,
  * key = up to 32 characters of the id from [A-Za-z0-9_-] (others become
  * "_"), "-", and 24 hex digits of SHA-256(namespace \0 model \0 id): safe
  * as a file name, readable, and different for different tenants, models
- * and ids.  The "default" session's key is "default".
+ * and ids.  The "default" session's key is "default", or with a
+ * namespace "default-" and 24 hex digits of SHA-256 of the namespace.
  */
 
 ngx_int_t

@@ -208,6 +208,10 @@ ngx_http_llama_session_subrequest(ngx_http_request_t *r)
         return NGX_DECLINED;
     }
 
+    if (llcf->zone) {
+        ngx_http_llama_session_stat(&ctx, &llcf->zone->sh->stats.refused);
+    }
+
     ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                   "llama_session: refused a subrequest to \"%V\": "
                   "inference goes through the slot's queue, only main "
@@ -452,8 +456,6 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
     }
 
     if (rc == NGX_DECLINED) {
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.wait_timeouts);
-
         return ngx_http_llama_session_error(r, ctx,
                                   NGX_HTTP_SERVICE_UNAVAILABLE,
                                   "unavailable_error",
@@ -546,7 +548,9 @@ ngx_http_llama_session_has_file(ngx_http_request_t *r,
     ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, ctx->key_len, ctx->key,
                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
 
-    return ngx_file_info(path, &fi) != NGX_FILE_ERROR;
+    /* a regular file: a link is never restored (nor committed) */
+
+    return ngx_link_info(path, &fi) != NGX_FILE_ERROR && ngx_is_file(&fi);
 }
 
 

@@ -574,6 +574,16 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                                "duplicate llama_session_zone \"%V\"", &name);
             return NGX_CONF_ERROR;
         }
+
+        if (store.len && zp[i]->store.len == store.len
+            && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "llama_session zones \"%V\" and \"%V\" have "
+                               "the same store \"%V\": one folder per "
+                               "llama-server", &zp[i]->name, &name, &store);
+            return NGX_CONF_ERROR;
+        }
     }
 
     if (max_waiting == 0) {
@@ -642,6 +652,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     zone->backend_name = backend_name;
     zone->api_key = api_key;
     zone->shm_zone = shm_zone;
+    zone->cycle = cf->cycle;
 
     shm_zone->init = ngx_http_llama_session_init_zone;
     shm_zone->data = zone;

@@ -202,6 +202,7 @@ typedef struct {
     ngx_event_t                     idle_ev;    /* this worker's */
     ngx_uint_t                      idle_busy;
     ngx_shm_zone_t                 *shm_zone;
+    ngx_cycle_t                    *cycle;      /* of the configuration */
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
 } ngx_http_llama_session_zone_t;
@@ -447,6 +448,8 @@ ngx_int_t ngx_http_llama_session_parse_models(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 
 /* store.c: the store folder */
+ngx_int_t ngx_http_llama_session_store_check(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_index(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,

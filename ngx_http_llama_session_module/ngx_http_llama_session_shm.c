@@ -53,6 +53,13 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 
     zone = shm_zone->data;
 
+    if (zone->store.len
+        && ngx_http_llama_session_store_check(zone, shm_zone->shm.log)
+           != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
     if (ozone) {
         if (ozone->sh->magic != NGX_HTTP_LLAMA_SESSION_MAGIC
             || ozone->sh->version != NGX_HTTP_LLAMA_SESSION_VERSION)

@@ -705,7 +705,7 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    if (!ngx_is_file(&fi) || (size && ngx_file_size(&fi) != size)) {
+    if (!ngx_is_file(&fi) || size <= 0 || ngx_file_size(&fi) != size) {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: \"%s\" is not the file llama-server "
                       "said it wrote (%O bytes, it has %O): a full disk?",

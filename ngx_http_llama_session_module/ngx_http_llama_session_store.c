@@ -235,6 +235,115 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
 
 
 /*
+ * Can nginx's workers work in the store folder?  They rename and delete
+ * the files that llama-server writes there, which needs write and search
+ * permission on the folder for the workers' user (not on the files), and
+ * no sticky bit unless the workers own the folder.  Checked when the zone
+ * starts (nginx -t, start, reload), with the commands that fix it.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_check(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log)
+{
+    int               n, i;
+    uid_t             uid;
+    gid_t             gid, groups[256];
+    mode_t            need;
+    u_char            path[NGX_MAX_PATH], mode[4];
+    struct stat       st;
+    struct group     *gr;
+    struct passwd    *pw;
+    ngx_uint_t        member;
+    ngx_core_conf_t  *ccf;
+
+    ngx_snprintf(path, sizeof(path), "%V%Z", &zone->store);
+
+    if (stat((char *) path, &st) == -1) {
+        ngx_log_error(NGX_LOG_EMERG, log, ngx_errno,
+                      "llama_session zone \"%V\": the store folder \"%s\" "
+                      "is not there: create it and give it to llama-server's "
+                      "--slot-save-path", &zone->name, path);
+        return NGX_ERROR;
+    }
+
+    if (!S_ISDIR(st.st_mode)) {
+        ngx_log_error(NGX_LOG_EMERG, log, 0,
+                      "llama_session zone \"%V\": store \"%s\" is not a "
+                      "folder", &zone->name, path);
+        return NGX_ERROR;
+    }
+
+    ccf = (ngx_core_conf_t *) ngx_get_conf(zone->cycle->conf_ctx,
+                                           ngx_core_module);
+
+    if (geteuid() == 0 && ccf && ccf->user != (uid_t) NGX_CONF_UNSET_UINT) {
+        uid = ccf->user;
+        gid = ccf->group;
+
+        n = 256;
+        if (getgrouplist(ccf->username, gid, groups, &n) == -1) {
+            n = 1;
+            groups[0] = gid;
+        }
+
+    } else {
+        uid = geteuid();
+        gid = getegid();
+
+        n = getgroups(256, groups);
+        if (n == -1) {
+            n = 0;
+        }
+    }
+
+    if (uid == 0) {
+        return NGX_OK;
+    }
+
+    member = (st.st_gid == gid);
+
+    for (i = 0; i < n && !member; i++) {
+        member = (groups[i] == st.st_gid);
+    }
+
+    /* read (the API lists it), write and search */
+
+    need = (st.st_uid == uid) ? (S_IRUSR|S_IWUSR|S_IXUSR)
+           : member ? (S_IRGRP|S_IWGRP|S_IXGRP)
+                    : (S_IROTH|S_IWOTH|S_IXOTH);
+
+    if ((st.st_mode & need) == need
+        && (!(st.st_mode & S_ISVTX) || st.st_uid == uid))
+    {
+        return NGX_OK;
+    }
+
+    pw = getpwuid(uid);
+    gr = getgrgid(gid);
+
+    /* the mode in octal: nginx's formats have no %o */
+
+    for (i = 0; i < 4; i++) {
+        mode[i] = (u_char) ('0' + ((st.st_mode >> (3 * (3 - i))) & 7));
+    }
+
+    ngx_log_error(NGX_LOG_EMERG, log, 0,
+                  "llama_session zone \"%V\": nginx's workers (user \"%s\") "
+                  "cannot list, rename and delete the files llama-server "
+                  "writes in "
+                  "\"%s\" (owner %d, group %d, mode %*s%s): give the folder "
+                  "to both, e.g. \"chgrp %s %s && chmod 2775 %s\"",
+                  &zone->name, pw ? pw->pw_name : "?", path,
+                  (int) st.st_uid, (int) st.st_gid, (size_t) 4, mode,
+                  (st.st_mode & S_ISVTX) ? ", sticky" : "",
+                  gr ? gr->gr_name : "WORKER-GROUP", path, path);
+
+    return NGX_ERROR;
+}
+
+
+/*
  * Builds the zone's index from the folder at start: every session file
  * with its size and time, oldest first in the LRU, and what its .json
  * says.

@@ -32,6 +32,7 @@ my $example = $t->read_file("$LlamaTest::ROOT/examples/nginx.conf");
 $example =~ s{/usr/lib/nginx/modules/ngx_http_llama_session_module\.so}{$module};
 $example =~ s{/var/log/nginx/}{$dir/}g;
 $example =~ s{/var/cache/llama-slots}{$dir/slots}g;
+LlamaTest::slots_dir("$dir/slots");
 $example =~ s{^(events)}{pid $dir/t.pid;\nerror_log $dir/t.log;\n$1}m;
 $example =~ s{^(http \{)}{$1\n    client_body_temp_path $dir/body;\n    proxy_temp_path $dir/proxy;}m;
 open $fh, '>', "$dir/example.conf" or die;

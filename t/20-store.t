@@ -66,7 +66,7 @@ print $fh 'an older alpha';
 close $fh;
 
 my $fake = $t->fake;
-$t->nginx(<<'EOF');
+my $http = <<'EOF';
     llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=4
                        save_idle=1s backend=127.0.0.1:%%LLAMA%%;
 
@@ -100,6 +100,7 @@ $t->nginx(<<'EOF');
         }
     }
 EOF
+$t->nginx($http);
 
 ok($t->log_lines(qr/llama_session zone "llama": 3 saved sessions, \d+ bytes/),
    'at start the index has the three files of the folder');
@@ -293,22 +294,38 @@ ok((grep { $_->{key} eq key('s3') && $_->{stale} } @{ $list->{sessions} }),
 ok($t->log_lines(qr/the backend of zone "llama" has a new configuration/),
    'the new configuration is logged');
 
-# a store folder nginx cannot write into: the save is lost, not the old file
+# a store folder that is not there, or that the workers cannot write:
+# nginx -t and the start say so, with the fix
 $t->stop_nginx;
+$t->allow_alerts(qr/the store folder "\/nonexistent\/llama-slots" is not there/,
+                 qr/cannot list, rename and delete/);
 my $conf = $t->read_file('nginx.conf');
-$conf =~ s{store=\S+}{store=/nonexistent/llama-slots};
-$conf =~ s{ max_files=4}{};
+(my $bad = $http) =~ s{store=\S+}{store=/nonexistent/llama-slots};
+my ($rc, $out) = $t->nginx_test($bad);
+isnt($rc, 0, 'nginx -t refuses a store folder that is not there');
+like($out, qr/the store folder "\/nonexistent\/llama-slots" is not there/,
+     'and names it');
+my $locked = $t->dir . '/locked';
+mkdir $locked;
+chmod 0755, $locked;
+($bad = $http) =~ s{store=\S+}{store=$locked};
+($rc, $out) = $t->nginx_test($bad);
+isnt($rc, 0, 'nginx -t refuses a store folder the workers cannot write');
+like($out, qr/nginx's workers \(user "www-data"\) cannot list, rename and delete the files llama-server writes in "\Q$locked\E".*chmod 2775/,
+     'and says what to run');
+
+# the folder taken away while nginx runs: the save is lost, not the old file
 open $fh, '>', $t->dir . '/nginx.conf' or die;
-print $fh $conf;
+print $fh $conf =~ s{ max_files=4}{}r;
 close $fh;
 $t->start_nginx;
-ok($t->log_lines(qr/cannot open the store folder "\/nonexistent\/llama-slots"/),
-   'a missing store folder is logged at start');
 $t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 'w1' });
+chmod 0755, $slots;
+chown 0, 0, $slots;
 $r = $t->post('/v1/chat/completions', $chat,
               headers => { 'X-Session-Id' => 'w2' });
 is($r->{status}, 200, 'requests go on when the rename fails');
-ok($t->log_lines(qr/is store= the folder of llama-server's --slot-save-path/),
+ok($t->log_lines(qr/is store= the folder of llama-server's --slot-save-path and writable/),
    'the failed rename says what to check');
 
 $t->stop;

@@ -53,6 +53,20 @@ sub new {
 
 sub dir { $_[0]{dir} }
 
+# nginx's workers run as this user, as in production (not root)
+our $USER = $ENV{TEST_NGINX_USER} // 'www-data';
+
+# the store folder as the docs set it up: the backend writes there, the
+# workers' group may rename and delete (setgid, group of the workers)
+sub slots_dir {
+    my ($dir) = @_;
+    make_path($dir);
+    my $gid = (getpwnam($USER))[3] // 0;
+    chown 0, $gid, $dir;
+    chmod 02775, $dir;
+    return $dir;
+}
+
 sub port {
     my $s = IO::Socket::INET->new(LocalAddr => '127.0.0.1', LocalPort => 0,
                                   Proto => 'tcp', Listen => 1, ReuseAddr => 1)
@@ -118,8 +132,7 @@ sub llama {
 
     my $name = $o{name} // 'llama';
     my $port = $o{port} // port();
-    my $slots = $o{slots} // "$self->{dir}/slots";
-    make_path($slots);
+    my $slots = slots_dir($o{slots} // "$self->{dir}/slots");
 
     my @cmd = (llama_binary(), '-m', llama_model(),
                '--host', '127.0.0.1', '--port', $port,
@@ -151,8 +164,7 @@ sub fake {
 
     my $name = $o{name} // 'fake';
     my $port = $o{port} // port();
-    my $slots = $o{slots} // "$self->{dir}/slots";
-    make_path($slots);
+    my $slots = slots_dir($o{slots} // "$self->{dir}/slots");
 
     $self->{fake_script}{$name} = "$self->{dir}/$name.script.json";
     $self->fake_script($o{script} // {}, $name);
@@ -255,7 +267,7 @@ daemon off;
 master_process on;
 pid $dir/nginx.pid;
 error_log $dir/error.log ${\($o{log_level} // 'info')};
-user root;
+user $USER;
 
 events { worker_connections 1024; }
 
@@ -316,7 +328,8 @@ sub nginx_test {
     $self->nginx($http, write_only => 1);
     my $dir = $self->{dir};
     my $out = `${\($ENV{NGINX_BINARY} // '/usr/sbin/nginx')} -t -p $dir/ -c $dir/nginx.conf -e $dir/nginx-t.log 2>&1`;
-    return ($? >> 8, $out);
+    # a crash is no success: 128 + the signal
+    return ($? & 127 ? 128 + ($? & 127) : $? >> 8, $out);
 }
 
 sub reload {
