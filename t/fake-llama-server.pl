@@ -15,7 +15,8 @@
 # empty slot when the file is missing), as the real server does.
 #
 # The fault script (--script, a JSON file read on every request) may hold,
-# for "save", "restore", "erase", "slots" (GET /slots) and "completion":
+# for "save", "restore", "erase", "slots" (GET /slots), "props",
+# "models" (GET /v1/models) and "completion":
 #   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
 # partial (save): write part of the file, then drop the connection, as a
 # llama-server killed mid-save would; short (save): a 200 whose file is
@@ -215,6 +216,8 @@ sub handle {
     }
 
     if ($m eq 'GET' && $p eq '/props') {
+        my $f = fault($c, $script->{props});
+        return $f == 1 if $f;
         return reply($c, 200, { total_slots => $o{np},
                                 model_path => $o{model},
                                 default_generation_settings =>
@@ -222,6 +225,8 @@ sub handle {
     }
 
     if ($m eq 'GET' && $p eq '/v1/models') {
+        my $f = fault($c, $script->{models});
+        return $f == 1 if $f;
         return reply($c, 200, { object => 'list', data => [
             { id => $o{model}, object => 'model',
               meta => $json->decode($o{meta}) } ] });

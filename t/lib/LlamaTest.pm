@@ -59,13 +59,16 @@ our $USER = $ENV{TEST_NGINX_USER} // 'www-data';
 # the store folder as the docs set it up: the backend writes there, the
 # workers' group may rename and delete (setgid, group of the workers)
 sub slots_dir {
-    my ($dir) = @_;
+    my ($dir, $owner) = @_;
     make_path($dir);
     my $gid = (getpwnam($USER))[3] // 0;
-    chown 0, $gid, $dir;
+    chown $owner // 0, $gid, $dir;
     chmod 02775, $dir;
     return $dir;
 }
+
+# the real llama-server runs as a user of its own, as in production
+our $LLAMA_USER = $ENV{TEST_LLAMA_USER} // 'nobody';
 
 sub port {
     my $s = IO::Socket::INET->new(LocalAddr => '127.0.0.1', LocalPort => 0,
@@ -89,6 +92,7 @@ sub llama_model  { $ENV{LLAMA_MODEL} // rig_path('make-model.sh') }
 
 sub spawn {
     my ($self, $name, $log, @cmd) = @_;
+    my $as = ref $cmd[-1] ? pop @cmd : {};
 
     my $pid = fork();
     die "fork: $!" unless defined $pid;
@@ -98,6 +102,11 @@ sub spawn {
         open STDIN, '<', '/dev/null';
         open STDOUT, '>>', $log or die;
         open STDERR, '>&', \*STDOUT or die;
+        if (defined $as->{uid} && $> == 0) {
+            $( = $) = "$as->{gid} $as->{gid}";
+            $< = $> = $as->{uid};
+            die "cannot become uid $as->{uid}\n" unless $> == $as->{uid};
+        }
         exec @cmd or die "exec $cmd[0]: $!";
     }
 
@@ -132,7 +141,8 @@ sub llama {
 
     my $name = $o{name} // 'llama';
     my $port = $o{port} // port();
-    my $slots = slots_dir($o{slots} // "$self->{dir}/slots");
+    my ($uid, $gid) = (getpwnam($LLAMA_USER))[2, 3];
+    my $slots = slots_dir($o{slots} // "$self->{dir}/slots", $uid);
 
     my @cmd = (llama_binary(), '-m', llama_model(),
                '--host', '127.0.0.1', '--port', $port,
@@ -142,7 +152,8 @@ sub llama {
                '--cache-ram', $o{cache_ram} // 0, '-t', 2, '--no-webui',
                @{ $o{args} // [] });
 
-    $self->spawn($name, "$self->{dir}/$name.log", @cmd);
+    $self->spawn($name, "$self->{dir}/$name.log", @cmd,
+                 { uid => $uid, gid => $gid });
     $self->wait_port($port, 60, $name);
 
     # the port opens before the model is loaded: wait for /health 200
@@ -315,6 +326,7 @@ sub expand {
     my ($self, $text) = @_;
     my $dir = $self->{dir};
     $text =~ s/%%PORT%%/$self->{nginx_port}/g;
+    $text =~ s/%%H2%%/$self->{h2_port} \/\/= port()/ge;
     $text =~ s/%%LLAMA:(\w+)%%/$self->{llama_port}{$1} \/\/ die "no backend $1"/ge;
     $text =~ s/%%LLAMA%%/(values %{ $self->{llama_port} })[0]/ge;
     $text =~ s/%%DIR%%/$dir/g;
