@@ -9,6 +9,7 @@ SHELL := /bin/bash
 #   make test       build + rig + prove
 #   make demo       run llama-server + nginx with the module and show it
 #   make bench      the benchmarks (docs/benchmarks.md)
+#   make soak       t/40-soak.t with SOAK_REQUESTS (10000) requests
 #   make asan       nginx 1.22.1 from Debian's source with AddressSanitizer
 #   make test-asan  the suite under that nginx
 #   make test-valgrind  the suite with nginx under valgrind
@@ -27,7 +28,7 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 g++:g++ make:make valgrind:valgrind prove:perl
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps rig test demo bench asan test-asan test-valgrind clean
+.PHONY: all deps rig test demo bench soak asan test-asan test-valgrind clean
 
 all: $(MODULE)
 
@@ -76,6 +77,12 @@ bench: deps $(MODULE) rig
 	@command -v wrk >/dev/null || { apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk; }
 	/usr/bin/python3 bench/bench.py $(BENCH_FLAGS)
+
+# the soak (not in make test): docs/reliability.md reports its figures
+SOAK_REQUESTS ?= 10000
+soak: deps $(MODULE) rig
+	SOAK_REQUESTS=$(SOAK_REQUESTS) SOAK_REPORT=$(CURDIR)/objs/soak.json \
+	    prove -v t/40-soak.t
 
 asan: deps
 	rig/build-asan-nginx.sh
