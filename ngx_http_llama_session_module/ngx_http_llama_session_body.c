@@ -851,9 +851,18 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ctx->key_len = p - ctx->key;
 
     if (len <= sizeof(ngx_http_llama_session_last_in)) {
-        p = ngx_cpymem(ngx_http_llama_session_last_in, ns->data, ns->len);
+        p = ngx_http_llama_session_last_in;
+
+        if (ns->len) {
+            p = ngx_cpymem(p, ns->data, ns->len);
+        }
+
         *p++ = '\0';
-        p = ngx_cpymem(p, ctx->model.data, ctx->model.len);
+
+        if (ctx->model.len) {
+            p = ngx_cpymem(p, ctx->model.data, ctx->model.len);
+        }
+
         *p++ = '\0';
         ngx_memcpy(p, ctx->id.data, ctx->id.len);
 
@@ -950,13 +959,16 @@ ngx_http_llama_session_last_matches(ngx_str_t *ns, ngx_str_t *model,
 
     p = ngx_http_llama_session_last_in;
 
-    if (ngx_memcmp(p, ns->data, ns->len) != 0 || p[ns->len] != '\0') {
+    if ((ns->len && ngx_memcmp(p, ns->data, ns->len) != 0)
+        || p[ns->len] != '\0')
+    {
         return 0;
     }
 
     p += ns->len + 1;
 
-    if (ngx_memcmp(p, model->data, model->len) != 0 || p[model->len] != '\0')
+    if ((model->len && ngx_memcmp(p, model->data, model->len) != 0)
+        || p[model->len] != '\0')
     {
         return 0;
     }

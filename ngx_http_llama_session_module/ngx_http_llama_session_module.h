@@ -454,6 +454,7 @@ ngx_int_t ngx_http_llama_session_store_index(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
+ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
 ngx_int_t ngx_http_llama_session_store_unlink(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
     ngx_log_t *log);

@@ -564,7 +564,9 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
             item = cJSON_GetObjectItemCaseSensitive(timings, "restore_ms");
         }
 
-        if (cJSON_IsNumber(item)) {
+        if (cJSON_IsNumber(item) && item->valuedouble >= 0
+            && item->valuedouble < 1e9)
+        {
             *ms = item->valuedouble;
         }
     }
@@ -736,7 +738,8 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_OK;
     }
 
-    if (aside && ngx_delete_file(old) == NGX_FILE_ERROR) {
+    if (aside && ngx_http_llama_session_store_delete(old) == NGX_FILE_ERROR)
+    {
         ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
                       ngx_delete_file_n " \"%s\" failed", old);
     }
@@ -758,7 +761,9 @@ ngx_http_llama_session_store_drop_old(ngx_log_t *log,
 
     ctx->old_len = 0;
 
-    if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+        && ngx_errno != NGX_ENOENT)
+    {
         ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
                       ngx_delete_file_n " \"%s\" failed", file);
     }
@@ -784,7 +789,9 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin.tmp%Z", &ctx->zone->store,
                  n, name);
 
-    if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+        && ngx_errno != NGX_ENOENT)
+    {
         ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
                       ngx_delete_file_n " \"%s\" failed", file);
     }
@@ -852,10 +859,17 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    p = ngx_snprintf(ctx->props_text.data, 1024, "%s%Z%ui%Z%ui%Z%s%Z%s",
-                     path->valuestring, ctx->props_n_ctx, ctx->props_slots,
+    /* the model path last: a path too long for the text cuts only itself */
+
+    p = ngx_snprintf(ctx->props_text.data, 1024, "%ui%Z%ui%Z%*s%Z%*s%Z%s",
+                     ctx->props_n_ctx, ctx->props_slots,
+                     cJSON_IsString(ftype)
+                     ? ngx_min(ngx_strlen(ftype->valuestring), 64) : 0,
                      cJSON_IsString(ftype) ? ftype->valuestring : "",
-                     cJSON_IsString(build) ? build->valuestring : "");
+                     cJSON_IsString(build)
+                     ? ngx_min(ngx_strlen(build->valuestring), 128) : 0,
+                     cJSON_IsString(build) ? build->valuestring : "",
+                     path->valuestring);
 
     ctx->props_text.len = p - ctx->props_text.data;
 
@@ -914,9 +928,15 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
         for (i = 0; fields[i]; i++) {
             item = cJSON_GetObjectItemCaseSensitive(meta, fields[i]);
 
-            if (cJSON_IsNumber(item)) {
+            if (cJSON_IsNumber(item) && item->valuedouble > -1e15
+                && item->valuedouble < 1e15)
+            {
                 p = ngx_slprintf(p, last, "%Z%s=%.0f", fields[i],
                                  item->valuedouble);
+
+            } else if (cJSON_IsNumber(item)) {
+                p = ngx_slprintf(p, last, "%Z%s=%s", fields[i],
+                                 item->valuedouble > 0 ? "big" : "-big");
 
             } else if (cJSON_IsString(item)) {
                 p = ngx_slprintf(p, last, "%Z%s=%*s", fields[i],

@@ -43,6 +43,33 @@ static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static int ngx_libc_cdecl ngx_http_llama_session_found_cmp(const void *one,
     const void *two);
+static void ngx_http_llama_session_doomed_handler(ngx_event_t *ev);
+
+
+/*
+ * Large files are not deleted in one go in a worker: ext4 frees a file's
+ * blocks at its unlink, which takes long for a state of gigabytes.  They
+ * are renamed to "<name>.del", cut by 64 MB every 10 ms, then unlinked.
+ * A worker that exits leaves its ".del" files to the next start.
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_DELETE_STEP  (64 * 1024 * 1024)
+
+typedef struct {
+    ngx_queue_t                     queue;
+    off_t                           size;
+    u_char                          path[1];
+} ngx_http_llama_session_doomed_t;
+
+
+static ngx_queue_t  ngx_http_llama_session_doomed = {
+    &ngx_http_llama_session_doomed, &ngx_http_llama_session_doomed
+};
+
+static ngx_event_t  ngx_http_llama_session_doomed_ev;
+
+/* the event's data as nginx's timer debug lines read it: fd -1 */
+static ngx_connection_t  ngx_http_llama_session_doomed_conn;
 static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
     const void *two);
 
@@ -146,6 +173,18 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
         }
 
         len = ngx_de_namelen(&dir);
+
+        if (clean && len > 8
+            && ngx_strncmp(ngx_de_name(&dir) + len - 4, ".del", 4) == 0
+            && ngx_strlcasestrn(ngx_de_name(&dir), ngx_de_name(&dir) + len,
+                                (u_char *) ".bin", 4 - 1))
+        {
+            /* a deletion a worker did not finish */
+            ngx_snprintf(file, sizeof(file), "%V/%*s%Z", &zone->store, len,
+                         ngx_de_name(&dir));
+            (void) ngx_delete_file(file);
+            continue;
+        }
 
         rc = ngx_http_llama_session_store_name(ngx_de_name(&dir), len, &base);
 
@@ -771,7 +810,9 @@ ngx_http_llama_session_store_unlink(ngx_http_llama_session_zone_t *zone,
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin%Z", &zone->store, len, name);
 
-    if (ngx_delete_file(file) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+        && ngx_errno != NGX_ENOENT)
+    {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_delete_file_n " \"%s\" failed", file);
         rc = NGX_ERROR;
@@ -783,4 +824,99 @@ ngx_http_llama_session_store_unlink(ngx_http_llama_session_zone_t *zone,
     (void) ngx_delete_file(file);
 
     return rc;
+}
+
+
+/*
+ * Deletes a store file; a large one in steps (see above).  Returns
+ * NGX_OK or NGX_FILE_ERROR with ngx_errno set, as ngx_delete_file().
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_delete(u_char *file)
+{
+    size_t                            len;
+    u_char                           *p;
+    ngx_file_info_t                   fi;
+    ngx_http_llama_session_doomed_t  *d;
+
+    if (ngx_link_info(file, &fi) == NGX_FILE_ERROR) {
+        return NGX_FILE_ERROR;
+    }
+
+    if (!ngx_is_file(&fi)
+        || ngx_file_size(&fi) <= NGX_HTTP_LLAMA_SESSION_DELETE_STEP
+        || ngx_process != NGX_PROCESS_WORKER)
+    {
+        return ngx_delete_file(file);
+    }
+
+    len = ngx_strlen(file);
+
+    d = ngx_alloc(sizeof(ngx_http_llama_session_doomed_t) + len
+                  + sizeof(".del"), ngx_cycle->log);
+    if (d == NULL) {
+        return ngx_delete_file(file);
+    }
+
+    p = ngx_cpymem(d->path, file, len);
+    ngx_memcpy(p, ".del", sizeof(".del"));
+
+    if (ngx_rename_file(file, d->path) == NGX_FILE_ERROR) {
+        ngx_free(d);
+        return ngx_delete_file(file);
+    }
+
+    d->size = ngx_file_size(&fi);
+
+    ngx_queue_insert_tail(&ngx_http_llama_session_doomed, &d->queue);
+
+    if (!ngx_http_llama_session_doomed_ev.timer_set) {
+        ngx_http_llama_session_doomed_ev.handler =
+                                         ngx_http_llama_session_doomed_handler;
+        ngx_http_llama_session_doomed_ev.log = ngx_cycle->log;
+        ngx_http_llama_session_doomed_conn.fd = (ngx_socket_t) -1;
+        ngx_http_llama_session_doomed_ev.data =
+                                         &ngx_http_llama_session_doomed_conn;
+        ngx_http_llama_session_doomed_ev.cancelable = 1;
+
+        ngx_add_timer(&ngx_http_llama_session_doomed_ev, 10);
+    }
+
+    return NGX_OK;
+}
+
+
+static void
+ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
+{
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_doomed_t  *d;
+
+    if (ngx_queue_empty(&ngx_http_llama_session_doomed)) {
+        return;
+    }
+
+    q = ngx_queue_head(&ngx_http_llama_session_doomed);
+    d = ngx_queue_data(q, ngx_http_llama_session_doomed_t, queue);
+
+    d->size = (d->size > NGX_HTTP_LLAMA_SESSION_DELETE_STEP)
+              ? d->size - NGX_HTTP_LLAMA_SESSION_DELETE_STEP : 0;
+
+    if (d->size == 0 || truncate((char *) d->path, d->size) == -1) {
+
+        if (ngx_delete_file(d->path) == NGX_FILE_ERROR
+            && ngx_errno != NGX_ENOENT)
+        {
+            ngx_log_error(NGX_LOG_WARN, ev->log, ngx_errno,
+                          ngx_delete_file_n " \"%s\" failed", d->path);
+        }
+
+        ngx_queue_remove(q);
+        ngx_free(d);
+    }
+
+    if (!ngx_queue_empty(&ngx_http_llama_session_doomed) && !ngx_exiting) {
+        ngx_add_timer(ev, 10);
+    }
 }

@@ -564,4 +564,39 @@ sub setup {
     $t->stop;
 }
 
+# a large file is deleted in steps, off the request's time
+{
+    my $t = setup();
+    my $slots = $t->dir . '/slots';
+    ask($t, 'huge', body => chat_of('huge text'));
+    ask($t, 'tiny', body => chat_of('tiny text'));          # huge saved
+    my $k = key('huge');
+    my $f = "$slots/$k.$fp.bin";
+    ok(-e $f, 'huge has a file');
+    truncate $f, 300 * 1024 * 1024;                 # a sparse 300 MB state
+    my $r = $t->request('DELETE', "/api/sessions/$k");
+    is($r->{status}, 200, 'DELETE a 300 MB session');
+    ok(!-e $f, 'its file is gone from its name at once');
+    ok($t->wait_for(sub { !glob("$slots/*.del") }, 5),
+       'and deleted in steps within a second or so');
+    $t->stop;
+}
+
+# llama-server gone in the middle of a restore: 502, the slot unknown
+{
+    my $t = setup();
+    ask($t, 'rho', body => chat_of('rho text'));
+    ask($t, 'sigma', body => chat_of('sigma text'));        # rho saved
+    $t->fake_script({ restore => { close => 1 } });
+    my $r = ask($t, 'rho', body => chat_of('rho text 2'));
+    is($r->{status}, 502, 'a restore without an answer: 502');
+    is($r->{json}{error}{type}, 'server_error', 'with a JSON error');
+    $t->fake_script({});
+    $r = ask($t, 'sigma', body => chat_of('sigma text 2'));
+    is($r->{status}, 200, 'the next request is served');
+    is($r->{headers}{'x-s-action'}, 'restore',
+       'restored, not a hit on the slot nobody can vouch for');
+    $t->stop;
+}
+
 done_testing;

@@ -218,14 +218,14 @@ sub fake_calls {
     return \@calls;
 }
 
-# the fingerprint in file names for the fake backend: /props (model path,
-# n_ctx 16384, slots, no ftype nor build) then /v1/models' meta, in the
+# the fingerprint in file names for the fake backend: /props (n_ctx 16384,
+# slots, no ftype nor build, model path) then /v1/models' meta, in the
 # module's order
 sub fake_fp {
     my ($model, %o) = @_;
     require Digest::SHA;
     my $meta = $o{meta} // { n_vocab => 32000, size => 1000000 };
-    my $text = join "\0", $model // 'fake.gguf', 16384, $o{np} // 1, '', '';
+    my $text = join "\0", 16384, $o{np} // 1, '', '', $model // 'fake.gguf';
     for my $k (qw(n_vocab n_ctx_train n_embd n_params size ftype vocab_type)) {
         $text .= "\0$k=$meta->{$k}" if defined $meta->{$k};
     }
