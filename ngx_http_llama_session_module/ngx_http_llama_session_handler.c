@@ -86,6 +86,7 @@ static ngx_queue_t  ngx_http_llama_session_waiting = {
 ngx_int_t
 ngx_http_llama_session_handler(ngx_http_request_t *r)
 {
+    ngx_uint_t                          status;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
@@ -162,7 +163,10 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
     default: /* NGX_HTTP_LLAMA_SESSION_ST_DONE */
 
         if (ctx->fail_status) {
-            return ngx_http_llama_session_error(r, ctx, ctx->fail_status,
+            status = ctx->fail_status;
+            ctx->fail_status = 0;
+
+            return ngx_http_llama_session_error(r, ctx, status,
                                                 ctx->fail_type,
                                                 ctx->fail_message, 0);
         }

@@ -27,6 +27,7 @@ typedef struct {
     ngx_buf_t                      *out;
     ngx_buf_t                      *in;
     ngx_uint_t                      step;
+    ngx_uint_t                      failed;
 } ngx_http_llama_session_idle_t;
 
 
@@ -104,7 +105,10 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
     step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
     ngx_add_timer(ev, step);
 
-    if (zone->idle_busy) {
+    if (zone->idle_busy
+        || (ngx_msec_int_t) (ngx_current_msec - zone->idle_next) < 0)
+    {
+        /* one at a time; after a failure, again in 1 s doubling to 60 s */
         return;
     }
 
@@ -127,6 +131,7 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
 
         job->pool = pool;
         job->log = ev->log;
+        job->failed = 1;
         job->ctx.zone = zone;
         job->ctx.slot = n;
         job->ctx.slot_tokens = -1;
@@ -498,13 +503,29 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
             || ngx_http_llama_session_parse_slots(job->log, ctx, &processing)
                != NGX_OK)
         {
-            ngx_log_error(NGX_LOG_ERR, job->log, 0,
-                          "llama_session: idle save: GET /slots answered %i",
-                          status);
+            if (status == NGX_HTTP_NOT_IMPLEMENTED) {
+                /* --no-slots: nothing is saved until a request changes it */
+                ngx_log_error(NGX_LOG_WARN, job->log, 0,
+                              "llama_session: idle save: GET /slots answered "
+                              "501, \"%*s\" is not saved: start llama-server "
+                              "with --slots", ctx->out_len, ctx->out_key);
+
+                ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot,
+                                                  ctx->out_key, ctx->out_len);
+                job->failed = 0;
+
+            } else {
+                ngx_log_error(NGX_LOG_ERR, job->log, 0,
+                              "llama_session: idle save: GET /slots answered "
+                              "%i", status);
+            }
+
             ngx_http_llama_session_idle_done(job,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             return;
         }
+
+        job->failed = 0;
 
         if (ngx_http_llama_session_slot_task(ctx, ctx->slot_task)) {
             ngx_log_error(NGX_LOG_WARN, job->log, 0,
@@ -526,6 +547,8 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
             return;
         }
 
+        job->failed = 1;
+
         if (ngx_http_llama_session_idle_send(job,
                                              NGX_HTTP_LLAMA_SESSION_CALL_SAVE)
             != NGX_OK)
@@ -542,6 +565,8 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
     if (ngx_http_llama_session_save_done(job->log, ctx, "idle save")
         == NGX_OK)
     {
+        job->failed = 0;
+
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.idle_saves);
 
         ngx_log_error(NGX_LOG_INFO, job->log, 0,
@@ -560,6 +585,8 @@ static void
 ngx_http_llama_session_idle_done(ngx_http_llama_session_idle_t *job,
     ngx_uint_t state)
 {
+    ngx_http_llama_session_zone_t  *zone;
+
     if (job->peer.connection) {
         ngx_close_connection(job->peer.connection);
         job->peer.connection = NULL;
@@ -575,7 +602,17 @@ ngx_http_llama_session_idle_done(ngx_http_llama_session_idle_t *job,
     ngx_http_llama_session_release(&job->ctx, state);
     ngx_http_llama_session_wake_local();
 
-    job->ctx.zone->idle_busy = 0;
+    zone = job->ctx.zone;
+    zone->idle_busy = 0;
+
+    if (job->failed) {
+        zone->idle_backoff = ngx_min(ngx_max(zone->idle_backoff * 2, 1000),
+                                     60000);
+        zone->idle_next = ngx_current_msec + zone->idle_backoff;
+
+    } else {
+        zone->idle_backoff = 0;
+    }
 
     ngx_destroy_pool(job->pool);
 }

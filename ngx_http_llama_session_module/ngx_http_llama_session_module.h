@@ -201,6 +201,8 @@ typedef struct {
     ngx_str_t                       api_key;
     ngx_event_t                     idle_ev;    /* this worker's */
     ngx_uint_t                      idle_busy;
+    ngx_msec_t                      idle_backoff;
+    ngx_msec_t                      idle_next;
     ngx_shm_zone_t                 *shm_zone;
     ngx_cycle_t                    *cycle;      /* of the configuration */
     ngx_http_llama_session_sh_t    *sh;

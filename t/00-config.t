@@ -101,6 +101,21 @@ my @bad = (
       qr/"llama_session_wait_timeout" directive invalid value/, 'bad timeout' ],
     [ 'llama_session_body_max lots;',
       qr/"llama_session_body_max" directive invalid value/, 'bad body_max' ],
+    [ 'llama_session_endpoints chat/completions;',
+      qr/invalid endpoint "chat\/completions": give the end of a path/,
+      'endpoint without "/"' ],
+    [ 'llama_session_endpoints /v1/chat/;',
+      qr/invalid endpoint "\/v1\/chat\/"/, 'endpoint ending with "/"' ],
+    [ 'llama_session_zone zone=llama:1m max_waiting=0;',
+      qr/invalid number of waiting requests "max_waiting=0": 1 to 65536/,
+      'max_waiting=0' ],
+    [ 'llama_session_zone zone=llama:64k max_waiting=60000;',
+      qr/zone "llama" is too small for max_waiting=60000/,
+      'max_waiting too large for the zone' ],
+    [ "llama_session_zone zone=a:1m store=%%DIR%%;\n"
+      . "llama_session_zone zone=b:1m store=%%DIR%%;",
+      qr/llama_session zones "a" and "b" have the same store/,
+      'two zones, one store' ],
 );
 
 for my $case (@bad) {
@@ -120,6 +135,7 @@ for my $case (@bad) {
         llama_session_namespace $remote_user;
         llama_session_wait_timeout 5s;
         llama_session_body_max 1m;
+        llama_session_endpoints /v1/chat/completions /chat;
         location / { llama_session llama; proxy_pass http://127.0.0.1:1; }
     }
 EOF

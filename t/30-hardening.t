@@ -582,6 +582,24 @@ sub setup {
     $t->stop;
 }
 
+# 14. idle saves in workers only, and they back off while llama-server is
+# down instead of failing every 50 ms
+{
+    my $t = setup(zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% '
+                          . 'save_idle=200ms backend=127.0.0.1:%%LLAMA%%;');
+    ask($t, 'idle-a');
+    ok($t->wait_for(sub { $t->log_lines(qr/idle save of "idle-a-\w+"/) }, 5),
+       'an idle save');
+    ask($t, 'idle-b');
+    $t->stop_proc('fake');
+    sleep 4;
+    my $n = () = $t->log_lines(qr/\(111: Connection refused\)/);
+    cmp_ok($n, '>=', 1, 'an idle save that cannot connect is logged');
+    cmp_ok($n, '<=', 8, "$n tries in 4 s from 2 workers: they back off "
+                        . '(every 50 ms before)');
+    $t->stop;
+}
+
 # llama-server gone in the middle of a restore: 502, the slot unknown
 {
     my $t = setup();

@@ -309,7 +309,7 @@ sub start_nginx {
                '-p', "$dir/", '-c', "$dir/nginx.conf", '-e', "$dir/error.log");
 
     if ($ENV{TEST_NGINX_VALGRIND}) {
-        unshift @cmd, 'valgrind', '-q', '--leak-check=full',
+        unshift @cmd, 'valgrind', '-q', '--vgdb=no', '--leak-check=full',
             '--show-possibly-lost=no', '--trace-children=yes',
             "--suppressions=$ROOT/t/valgrind.supp",
             "--log-file=$dir/valgrind.%p.log", '--error-exitcode=7';
