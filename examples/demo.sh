@@ -11,6 +11,11 @@ llama_bin=$("$here/rig/build-llama-server.sh")
 model=$("$here/rig/make-model.sh")
 dir=$(mktemp -d /tmp/llama-session-demo.XXXXXX)
 mkdir -p "$dir/slots" "$dir/logs" "$dir/tmp"
+chmod 755 "$dir"
+# the store folder as docs/directives.md sets it up: nginx's workers
+# (www-data) rename and delete what llama-server writes there
+chgrp www-data "$dir/slots"
+chmod 2775 "$dir/slots"
 
 llama_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 
@@ -40,7 +45,7 @@ sed -e "s#/usr/lib/nginx/modules/ngx_http_llama_session_module.so#$here/objs/ngx
     -e "s#127.0.0.1:8080#127.0.0.1:$llama_port#" \
     -e "s#127.0.0.1:8000#127.0.0.1:$port#" \
     -e "s#/var/log/nginx/llama.log#$dir/logs/access.log#" \
-    -e "s#worker_processes auto;#worker_processes 2;\npid $dir/nginx.pid;\nerror_log $dir/logs/error.log info;\nuser root;#" \
+    -e "s#worker_processes auto;#worker_processes 2;\npid $dir/nginx.pid;\nerror_log $dir/logs/error.log info;#" \
     -e "s#^http {#http {\n    client_body_temp_path $dir/tmp/body;\n    proxy_temp_path $dir/tmp/proxy;#" \
     "$here/examples/nginx.conf" >"$dir/nginx.conf"
 
