@@ -80,6 +80,9 @@ sub grown {
 my $STD = <<'EOF';
     upstream llama { server 127.0.0.1:%%LLAMA%%; }
 
+    # a cache manager and loader run beside the workers
+    proxy_cache_path %%DIR%%/cache keys_zone=cache:1m;
+
     server {
         listen 127.0.0.1:%%PORT%%;
         client_max_body_size 32m;
@@ -587,9 +590,17 @@ sub setup {
 {
     my $t = setup(zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% '
                           . 'save_idle=200ms backend=127.0.0.1:%%LLAMA%%;');
-    ask($t, 'idle-a');
-    ok($t->wait_for(sub { $t->log_lines(qr/idle save of "idle-a-\w+"/) }, 5),
-       'an idle save');
+    my %workers = map { $_ => 1 } workers($t);
+    for my $i (1 .. 6) {
+        ask($t, "idle-$i");
+        ok($t->wait_for(sub { $t->log_lines(qr/idle save of "idle-$i-\w+"/) },
+                        5), "idle save $i");
+    }
+    my @by = map { /\[info\] (\d+)#/ ? $1 : () }
+             $t->log_lines(qr/idle save of "idle-/);
+    is(scalar(grep { !$workers{$_} } @by), 0,
+       'every idle save was made by a worker, not the cache manager or '
+       . 'loader') or diag "@by / " . join(' ', keys %workers);
     ask($t, 'idle-b');
     $t->stop_proc('fake');
     sleep 4;
