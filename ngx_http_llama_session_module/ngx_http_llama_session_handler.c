@@ -1107,6 +1107,15 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
     ngx_http_llama_session_wake_local();
 
+    if (ctx->call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {
+        /* llama-server starts ("Loading model") or sleeps: retry soon */
+        return ngx_http_llama_session_error(r, ctx,
+                                        NGX_HTTP_SERVICE_UNAVAILABLE,
+                                        "unavailable_error",
+                                        "the model server is not ready, "
+                                        "retry later", 1);
+    }
+
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
                                         "server_error",
                                         "the model server did not answer "

@@ -623,6 +623,13 @@ sub setup {
     my $r = ask($t, 'rho', body => chat_of('rho text 2'));
     is($r->{status}, 502, 'a restore without an answer: 502');
     is($r->{json}{error}{type}, 'server_error', 'with a JSON error');
+
+    # llama-server back but loading its model: 503, retry soon
+    $t->fake_script({ props => { status => 503, message => 'Loading model' } });
+    $r = ask($t, 'sigma', body => chat_of('sigma text 2'));
+    is($r->{status}, 503, 'llama-server loading its model: 503');
+    is($r->{headers}{'retry-after'}, '1', 'with Retry-After');
+    is($r->{json}{error}{type}, 'unavailable_error', 'and a JSON error');
     $t->fake_script({});
     $r = ask($t, 'sigma', body => chat_of('sigma text 2'));
     is($r->{status}, 200, 'the next request is served');
