@@ -1019,7 +1019,10 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         ctx->save_pending = 0;
     }
 
-    if (processing) {
+    if (processing
+        || (ngx_msec_int_t) (ctx->quiet_until - ngx_current_msec) > 0)
+    {
+        /* llama-server runs the slot, or may start a request on it */
         ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
         ngx_http_llama_session_release(ctx,
                                        NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);

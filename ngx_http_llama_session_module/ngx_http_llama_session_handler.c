@@ -660,6 +660,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 {
     ngx_int_t   rc;
     ngx_uint_t  processing;
+    ngx_msec_t  delay;
 
     if (ctx->call_status == 0 || ctx->call_status == NGX_HTTP_UNAUTHORIZED
         || ctx->call_status == NGX_HTTP_FORBIDDEN
@@ -752,6 +753,22 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                                       ngx_min(ctx->delay,
                                               (ngx_msec_t) (ctx->deadline
                                                          - ngx_current_msec)));
+    }
+
+    if ((ngx_msec_int_t) (ctx->quiet_until - ngx_current_msec) > 0) {
+        /*
+         * a request whose client left may still start in llama-server:
+         * look again once it would have started or been cancelled
+         */
+
+        ngx_log_debug1(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: slot quiet for %M ms",
+                       ctx->quiet_until - ngx_current_msec);
+
+        delay = ctx->quiet_until - ngx_current_msec;
+        ctx->quiet_until = 0;
+
+        return ngx_http_llama_session_sleep(r, ctx, delay);
     }
 
     if (ngx_http_llama_session_may_save(ctx)) {
@@ -1323,6 +1340,14 @@ ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
                    >= NGX_HTTP_INTERNAL_SERVER_ERROR))
         {
             state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        }
+
+        if (r->upstream && r->upstream->headers_in.status_n == 0) {
+            /*
+             * no reply yet: llama-server may run the request later, on
+             * whatever the slot holds by then (another session's)
+             */
+            ctx->quarantine = 1;
         }
 
         break;

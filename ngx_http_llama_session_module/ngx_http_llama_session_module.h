@@ -28,6 +28,15 @@
 #define NGX_HTTP_LLAMA_SESSION_FIELDS_MAX  16
 #define NGX_HTTP_LLAMA_SESSION_ID_MAX      256    /* a client's id, bytes */
 
+/*
+ * After a request that llama-server may have received but not answered
+ * (its client left, the upstream failed or timed out before the reply's
+ * header): llama-server may still start it, up to about a second later
+ * (it tokenizes first, and notices a closed connection once a second).
+ * The slot is not swapped until then.
+ */
+#define NGX_HTTP_LLAMA_SESSION_QUARANTINE  2000
+
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
 
@@ -93,6 +102,8 @@ typedef struct {
     ngx_msec_t                      taken_at;
     ngx_msec_t                      checked_at; /* owner last checked */
     ngx_msec_t                      free_since;
+    ngx_msec_t                      quiet_until; /* a request may still come
+                                                    in llama-server until */
     ngx_atomic_uint_t               batch;      /* tickets of the session
                                                    swapped in that may still
                                                    go before the next swap */
@@ -289,6 +300,7 @@ struct ngx_http_llama_session_ctx_s {
     ngx_buf_t                      *call_reply;
     ngx_buf_t                      *capture;   /* reused across calls */
     ngx_uint_t                      polls;
+    ngx_msec_t                      quiet_until;
 
     /* GET /props, until GET /v1/models completes the fingerprint */
     ngx_str_t                       props_text;
@@ -327,6 +339,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        released:1;
     unsigned                        restarted:1;
     unsigned                        slots_checked:1; /* GET /slots vouched */
+    unsigned                        quarantine:1;
 
     void                           *api;        /* the management API's */
 };

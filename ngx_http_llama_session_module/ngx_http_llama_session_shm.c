@@ -438,6 +438,7 @@ ngx_http_llama_session_take_locked(ngx_http_llama_session_ctx_t *ctx,
     ctx->acquired = 1;
     ctx->released = 0;
     ctx->slot_state = slot->state;
+    ctx->quiet_until = slot->quiet_until;
     ctx->save_pending = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
                          && slot->dirty && slot->saveable);
 
@@ -664,6 +665,11 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
         slot->owner = 0;
         slot->owner_start = 0;
         slot->free_since = ngx_current_msec;
+    }
+
+    if (ctx->quarantine) {
+        slot->quiet_until = ngx_current_msec
+                            + NGX_HTTP_LLAMA_SESSION_QUARANTINE;
     }
 
     if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN) {

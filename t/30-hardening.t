@@ -614,6 +614,33 @@ sub setup {
     $t->stop;
 }
 
+# a request whose client left before llama-server answered may still run
+# in llama-server later: the slot is not swapped until it would have
+{
+    my $t = setup();
+    my $slots = $t->dir . '/slots';
+    ask($t, 'kilo', body => chat_of('kilo text'));
+    ask($t, 'foxtrot', body => chat_of('foxtrot text'));    # kilo saved
+    $t->fake_script({ completion => { pre_ms => 800,
+                                      path => '/v1/completions' } });
+    my $s = $t->raw_open('POST', '/v1/completions', chat_of('foxtrot 2'),
+                         headers => { 'X-Session-Id' => 'foxtrot' });
+    sleep 0.3;
+    close $s;
+    sleep 0.05;
+    my $t0 = time;
+    my $r = ask($t, 'kilo', body => chat_of('kilo text 2'));
+    is($r->{status}, 200, 'the next session after a client left mid-request');
+    cmp_ok(time - $t0, '>', 1, 'waited for the slot to be quiet');
+    sleep 1;
+    $t->fake_script({});
+    ask($t, 'third', body => chat_of('third text'));          # kilo saved
+    my $k = $t->read_file("$slots/" . key('kilo') . ".$fp.bin");
+    like($k, qr/kilo text 2/, 'kilo\'s file holds kilo\'s turn');
+    unlike($k, qr/foxtrot/, 'and nothing of the request that ran late');
+    $t->stop;
+}
+
 # llama-server gone in the middle of a restore: 502, the slot unknown
 {
     my $t = setup();

@@ -24,7 +24,9 @@
 # model_path, --meta (JSON) what GET /v1/models says of the model;
 # close: drop the connection without an answer; processing: GET /slots
 # shows the slot busy; path: the completion fault applies to that path only;
-# chunks, chunk_ms: the shape of a streamed reply.  Every request is appended to --calls as JSON.
+# chunks, chunk_ms: the shape of a streamed reply; pre_ms (completion):
+# time before the request takes the slot, which it does even if its client
+# left meanwhile, as llama-server does.  Every request is appended to --calls as JSON.
 
 use strict;
 use warnings;
@@ -330,6 +332,12 @@ sub completion {
     my ($c, $req, $f) = @_;
 
     my $body = eval { $json->decode($req->{body}) } // {};
+
+    # llama-server tokenizes before its task takes a slot: "pre_ms" delays
+    # that, whatever became of the client meanwhile
+    sleep $f->{pre_ms} / 1000
+        if $f && $f->{pre_ms} && (!$f->{path} || $f->{path} eq $req->{path});
+
     my $id = defined $body->{id_slot} && $body->{id_slot} >= 0
              ? $body->{id_slot} % $o{np} : 0;
     my $text = ref $body eq 'HASH'
