@@ -41,7 +41,7 @@ cd "$src"
 log "building $src with AddressSanitizer and the module"
 ./configure --prefix="$dir/prefix" --with-debug --with-compat \
     --with-http_auth_request_module --with-http_realip_module \
-    --with-http_ssl_module --with-threads \
+    --with-http_ssl_module --with-http_v2_module --with-threads \
     --with-cc-opt="-O1 -g -fno-omit-frame-pointer -fsanitize=address -DNGX_DEBUG_PALLOC=1" \
     --with-ld-opt="-fsanitize=address" \
     --add-dynamic-module="$here" >"$dir/configure.log" 2>&1 \
