@@ -33,7 +33,7 @@ $t->nginx(<<'EOF');
 
         location / {
             llama_session llama;
-            llama_session_wait_timeout 8s;
+            llama_session_wait_timeout 40s;
             proxy_pass http://llama;
         }
 
@@ -128,7 +128,8 @@ ask('warm');
 
 # a waiter of the session swapped in dies in the middle of the queue
 # only the holder's path is slow: the others' requests are quick
-$t->fake_script({ completion => { delay_ms => 6000,
+$t->fake_script({ completion => { delay_ms => $ENV{TEST_NGINX_VALGRIND}
+                                                ? 15000 : 6000,
                                   path => '/v1/completions' } });
 my ($holder, $wh) = queued_on('holder', path => '/v1/completions');
 ok($t->wait_for(sub {
@@ -143,10 +144,10 @@ my ($u, $wu) = queued_on('you', on => $wh);
 ok($u, "a request of session you waits behind them on worker $wu");
 my $cur;
 ok($t->wait_for(sub { $cur = $t->get('/api/sessions/current')->{json};
-                      ($cur->{waiting} // 0) >= 3 }, 10),
+                      ($cur->{waiting} // 0) >= 3 }, 15),
    'the three wait in the zone\'s queue') or diag $JSON->encode($cur);
 kill 'KILL', $wz;
-like(read_response($holder, 10), qr/^HTTP\/1\.1 200/, 'the holder finished');
+like(read_response($holder, 30), qr/^HTTP\/1\.1 200/, 'the holder finished');
 my $done = time;
 like(read_response($y, 10), qr/^HTTP\/1\.1 200/, 'tee was served');
 my $ru = read_response($u, 10);
