@@ -862,10 +862,16 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             goto wait;
         }
 
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
-            if (ctx->call_status != NGX_HTTP_OK
-                || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
-            {
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
+            || ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
+        {
+            rc = ngx_http_llama_session_learn(r, ctx);
+
+            if (rc == NGX_AGAIN) {
+                goto wait;
+            }
+
+            if (rc == NGX_ERROR) {
                 api->failed = 1;
                 ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
                 ngx_http_llama_session_release(ctx,
@@ -873,25 +879,8 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 break;
             }
 
-            rc = ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
-                                             NULL, 0);
-            if (rc != NGX_AGAIN) {
+            if (rc != NGX_OK) {
                 return rc;
-            }
-
-            goto wait;
-        }
-
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS) {
-            if (ctx->call_status == 0
-                || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
-            {
-                api->failed = 1;
-                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
-                ngx_http_llama_session_release(ctx,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
-                break;
             }
 
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;

@@ -594,23 +594,18 @@ static ngx_int_t
 ngx_http_llama_session_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+    ngx_int_t  rc;
 
-        if (ctx->call_status != NGX_HTTP_OK
-            || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
-        {
-            return ngx_http_llama_session_backend_error(r, ctx, "GET /props");
-        }
+    rc = ngx_http_llama_session_learn(r, ctx);
 
-        return ngx_http_llama_session_call(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
-                                           NULL, 0);
+    if (rc == NGX_ERROR) {
+        return ngx_http_llama_session_backend_error(r, ctx,
+                          (char *) ngx_http_llama_session_call_names[ctx->call]
+                                                                   .data);
     }
 
-    if (ctx->call_status == 0
-        || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
-    {
-        return ngx_http_llama_session_backend_error(r, ctx, "GET /v1/models");
+    if (rc != NGX_OK) {
+        return rc;
     }
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;

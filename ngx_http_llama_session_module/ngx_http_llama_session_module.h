@@ -461,6 +461,8 @@ ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_parse_models(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_learn(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 
 /* store.c: the store folder */
 ngx_int_t ngx_http_llama_session_store_check(

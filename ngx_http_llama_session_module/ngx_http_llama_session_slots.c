@@ -970,3 +970,38 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 
     return NGX_OK;
 }
+
+
+/*
+ * The fingerprint's two calls, for the request path and the API alike:
+ * once GET /props answered, GET /v1/models; once that answered, the
+ * fingerprint is set.  NGX_AGAIN: the next call is on its way; NGX_OK:
+ * known; NGX_ERROR: the backend failed the call in ctx->call; else an
+ * HTTP status to end with.
+ */
+
+ngx_int_t
+ngx_http_llama_session_learn(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+
+        if (ctx->call_status != NGX_HTTP_OK
+            || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
+                                           NULL, 0);
+    }
+
+    if (ctx->call_status == 0
+        || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
