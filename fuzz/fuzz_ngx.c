@@ -253,3 +253,16 @@ ngx_http_subrequest(ngx_http_request_t *r, ngx_str_t *uri, ngx_str_t *args,
     fuzz_unexpected("ngx_http_subrequest");
     return NGX_ERROR;
 }
+
+
+void
+fuzz_request(ngx_http_request_t *r, ngx_connection_t *c)
+{
+    ngx_memzero(c, sizeof(ngx_connection_t));
+    c->log = fuzz_log;
+
+    ngx_memzero(r, sizeof(ngx_http_request_t));
+    r->main = r;
+    r->pool = fuzz_pool;
+    r->connection = c;
+}

@@ -30,6 +30,9 @@ void fuzz_pool_reset(void);
  */
 u_char *fuzz_guarded(const u_char *data, size_t size);
 
+/* a main request on its connection, with the harness's pool and log */
+void fuzz_request(ngx_http_request_t *r, ngx_connection_t *c);
+
 /* aborts with the name of an nginx function the harness did not expect */
 void fuzz_unexpected(const char *name);
 

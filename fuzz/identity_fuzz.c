@@ -230,13 +230,7 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
 
     loc_conf[0] = &llcf;
 
-    ngx_memzero(&c, sizeof(ngx_connection_t));
-    c.log = fuzz_log;
-
-    ngx_memzero(&r, sizeof(ngx_http_request_t));
-    r.main = &r;
-    r.pool = fuzz_pool;
-    r.connection = &c;
+    fuzz_request(&r, &c);
     r.loc_conf = loc_conf;
     r.method = NGX_HTTP_POST;
 

@@ -122,6 +122,14 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+ngx_int_t
+ngx_http_llama_session_store_delete(u_char *file)
+{
+    fuzz_unexpected("ngx_http_llama_session_store_delete");
+    return NGX_ERROR;
+}
+
+
 static void
 fuzz_props_reply(ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *b, u_char *p,
     size_t size)
@@ -160,13 +168,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ngx_str_set(&zone.name, "llama");
     zone.nslots = 4;
 
-    ngx_memzero(&c, sizeof(ngx_connection_t));
-    c.log = fuzz_log;
-
-    ngx_memzero(&r, sizeof(ngx_http_request_t));
-    r.main = &r;
-    r.pool = fuzz_pool;
-    r.connection = &c;
+    fuzz_request(&r, &c);
 
     ngx_memzero(&ctx, sizeof(ngx_http_llama_session_ctx_t));
     ctx.request = &r;
