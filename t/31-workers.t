@@ -127,9 +127,10 @@ sub read_response {
 ask('warm');
 
 # a waiter of the session swapped in dies in the middle of the queue
-# only the holder's path is slow: the others' requests are quick
-$t->fake_script({ completion => { delay_ms => $ENV{TEST_NGINX_VALGRIND}
-                                                ? 15000 : 6000,
+# only the holder's path is held, until the test lets it go: placing the
+# waiters on their workers takes as long as it takes
+my $release = $t->dir . '/release-holder';
+$t->fake_script({ completion => { until => $release,
                                   path => '/v1/completions' } });
 my ($holder, $wh) = queued_on('holder', path => '/v1/completions');
 ok($t->wait_for(sub {
@@ -147,6 +148,8 @@ ok($t->wait_for(sub { $cur = $t->get('/api/sessions/current')->{json};
                       ($cur->{waiting} // 0) >= 3 }, 15),
    'the three wait in the zone\'s queue') or diag $JSON->encode($cur);
 kill 'KILL', $wz;
+open my $rel, '>', $release or die "$release: $!";
+close $rel;
 like(read_response($holder, 30), qr/^HTTP\/1\.1 200/, 'the holder finished');
 my $done = time;
 like(read_response($y, 10), qr/^HTTP\/1\.1 200/, 'tee was served');

@@ -26,7 +26,9 @@
 # shows the slot busy; path: the completion fault applies to that path only;
 # chunks, chunk_ms: the shape of a streamed reply; pre_ms (completion):
 # time before the request takes the slot, which it does even if its client
-# left meanwhile, as llama-server does.  Every request is appended to --calls as JSON.
+# left meanwhile, as llama-server does; until (completion): a file whose
+# creation ends the delay (at most 120 s), for tests that must not race a
+# clock.  Every request is appended to --calls as JSON.
 
 use strict;
 use warnings;
@@ -368,6 +370,10 @@ sub completion {
 
     if ($f) {
         sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
+        if ($f->{until}) {
+            my $end = time + 120;
+            sleep 0.02 until -e $f->{until} || time > $end;
+        }
         if ($f->{close}) { $done->(); close $c; return 0; }
         if ($f->{status} && $f->{status} != 200) {
             $done->();
