@@ -508,6 +508,9 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     ngx_http_llama_session_api_stat(queue_full);
     ngx_http_llama_session_api_stat(forgotten);
     ngx_http_llama_session_api_stat(refused);
+    ngx_http_llama_session_api_stat(warm);
+    ngx_http_llama_session_api_stat(bases);
+    ngx_http_llama_session_api_stat(probes);
 
 #undef ngx_http_llama_session_api_stat
 
@@ -1079,7 +1082,8 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 
     if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
 
-        if (ngx_http_llama_session_save_done(r->connection->log, ctx, "API")
+        if (ngx_http_llama_session_save_done(r->connection->log, ctx, "API",
+                                            ctx->out_key, ctx->out_len)
             == NGX_OK)
         {
             if (ngx_http_llama_session_api_str(item, "key", ctx->out_key,

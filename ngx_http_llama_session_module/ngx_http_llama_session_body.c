@@ -6,7 +6,13 @@
  * headers, then JSON body fields, then a hash of the system prompt, else
  * "default".  The session's key, the only thing that ever reaches a file
  * name, is derived from the client's id through a strict charset and a
- * SHA-256 over (namespace, model, id).
+ * SHA-256 over (namespace, model, id, the request's prefix).
+ *
+ * The prefix is the system prompt (with tools) and the first message after
+ * it: the part of a conversation that stays the same from turn to turn.
+ * A request under a conversation's id with another prefix (a chat
+ * frontend's title or tags request, a subagent, a side query) is another
+ * session, so it never takes the conversation's state for its own.
  */
 
 
@@ -24,20 +30,25 @@ static ngx_int_t ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_loc_conf_t *llcf,
     ngx_http_llama_session_span_t *spans);
-static ngx_int_t ngx_http_llama_session_system_digest(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *system,
-    ngx_http_llama_session_span_t *messages, u_char *out, ngx_uint_t *found);
+static ngx_int_t ngx_http_llama_session_prefix(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans);
+static ngx_int_t ngx_http_llama_session_digest_end(ngx_http_request_t *r,
+    u_char *out);
 static ngx_int_t ngx_http_llama_session_digest_text(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *span, ngx_uint_t *found);
+    ngx_http_llama_session_span_t *span, size_t *found, ngx_uint_t billing,
+    size_t *budget);
 static ngx_int_t ngx_http_llama_session_digest_string(ngx_http_request_t *r,
-    u_char *start, u_char *end, ngx_uint_t *found);
+    u_char *start, u_char *end, size_t *found, ngx_uint_t billing,
+    size_t *budget);
+static ngx_uint_t ngx_http_llama_session_probe(
+    ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
 static ngx_int_t ngx_http_llama_session_sha256(ngx_http_request_t *r,
     ngx_str_t *parts, ngx_uint_t n, u_char *out);
 static EVP_MD_CTX *ngx_http_llama_session_sha256_begin(ngx_http_request_t *r);
-static ngx_uint_t ngx_http_llama_session_last_matches(ngx_str_t *ns,
-    ngx_str_t *model, ngx_str_t *id);
+static ngx_uint_t ngx_http_llama_session_last_matches(ngx_str_t *parts,
+    ngx_uint_t n);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
 static ngx_uint_t ngx_http_llama_session_suffix(ngx_str_t *uri,
@@ -60,6 +71,36 @@ static ngx_str_t  ngx_http_llama_session_system_name =
     ngx_string("system");
 static ngx_str_t  ngx_http_llama_session_messages_name =
     ngx_string("messages");
+static ngx_str_t  ngx_http_llama_session_tools_name =
+    ngx_string("tools");
+static ngx_str_t  ngx_http_llama_session_tool_choice_name =
+    ngx_string("tool_choice");
+static ngx_str_t  ngx_http_llama_session_kwargs_name =
+    ngx_string("chat_template_kwargs");
+static ngx_str_t  ngx_http_llama_session_max_tokens_name =
+    ngx_string("max_tokens");
+static ngx_str_t  ngx_http_llama_session_max_completion_name =
+    ngx_string("max_completion_tokens");
+static ngx_str_t  ngx_http_llama_session_n_predict_name =
+    ngx_string("n_predict");
+
+/* the members identify() looks for, before the id fields */
+
+#define NGX_HTTP_LLAMA_SESSION_SP_MODEL        0
+#define NGX_HTTP_LLAMA_SESSION_SP_SYSTEM       1
+#define NGX_HTTP_LLAMA_SESSION_SP_MESSAGES     2
+#define NGX_HTTP_LLAMA_SESSION_SP_TOOLS        3
+#define NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE  4
+#define NGX_HTTP_LLAMA_SESSION_SP_KWARGS       5
+#define NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS   6
+#define NGX_HTTP_LLAMA_SESSION_SP_MAX_COMPL    7
+#define NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT    8
+#define NGX_HTTP_LLAMA_SESSION_SP_FIELDS       9
+#define NGX_HTTP_LLAMA_SESSION_SP_ALL                                        \
+    (NGX_HTTP_LLAMA_SESSION_SP_FIELDS + NGX_HTTP_LLAMA_SESSION_FIELDS_MAX)
+
+/* the bytes of the first message that tell a conversation */
+#define NGX_HTTP_LLAMA_SESSION_HEAD            256
 
 
 /* llama-server's endpoints that use a slot but carry no conversation */
@@ -169,9 +210,9 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
     u_char                             *dot;
     ngx_int_t                           rc;
     ngx_str_t                           body, ns, *field;
-    ngx_str_t                           names[3 + NGX_HTTP_LLAMA_SESSION_FIELDS_MAX];
+    ngx_str_t                           names[NGX_HTTP_LLAMA_SESSION_SP_ALL];
     ngx_uint_t                          i, n;
-    ngx_http_llama_session_span_t       spans[3 + NGX_HTTP_LLAMA_SESSION_FIELDS_MAX];
+    ngx_http_llama_session_span_t       spans[NGX_HTTP_LLAMA_SESSION_SP_ALL];
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -206,10 +247,23 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
 
     /* the members the module needs, at the top level of the object */
 
-    names[0] = ngx_http_llama_session_model_name;
-    names[1] = ngx_http_llama_session_system_name;
-    names[2] = ngx_http_llama_session_messages_name;
-    n = 3;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MODEL] = ngx_http_llama_session_model_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM] =
+                                         ngx_http_llama_session_system_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES] =
+                                       ngx_http_llama_session_messages_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_TOOLS] = ngx_http_llama_session_tools_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE] =
+                                    ngx_http_llama_session_tool_choice_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_KWARGS] =
+                                         ngx_http_llama_session_kwargs_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS] =
+                                     ngx_http_llama_session_max_tokens_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MAX_COMPL] =
+                                 ngx_http_llama_session_max_completion_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT] =
+                                      ngx_http_llama_session_n_predict_name;
+    n = NGX_HTTP_LLAMA_SESSION_SP_FIELDS;
 
     field = llcf->id_fields->elts;
 
@@ -232,11 +286,36 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
 
     /* only a string is a model name: a span of another type is not parsed */
 
-    if (spans[0].start && *spans[0].start == '"'
-        && ngx_http_llama_session_span_str(r, &spans[0], &ctx->model)
-           == NGX_ERROR)
+    if (spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start
+        && *spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start == '"')
     {
+        if (ngx_http_llama_session_span_str(r,
+                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL],
+                                        &ctx->model)
+            == NGX_ERROR)
+        {
+            return NGX_ERROR;
+        }
+
+        ctx->p_model = spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL];
+    }
+
+    if (ngx_http_llama_session_prefix(r, ctx, spans) != NGX_OK) {
         return NGX_ERROR;
+    }
+
+    if (ngx_http_llama_session_probe(spans)) {
+        /*
+         * a probe (max_tokens 0 or 1: a model or key check, a token
+         * count): it runs as "default", so it never takes the place of a
+         * conversation's state, nor gets a file
+         */
+
+        ngx_str_null(&ctx->id);
+        ngx_str_set(&ctx->source, "probe");
+        ctx->probe = 1;
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.probes);
+        goto fallback;
     }
 
     if (ctx->id.len == 0) {
@@ -251,7 +330,9 @@ fallback:
 
     if (ctx->id.len == 0) {
         ngx_str_set(&ctx->id, "default");
-        ngx_str_set(&ctx->source, "default");
+        if (!ctx->probe) {
+            ngx_str_set(&ctx->source, "default");
+        }
         ctx->default_session = 1;
     }
 
@@ -426,9 +507,9 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_loc_conf_t *llcf,
     ngx_http_llama_session_span_t *spans)
 {
-    u_char                         *p, *last, *dot, hash[EVP_MAX_MD_SIZE];
+    u_char                         *p, *last, *dot;
     ngx_str_t                      *field, name;
-    ngx_uint_t                      n, found;
+    ngx_uint_t                      n;
     ngx_http_llama_session_span_t   span;
 
     field = llcf->id_fields->elts;
@@ -437,7 +518,7 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
 
         /* the first part of the path was found with the top level */
 
-        span = spans[3 + n];
+        span = spans[NGX_HTTP_LLAMA_SESSION_SP_FIELDS + n];
         p = field[n].data;
         last = p + field[n].len;
 
@@ -504,26 +585,18 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    found = 0;
-
-    if (ngx_http_llama_session_system_digest(r, &spans[1], &spans[2], hash,
-                                             &found)
-        != NGX_OK)
-    {
-        return NGX_ERROR;
-    }
-
-    if (!found) {
+    if (ctx->sys_len == 0) {
         return NGX_DECLINED;
     }
 
-    ctx->id.data = ngx_pnalloc(r->pool, sizeof("sys-") - 1 + 16);
+    ctx->id.data = ngx_pnalloc(r->pool, sizeof("sys-") - 1
+                                        + 2 * NGX_HTTP_LLAMA_SESSION_DIGEST);
     if (ctx->id.data == NULL) {
         return NGX_ERROR;
     }
 
     p = ngx_cpymem(ctx->id.data, "sys-", sizeof("sys-") - 1);
-    p = ngx_hex_dump(p, hash, 8);
+    p = ngx_hex_dump(p, ctx->sys, NGX_HTTP_LLAMA_SESSION_DIGEST);
     ctx->id.len = p - ctx->id.data;
 
     ngx_str_set(&ctx->source, "system_hash");
@@ -544,35 +617,67 @@ too_long:
 
 
 /*
- * SHA-256 of the system prompt: Anthropic's top-level "system" (a string
- * or text blocks; also Ollama's /api/generate "system"), then every
- * message with role "system" (OpenAI, Ollama /api/chat), joined by
- * newlines.  Hashed piece by piece as the scanner finds them, so memory
+ * The request's prefix, in one pass over the body:
+ *
+ *   ctx->sys: SHA-256 of the system prompt, Anthropic's top-level "system"
+ *   (a string or text blocks; also Ollama's /api/generate "system") and
+ *   the messages with role "system" or "developer" that lead "messages",
+ *   their texts joined by newlines, then "tools", "tool_choice" and
+ *   "chat_template_kwargs" as sent; ctx->sys_len: the bytes of all that,
+ *   0 when there is none.  What llama-server changes in Anthropic's
+ *   system prompt (the "cch=" of Claude Code's billing header) is changed
+ *   here too, so a value that differs from request to request is in no key.
+ *
+ *   ctx->head: SHA-256 of the start of the first message after the system
+ *   ones: its role and the first NGX_HTTP_LLAMA_SESSION_HEAD bytes of its
+ *   texts.  A conversation's first message stays from turn to turn, a
+ *   frontend's title or tags request has one of its own; requests that
+ *   share a long context and differ in their question at its end (a
+ *   document, then a question) keep one session.
+ *
+ * Strings are hashed one by one as the scanner finds them, so memory
  * stays that of the largest single string, whatever the body holds.
  */
 
 static ngx_int_t
-ngx_http_llama_session_system_digest(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *system,
-    ngx_http_llama_session_span_t *messages, u_char *out, ngx_uint_t *found)
+ngx_http_llama_session_prefix(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans)
 {
     u_char                         *pos;
-    EVP_MD_CTX                     *md;
+    size_t                          len, budget;
     ngx_int_t                       rc;
     ngx_str_t                       names[2];
-    unsigned int                    len;
-    ngx_http_llama_session_span_t   elt, fields[2];
+    ngx_uint_t                      i, k;
+    EVP_MD_CTX                     *md;
+    ngx_http_llama_session_span_t  *messages, elt, fields[2], head, *sp;
+
+    static ngx_uint_t  parts[] = {
+        NGX_HTTP_LLAMA_SESSION_SP_TOOLS,
+        NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE,
+        NGX_HTTP_LLAMA_SESSION_SP_KWARGS
+    };
 
     md = ngx_http_llama_session_sha256_begin(r);
     if (md == NULL) {
         return NGX_ERROR;
     }
 
-    if (system->start
-        && ngx_http_llama_session_digest_text(r, system, found) != NGX_OK)
-    {
-        return NGX_ERROR;
+    len = 0;
+    head.start = NULL;
+
+    sp = &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM];
+
+    if (sp->start) {
+        if (ngx_http_llama_session_digest_text(r, sp, &len, 1, NULL)
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+
+        ctx->p_system = *sp;
     }
+
+    messages = &spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES];
 
     if (messages->start && *messages->start == '[') {
 
@@ -591,34 +696,196 @@ ngx_http_llama_session_system_digest(ngx_http_request_t *r,
             if (*elt.start != '{'
                 || ngx_http_llama_session_json_object(elt.start, elt.end,
                                                       names, fields, 2)
-                   == NULL)
+                   == NULL
+                || fields[0].start == NULL)
             {
-                continue;
+                head = elt;
+                break;
             }
 
-            if (fields[0].start == NULL || fields[1].start == NULL
-                || fields[0].end - fields[0].start != sizeof("\"system\"") - 1
-                || ngx_strncmp(fields[0].start, "\"system\"",
-                               sizeof("\"system\"") - 1) != 0)
+            k = fields[0].end - fields[0].start;
+
+            if (!((k == sizeof("\"system\"") - 1
+                   && ngx_strncmp(fields[0].start, "\"system\"", k) == 0)
+                  || (k == sizeof("\"developer\"") - 1
+                      && ngx_strncmp(fields[0].start, "\"developer\"", k)
+                         == 0)))
             {
-                continue;
+                head = elt;
+                break;
             }
 
-            if (ngx_http_llama_session_digest_text(r, &fields[1], found)
-                != NGX_OK)
+            if (ctx->p_leading.start == NULL) {
+                ctx->p_leading.start = elt.start;
+            }
+
+            ctx->p_leading.end = elt.end;
+
+            if (fields[1].start
+                && ngx_http_llama_session_digest_text(r, &fields[1], &len, 0,
+                                                      NULL)
+                   != NGX_OK)
             {
                 return NGX_ERROR;
             }
         }
     }
 
-    if (EVP_DigestFinal_ex(md, out, &len) != 1) {
+    /* tools are part of the prompt that comes before the conversation */
+
+    for (i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
+        sp = &spans[parts[i]];
+
+        if (sp->start == NULL
+            || (sp->end - sp->start == 4
+                && ngx_strncmp(sp->start, "null", 4) == 0))
+        {
+            continue;
+        }
+
+        if (i == 0 && *sp->start == '[') {
+            for (pos = sp->start + 1;
+                 pos < sp->end && (*pos == ' ' || *pos == '\t'
+                                   || *pos == '\r' || *pos == '\n');
+                 pos++)
+            { /* void */ }
+
+            if (pos < sp->end && *pos == ']') {
+                /* "tools": [] */
+                continue;
+            }
+        }
+
+        if (EVP_DigestUpdate(md, "\0", 1) != 1
+            || EVP_DigestUpdate(md, sp->start, sp->end - sp->start) != 1)
+        {
+            goto failed;
+        }
+
+        len += sp->end - sp->start;
+
+        switch (parts[i]) {
+        case NGX_HTTP_LLAMA_SESSION_SP_TOOLS:
+            ctx->p_tools = *sp;
+            break;
+        case NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE:
+            ctx->p_tool_choice = *sp;
+            break;
+        default:
+            ctx->p_kwargs = *sp;
+        }
+    }
+
+    if (ngx_http_llama_session_digest_end(r, ctx->sys) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ctx->sys_len = len;
+
+    if (head.start == NULL) {
+        return NGX_OK;
+    }
+
+    /* the first message of the conversation: its role and texts */
+
+    md = ngx_http_llama_session_sha256_begin(r);
+    if (md == NULL) {
+        return NGX_ERROR;
+    }
+
+    len = 0;
+
+    if (*head.start == '{'
+        && ngx_http_llama_session_json_object(head.start, head.end, names,
+                                              fields, 2)
+           != NULL)
+    {
+        if (fields[0].start
+            && EVP_DigestUpdate(md, fields[0].start,
+                                fields[0].end - fields[0].start) != 1)
+        {
+            goto failed;
+        }
+
+        if (EVP_DigestUpdate(md, "\0", 1) != 1) {
+            goto failed;
+        }
+
+        budget = NGX_HTTP_LLAMA_SESSION_HEAD;
+
+        if (fields[1].start
+            && ngx_http_llama_session_digest_text(r, &fields[1], &len, 0,
+                                                  &budget)
+               != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+
+    } else if (EVP_DigestUpdate(md, head.start, head.end - head.start) != 1) {
+        goto failed;
+    }
+
+    if (ngx_http_llama_session_digest_end(r, ctx->head) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ctx->has_head = 1;
+
+    return NGX_OK;
+
+failed:
+
+    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                  "llama_session: SHA-256 failed");
+    return NGX_ERROR;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_digest_end(ngx_http_request_t *r, u_char *out)
+{
+    u_char        hash[EVP_MAX_MD_SIZE];
+    unsigned int  len;
+
+    if (EVP_DigestFinal_ex(ngx_http_llama_session_sha256_ctx, hash, &len)
+        != 1)
+    {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: SHA-256 failed");
         return NGX_ERROR;
     }
 
+    ngx_memcpy(out, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
     return NGX_OK;
+}
+
+
+/*
+ * max_tokens (max_completion_tokens, n_predict) of 0 or 1: a model check,
+ * a key check, a token count by the fallback way
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_probe(ngx_http_llama_session_span_t *spans)
+{
+    ngx_uint_t                      i;
+    ngx_http_llama_session_span_t  *sp;
+
+    for (i = NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS;
+         i <= NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT;
+         i++)
+    {
+        sp = &spans[i];
+
+        if (sp->start && sp->end - sp->start == 1
+            && (*sp->start == '0' || *sp->start == '1'))
+        {
+            return 1;
+        }
+    }
+
+    return 0;
 }
 
 
@@ -626,7 +893,8 @@ ngx_http_llama_session_system_digest(ngx_http_request_t *r,
 
 static ngx_int_t
 ngx_http_llama_session_digest_text(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *span, ngx_uint_t *found)
+    ngx_http_llama_session_span_t *span, size_t *found, ngx_uint_t billing,
+    size_t *budget)
 {
     u_char                         *pos;
     ngx_str_t                       name;
@@ -634,7 +902,8 @@ ngx_http_llama_session_digest_text(ngx_http_request_t *r,
 
     if (*span->start == '"') {
         return ngx_http_llama_session_digest_string(r, span->start,
-                                                    span->end, found);
+                                                    span->end, found,
+                                                    billing, budget);
     }
 
     if (*span->start != '[') {
@@ -660,7 +929,7 @@ ngx_http_llama_session_digest_text(ngx_http_request_t *r,
         }
 
         if (ngx_http_llama_session_digest_string(r, text.start, text.end,
-                                                 found)
+                                                 found, billing, budget)
             != NGX_OK)
         {
             return NGX_ERROR;
@@ -671,16 +940,24 @@ ngx_http_llama_session_digest_text(ngx_http_request_t *r,
 }
 
 
-/* one JSON string, decoded, into the digest: "\n" before all but the first */
+/*
+ * One JSON string, decoded, into the digest: "\n" before all but the
+ * first; *found counts the bytes.  In Anthropic's system prompt, the five
+ * characters after "cch=" of a block that starts with
+ * "x-anthropic-billing-header:" become "fffff", as llama-server makes them.
+ */
 
 static ngx_int_t
 ngx_http_llama_session_digest_string(ngx_http_request_t *r, u_char *start,
-    u_char *end, ngx_uint_t *found)
+    u_char *end, size_t *found, ngx_uint_t billing, size_t *budget)
 {
+    u_char      *p, *cch;
     cJSON       *json;
     size_t       len;
     ngx_int_t    rc;
     EVP_MD_CTX  *md;
+
+    static u_char  header[] = "x-anthropic-billing-header:";
 
     json = cJSON_ParseWithLength((const char *) start, end - start);
     if (json == NULL) {
@@ -691,17 +968,45 @@ ngx_http_llama_session_digest_string(ngx_http_request_t *r, u_char *start,
     md = ngx_http_llama_session_sha256_ctx;
 
     if (cJSON_IsString(json) && json->valuestring[0] != '\0') {
-        len = ngx_strlen(json->valuestring);
+        p = (u_char *) json->valuestring;
+        len = ngx_strlen(p);
+
+        if (billing && len > sizeof(header) - 1
+            && ngx_strncmp(p, header, sizeof(header) - 1) == 0)
+        {
+            cch = ngx_strlcasestrn(p + sizeof(header) - 1, p + len,
+                                   (u_char *) "cch=", 4 - 1);
+
+            if (cch && cch + 4 + 5 < p + len && cch[4 + 5] == ';') {
+                ngx_memset(cch + 4, 'f', 5);
+            }
+        }
+
+        if (budget) {
+            /* the start of the first message only */
+
+            if (*budget == 0) {
+                cJSON_Delete(json);
+                return NGX_OK;
+            }
+
+            if (*found) {
+                (*budget)--;
+            }
+
+            len = ngx_min(len, *budget);
+            *budget -= len;
+        }
 
         if ((*found && EVP_DigestUpdate(md, "\n", 1) != 1)
-            || EVP_DigestUpdate(md, json->valuestring, len) != 1)
+            || EVP_DigestUpdate(md, p, len) != 1)
         {
             ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                           "llama_session: SHA-256 failed");
             rc = NGX_ERROR;
         }
 
-        *found = 1;
+        *found += len;
     }
 
     cJSON_Delete(json);
@@ -776,10 +1081,16 @@ ngx_http_llama_session_json_str(ngx_http_request_t *r, cJSON *item,
 
 /*
  * key = up to 32 characters of the id from [A-Za-z0-9_-] (others become
- * "_"), "-", and 24 hex digits of SHA-256(namespace \0 model \0 id): safe
- * as a file name, readable, and different for different tenants, models
- * and ids.  The "default" session's key is "default", or with a
- * namespace "default-" and 24 hex digits of SHA-256 of the namespace.
+ * "_"), "-", and 24 hex digits of SHA-256(namespace \0 model \0 id), with
+ * "\0s" and the system prompt's digest, and "\0h" and the first message's,
+ * when the request has them: safe as a file name, readable, and different
+ * for different tenants, models, ids and conversations under one id.  The
+ * "default" session's key is "default", or with a namespace "default-"
+ * and 24 hex digits of SHA-256 of the namespace.
+ *
+ * A request with a system prompt also gets its base's key: "base-" and 24
+ * hex digits of SHA-256("base" \0 namespace \0 model \0 system digest),
+ * the state that holds the system prompt alone (warm.c).
  */
 
 ngx_int_t
@@ -787,8 +1098,39 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
 {
     u_char      *p, c, hash[EVP_MAX_MD_SIZE];
+    u_char       sys[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char       head[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t       i, n, len;
-    ngx_str_t    parts[5];
+    ngx_str_t    parts[9];
+    ngx_uint_t   nparts;
+
+    sys[0] = '\0';
+    sys[1] = 's';
+    ngx_memcpy(sys + 2, ctx->sys, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    head[0] = '\0';
+    head[1] = 'h';
+    ngx_memcpy(head + 2, ctx->head, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    if (ctx->sys_len) {
+        ngx_str_set(&parts[0], "base");
+        ngx_str_set(&parts[1], "\0");
+        parts[2] = *ns;
+        parts[3] = parts[1];
+        parts[4] = ctx->model;
+        parts[5].data = sys;
+        parts[5].len = sizeof(sys);
+
+        if (ngx_http_llama_session_sha256(r, parts, 6, hash) != NGX_OK) {
+            return NGX_ERROR;
+        }
+
+        ngx_memcpy(ctx->base_id, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+        p = ngx_cpymem(ctx->base_key, "base-", sizeof("base-") - 1);
+        p = ngx_hex_dump(p, hash, NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
+        ctx->base_len = p - ctx->base_key;
+    }
 
     if (ctx->default_session) {
         p = ngx_cpymem(ctx->key, "default", sizeof("default") - 1);
@@ -808,29 +1150,46 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
         return NGX_OK;
     }
 
+    parts[0] = *ns;
+    ngx_str_set(&parts[1], "\0");
+    parts[2] = ctx->model;
+    parts[3] = parts[1];
+    parts[4] = ctx->id;
+    nparts = 5;
+
+    if (ctx->sys_len) {
+        parts[nparts].data = sys;
+        parts[nparts].len = sizeof(sys);
+        nparts++;
+    }
+
+    if (ctx->has_head) {
+        parts[nparts].data = head;
+        parts[nparts].len = sizeof(head);
+        nparts++;
+    }
+
     /*
      * the same session comes again and again: the worker keeps the last
      * key it derived, and its input, to skip SHA-256 then
      */
 
-    len = ns->len + ctx->model.len + ctx->id.len + 2;
+    len = 0;
+
+    for (i = 0; i < nparts; i++) {
+        len += parts[i].len;
+    }
 
     if (len <= sizeof(ngx_http_llama_session_last_in)
         && len == ngx_http_llama_session_last_len
-        && ngx_http_llama_session_last_matches(ns, &ctx->model, &ctx->id))
+        && ngx_http_llama_session_last_matches(parts, nparts))
     {
         ctx->key_len = ngx_http_llama_session_last_key_len;
         ngx_memcpy(ctx->key, ngx_http_llama_session_last_key, ctx->key_len);
         return NGX_OK;
     }
 
-    parts[0] = *ns;
-    ngx_str_set(&parts[1], "\0");
-    parts[2] = ctx->model;
-    parts[3] = parts[1];
-    parts[4] = ctx->id;
-
-    if (ngx_http_llama_session_sha256(r, parts, 5, hash) != NGX_OK) {
+    if (ngx_http_llama_session_sha256(r, parts, nparts, hash) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -853,18 +1212,11 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     if (len <= sizeof(ngx_http_llama_session_last_in)) {
         p = ngx_http_llama_session_last_in;
 
-        if (ns->len) {
-            p = ngx_cpymem(p, ns->data, ns->len);
+        for (i = 0; i < nparts; i++) {
+            if (parts[i].len) {
+                p = ngx_cpymem(p, parts[i].data, parts[i].len);
+            }
         }
-
-        *p++ = '\0';
-
-        if (ctx->model.len) {
-            p = ngx_cpymem(p, ctx->model.data, ctx->model.len);
-        }
-
-        *p++ = '\0';
-        ngx_memcpy(p, ctx->id.data, ctx->id.len);
 
         ngx_http_llama_session_last_len = len;
         ngx_http_llama_session_last_key_len = ctx->key_len;
@@ -952,30 +1304,23 @@ failed:
 
 
 static ngx_uint_t
-ngx_http_llama_session_last_matches(ngx_str_t *ns, ngx_str_t *model,
-    ngx_str_t *id)
+ngx_http_llama_session_last_matches(ngx_str_t *parts, ngx_uint_t n)
 {
-    u_char  *p;
+    u_char      *p;
+    ngx_uint_t   i;
 
     p = ngx_http_llama_session_last_in;
 
-    if ((ns->len && ngx_memcmp(p, ns->data, ns->len) != 0)
-        || p[ns->len] != '\0')
-    {
-        return 0;
+    for (i = 0; i < n; i++) {
+        if (parts[i].len && ngx_memcmp(p, parts[i].data, parts[i].len) != 0)
+        {
+            return 0;
+        }
+
+        p += parts[i].len;
     }
 
-    p += ns->len + 1;
-
-    if ((model->len && ngx_memcmp(p, model->data, model->len) != 0)
-        || p[model->len] != '\0')
-    {
-        return 0;
-    }
-
-    p += model->len + 1;
-
-    return ngx_memcmp(p, id->data, id->len) == 0;
+    return 1;
 }
 
 

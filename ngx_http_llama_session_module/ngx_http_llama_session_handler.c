@@ -34,8 +34,6 @@ static ngx_int_t ngx_http_llama_session_start(ngx_http_request_t *r,
 static void ngx_http_llama_session_body_handler(ngx_http_request_t *r);
 static ngx_int_t ngx_http_llama_session_wait(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static ngx_uint_t ngx_http_llama_session_has_file(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_props(ngx_http_request_t *r,
@@ -50,13 +48,9 @@ static ngx_int_t ngx_http_llama_session_load(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_loaded(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 static void ngx_http_llama_session_wake(ngx_event_t *ev);
-static ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, const char *what);
 static ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
     char *message, time_t retry_after);
@@ -72,7 +66,8 @@ static ngx_str_t  ngx_http_llama_session_call_names[] = {
     ngx_string("restore"),
     ngx_string("erase"),
     ngx_string("GET /props"),
-    ngx_string("GET /v1/models")
+    ngx_string("GET /v1/models"),
+    ngx_string("prime")
 };
 
 
@@ -156,6 +151,13 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         }
 
         return ngx_http_llama_session_loaded(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_WARM:
+        if (!ctx->call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_warm_done(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
         return NGX_DECLINED;
@@ -521,16 +523,16 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
  * file only costs a 400 and leaves the slot empty, as an erase would).
  */
 
-static ngx_uint_t
+ngx_uint_t
 ngx_http_llama_session_has_file(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
     u_char           *path;
     ngx_int_t         rc;
     ngx_str_t        *store;
     ngx_file_info_t   fi;
 
-    rc = ngx_http_llama_session_file_known(ctx, ctx->key, ctx->key_len);
+    rc = ngx_http_llama_session_file_known(ctx, key, len);
 
     if (rc != -1) {
         return rc;
@@ -542,14 +544,14 @@ ngx_http_llama_session_has_file(ngx_http_request_t *r,
         return 1;
     }
 
-    path = ngx_pnalloc(r->pool, store->len + ctx->key_len
+    path = ngx_pnalloc(r->pool, store->len + len
                                 + NGX_HTTP_LLAMA_SESSION_FP_LEN
                                 + sizeof("/..bin"));
     if (path == NULL) {
         return 1;
     }
 
-    ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, ctx->key_len, ctx->key,
+    ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, len, key,
                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
 
     /* a regular file: a link is never restored (nor committed) */
@@ -621,8 +623,10 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     if (!ctx->default_session) {
-        ngx_http_llama_session_remember(ctx);
-        ctx->load_file = ngx_http_llama_session_has_file(r, ctx);
+        ngx_http_llama_session_remember(ctx, ctx->key, ctx->key_len,
+                                        &ctx->id);
+        ctx->load_file = ngx_http_llama_session_has_file(r, ctx, ctx->key,
+                                                         ctx->key_len);
     }
 
     if (ctx->restarted) {
@@ -631,9 +635,8 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     }
 
     if (!ctx->save_pending && !ctx->load_file && ctx->slot_tokens == 0) {
-        /* a known empty slot and nothing to bring in */
-        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
-        return ngx_http_llama_session_proxy(r, ctx);
+        /* a known empty slot and nothing of its own to bring in */
+        return ngx_http_llama_session_load(r, ctx);
     }
 
     /*
@@ -791,7 +794,8 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
-    if (ngx_http_llama_session_save_done(r->connection->log, ctx, "swap")
+    if (ngx_http_llama_session_save_done(r->connection->log, ctx, "swap",
+                                            ctx->out_key, ctx->out_len)
         != NGX_OK)
     {
         /* the session's previous file, if any, stays as it was */
@@ -811,25 +815,27 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
 
 void
 ngx_http_llama_session_saved_ok(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes)
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t tokens, off_t bytes)
 {
     u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t  n;
 
-    ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 1,
-                                      tokens, bytes);
+    ngx_http_llama_session_file_saved(ctx, key, len, 1, tokens, bytes);
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
 
     if (ctx->zone->store.len) {
-        n = ngx_http_llama_session_file_name(name, ctx->out_key, ctx->out_len,
-                                             ctx->fp);
+        n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
         (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n);
     }
 
-    ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, ctx->out_key,
-                                      ctx->out_len);
+    ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, key, len);
 
-    if (ctx->key_len) {
+    if (key != ctx->out_key) {
+        /* a base: it goes before the session that starts from it */
+        ngx_http_llama_session_evict(log, ctx->zone, key, len);
+
+    } else if (ctx->key_len) {
         ngx_http_llama_session_evict(log, ctx->zone, ctx->key, ctx->key_len);
 
     } else {
@@ -843,12 +849,20 @@ static ngx_int_t
 ngx_http_llama_session_load(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_int_t  rc;
+
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_LOAD;
 
     if (ctx->load_file) {
         return ngx_http_llama_session_call(r, ctx,
                                           NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
                                           ctx->key, ctx->key_len);
+    }
+
+    rc = ngx_http_llama_session_warm(r, ctx);
+
+    if (rc != NGX_DECLINED) {
+        return rc;
     }
 
     if (ctx->slot_tokens == 0) {
@@ -953,7 +967,7 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
 
 /* the slot is ready: record it and let proxy_pass carry the request */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
@@ -982,6 +996,9 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_FRESH) {
         ngx_http_llama_session_stat(ctx, &sh->stats.fresh);
+
+    } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_WARM) {
+        ngx_http_llama_session_stat(ctx, &sh->stats.warm);
     }
 
     p = out;
@@ -1010,13 +1027,34 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     p = in;
     last = in + sizeof(in);
 
+    p = ngx_slprintf(p, last, "\"%*s\" ", ctx->key_len, ctx->key);
+
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE) {
-        p = ngx_slprintf(p, last, "\"%*s\" restored %ui tokens, %O bytes in "
-                         "%.1f ms", ctx->key_len, ctx->key,
+        p = ngx_slprintf(p, last, "restored %ui tokens, %O bytes in %.1f ms",
                          ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms);
 
+    } else if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_WARM) {
+        p = ngx_slprintf(p, last, "fresh");
+
+    } else if (ctx->trimmed) {
+        p = ngx_slprintf(p, last, "warm from the slot's system prompt "
+                         "(base \"%*s\"), 0 bytes read",
+                         ctx->base_len, ctx->base_key);
+
+    } else if (ctx->history) {
+        p = ngx_slprintf(p, last, "warm from the slot, its history kept "
+                         "(llama_session_warm history)");
+
     } else {
-        p = ngx_slprintf(p, last, "\"%*s\" fresh", ctx->key_len, ctx->key);
+        p = ngx_slprintf(p, last, "warm from base \"%*s\", %ui tokens, %O "
+                         "bytes read in %.1f ms", ctx->base_len, ctx->base_key,
+                         ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms);
+    }
+
+    if (ctx->base_built) {
+        p = ngx_slprintf(p, last, ", base \"%*s\" saved: %ui tokens, %O "
+                         "bytes in %.1f ms", ctx->base_len, ctx->base_key,
+                         ctx->base_tokens, ctx->base_bytes, ctx->base_ms);
     }
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
@@ -1089,7 +1127,7 @@ ngx_http_llama_session_wake_local(void)
 
 /* the backend could not be reached or refused a slot call: 502 */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, const char *what)
 {

@@ -562,7 +562,8 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
 
     /* the save, with the checks and the commit of every other save */
 
-    if (ngx_http_llama_session_save_done(job->log, ctx, "idle save")
+    if (ngx_http_llama_session_save_done(job->log, ctx, "idle save",
+                                            ctx->out_key, ctx->out_len)
         == NGX_OK)
     {
         job->failed = 0;

@@ -29,6 +29,8 @@ static char *ngx_http_llama_session_endpoints(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
 static ngx_int_t ngx_http_llama_session_old_zone(ngx_conf_t *cf,
     ngx_str_t *name, size_t size, ngx_str_t *store);
+static char *ngx_http_llama_session_warm_conf(ngx_conf_t *cf,
+    ngx_command_t *cmd, void *conf);
 
 
 static ngx_conf_enum_t  ngx_http_llama_session_fallbacks[] = {
@@ -110,6 +112,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       offsetof(ngx_http_llama_session_loc_conf_t, endpoints),
       NULL },
 
+    { ngx_string("llama_session_warm"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE12,
+      ngx_http_llama_session_warm_conf,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
     { ngx_string("llama_session_body_max"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_size_slot,
@@ -158,6 +167,7 @@ static ngx_str_t  ngx_http_llama_session_default_headers[] = {
     ngx_string("session-id"),
     ngx_string("conversation-id"),
     ngx_string("x-openwebui-chat-id"),
+    ngx_string("x-claude-code-session-id"),
     ngx_null_string
 };
 
@@ -240,6 +250,8 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->wait_timeout = NGX_CONF_UNSET_MSEC;
     conf->body_max = NGX_CONF_UNSET_SIZE;
+    conf->warm = NGX_CONF_UNSET_UINT;
+    conf->warm_min = NGX_CONF_UNSET_SIZE;
 
     return conf;
 }
@@ -334,6 +346,9 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
     ngx_conf_merge_msec_value(conf->wait_timeout, prev->wait_timeout, 60000);
     ngx_conf_merge_size_value(conf->body_max, prev->body_max,
                               16 * 1024 * 1024);
+    ngx_conf_merge_uint_value(conf->warm, prev->warm,
+                              NGX_HTTP_LLAMA_SESSION_WARM_SYSTEM);
+    ngx_conf_merge_size_value(conf->warm_min, prev->warm_min, 1024);
 
     return NGX_CONF_OK;
 }
@@ -1021,4 +1036,67 @@ static void
 ngx_http_llama_session_exit_process(ngx_cycle_t *cycle)
 {
     ngx_http_llama_session_sha256_free();
+}
+
+
+/* llama_session_warm off | system | history [min=size]; */
+
+static char *
+ngx_http_llama_session_warm_conf(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf)
+{
+    ngx_http_llama_session_loc_conf_t *llcf = conf;
+
+    ssize_t     size;
+    ngx_str_t  *value, s;
+
+    if (llcf->warm != NGX_CONF_UNSET_UINT) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (ngx_strcmp(value[1].data, "off") == 0) {
+        llcf->warm = NGX_HTTP_LLAMA_SESSION_WARM_OFF;
+
+    } else if (ngx_strcmp(value[1].data, "system") == 0) {
+        llcf->warm = NGX_HTTP_LLAMA_SESSION_WARM_SYSTEM;
+
+    } else if (ngx_strcmp(value[1].data, "history") == 0) {
+        llcf->warm = NGX_HTTP_LLAMA_SESSION_WARM_HISTORY;
+
+    } else {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid value \"%V\" in \"%V\": use \"off\", "
+                           "\"system\" or \"history\"",
+                           &value[1], &cmd->name);
+        return NGX_CONF_ERROR;
+    }
+
+    if (cf->args->nelts == 2) {
+        return NGX_CONF_OK;
+    }
+
+    if (ngx_strncmp(value[2].data, "min=", 4) != 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid parameter \"%V\" in \"%V\": only "
+                           "\"min=size\" is known", &value[2], &cmd->name);
+        return NGX_CONF_ERROR;
+    }
+
+    s.data = value[2].data + 4;
+    s.len = value[2].len - 4;
+
+    size = ngx_parse_size(&s);
+
+    if (size == NGX_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid size \"%V\" in \"%V\" min=",
+                           &s, &cmd->name);
+        return NGX_CONF_ERROR;
+    }
+
+    llcf->warm_min = size;
+
+    return NGX_CONF_OK;
 }

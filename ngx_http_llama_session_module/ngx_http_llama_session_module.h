@@ -14,7 +14,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     3
+#define NGX_HTTP_LLAMA_SESSION_VERSION     4
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -40,6 +40,13 @@
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
 
+/* what a session without a file of its own starts from */
+#define NGX_HTTP_LLAMA_SESSION_WARM_OFF         0
+#define NGX_HTTP_LLAMA_SESSION_WARM_SYSTEM      1
+#define NGX_HTTP_LLAMA_SESSION_WARM_HISTORY     2
+
+#define NGX_HTTP_LLAMA_SESSION_DIGEST           8     /* bytes kept */
+
 
 /* what the request did to the slot, for $llama_session_action */
 
@@ -48,7 +55,8 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ACTION_HIT,
     NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE,
     NGX_HTTP_LLAMA_SESSION_ACTION_FRESH,
-    NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS
+    NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS,
+    NGX_HTTP_LLAMA_SESSION_ACTION_WARM
 } ngx_http_llama_session_action_e;
 
 
@@ -70,6 +78,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_CHECK,
     NGX_HTTP_LLAMA_SESSION_ST_SAVE,
     NGX_HTTP_LLAMA_SESSION_ST_LOAD,
+    NGX_HTTP_LLAMA_SESSION_ST_WARM,
     NGX_HTTP_LLAMA_SESSION_ST_PROXY,
     NGX_HTTP_LLAMA_SESSION_ST_DONE
 } ngx_http_llama_session_state_e;
@@ -84,8 +93,21 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
     NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
     NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
-    NGX_HTTP_LLAMA_SESSION_CALL_MODELS
+    NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
+    NGX_HTTP_LLAMA_SESSION_CALL_PRIME
 } ngx_http_llama_session_call_e;
+
+
+/* the steps of a warm start, see warm.c */
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_WARM_NONE = 0,
+    NGX_HTTP_LLAMA_SESSION_WARM_RESTORE,        /* the base's file */
+    NGX_HTTP_LLAMA_SESSION_WARM_ERASE,          /* before a prime */
+    NGX_HTTP_LLAMA_SESSION_WARM_PRIME,          /* the system prompt alone */
+    NGX_HTTP_LLAMA_SESSION_WARM_SAVE,           /* that, as the base */
+    NGX_HTTP_LLAMA_SESSION_WARM_CLEAN           /* erase after a failure */
+} ngx_http_llama_session_warm_e;
 
 
 /* shared memory */
@@ -113,6 +135,8 @@ typedef struct {
     ngx_msec_t                      last_used;
     time_t                          used_at;
     ngx_int_t                       task;       /* last id_task seen, -1 */
+    u_char                          has_base;   /* base[] is its prefix's */
+    u_char                          base[NGX_HTTP_LLAMA_SESSION_DIGEST];
 } ngx_http_llama_session_slot_t;
 
 
@@ -166,6 +190,9 @@ typedef struct {
     ngx_atomic_uint_t               queue_full;
     ngx_atomic_uint_t               forgotten;  /* records recycled */
     ngx_atomic_uint_t               refused;
+    ngx_atomic_uint_t               warm;       /* started from a base */
+    ngx_atomic_uint_t               bases;      /* bases saved */
+    ngx_atomic_uint_t               probes;     /* run as "default" */
 } ngx_http_llama_session_stats_t;
 
 
@@ -239,6 +266,8 @@ typedef struct {
     ngx_http_complex_value_t       *namespace;
     ngx_msec_t                      wait_timeout;
     size_t                          body_max;
+    ngx_uint_t                      warm;
+    size_t                          warm_min;   /* system prompt, bytes */
     ngx_flag_t                      enable;
 } ngx_http_llama_session_loc_conf_t;
 
@@ -267,6 +296,30 @@ struct ngx_http_llama_session_ctx_s {
 
     /* the backend's configuration: part of every file name */
     u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+
+    /*
+     * the request's prefix: its system prompt (and tools), and the first
+     * message after it; the spans of the body a prime is made of
+     */
+    u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          head[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    size_t                          sys_len;    /* 0: none */
+    u_char                          base_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    size_t                          base_len;   /* 0: no base */
+    u_char                          base_id[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    ngx_http_llama_session_span_t   p_model;
+    ngx_http_llama_session_span_t   p_system;   /* Anthropic's */
+    ngx_http_llama_session_span_t   p_leading;  /* system messages */
+    ngx_http_llama_session_span_t   p_tools;
+    ngx_http_llama_session_span_t   p_tool_choice;
+    ngx_http_llama_session_span_t   p_kwargs;   /* chat_template_kwargs */
+    ngx_uint_t                      warm_step;
+    ngx_uint_t                      base_tokens;
+    off_t                           base_bytes;
+    double                          base_ms;
+
+    /* what the slot held when the request took it */
+    u_char                          slot_base[NGX_HTTP_LLAMA_SESSION_DIGEST];
 
     /* the session that leaves the slot on a swap */
     u_char                          out_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
@@ -340,6 +393,14 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        restarted:1;
     unsigned                        slots_checked:1; /* GET /slots vouched */
     unsigned                        quarantine:1;
+    unsigned                        has_head:1;
+    unsigned                        probe:1;
+    unsigned                        anthropic:1; /* /v1/messages */
+    unsigned                        slot_has_base:1;
+    unsigned                        trimmed:1;
+    unsigned                        history:1;
+    unsigned                        base_built:1;
+    unsigned                        base_file:1;
 
     void                           *api;        /* the management API's */
 };
@@ -356,7 +417,22 @@ void ngx_http_llama_session_wake_local(void);
 ngx_int_t ngx_http_llama_session_send_json(ngx_http_request_t *r,
     ngx_uint_t status, ngx_buf_t *b);
 void ngx_http_llama_session_saved_ok(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes);
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t tokens, off_t bytes);
+ngx_uint_t ngx_http_llama_session_has_file(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, const char *what);
+
+/* warm.c: what a session without a file of its own starts from */
+ngx_int_t ngx_http_llama_session_warm(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_warm_done(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
 
 /* module.c */
 ngx_http_llama_session_zone_t *ngx_http_llama_session_find_zone(
@@ -409,7 +485,8 @@ ngx_int_t ngx_http_llama_session_file_known(
 void ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
     u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens,
     off_t bytes);
-void ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx,
+    u_char *key, size_t len, ngx_str_t *id);
 ngx_uint_t ngx_http_llama_session_fingerprint(
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_set_fingerprint(
@@ -450,7 +527,8 @@ ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
 ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
 ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, const char *what);
+    ngx_http_llama_session_ctx_t *ctx, const char *what, u_char *key,
+    size_t len);
 ngx_uint_t ngx_http_llama_session_may_save(
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_drop_old(ngx_log_t *log,

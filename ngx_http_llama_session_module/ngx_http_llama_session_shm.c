@@ -420,6 +420,7 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
     slot->key_len = 0;
     slot->dirty = 0;
     slot->saveable = 0;
+    slot->has_base = 0;
 }
 
 
@@ -445,6 +446,10 @@ ngx_http_llama_session_take_locked(ngx_http_llama_session_ctx_t *ctx,
     ctx->out_len = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
                    ? slot->key_len : 0;
     ngx_memcpy(ctx->out_key, slot->key, ctx->out_len);
+
+    ctx->slot_has_base = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                          && slot->has_base);
+    ngx_memcpy(ctx->slot_base, slot->base, NGX_HTTP_LLAMA_SESSION_DIGEST);
 }
 
 
@@ -627,10 +632,15 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
         slot->saveable = !ctx->default_session;
         slot->dirty = (u_char) dirty;
 
+        /* the slot's content starts with this base's system prompt */
+        slot->has_base = (ctx->base_len != 0);
+        ngx_memcpy(slot->base, ctx->base_id, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
     } else {
         slot->key_len = 0;
         slot->saveable = 0;
         slot->dirty = 0;
+        slot->has_base = 0;
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -677,6 +687,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
         slot->key_len = 0;
         slot->dirty = 0;
         slot->saveable = 0;
+        slot->has_base = 0;
     }
 
     slot->last_used = ngx_current_msec;
@@ -772,10 +783,14 @@ ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
-/* records the request's session, with its id and model for the API */
+/*
+ * records a session (the request's, or its base: id "base"), with its id
+ * and model for the API; a record in use goes to the front of its queue
+ */
 
 void
-ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx)
+ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx,
+    u_char *key, size_t len, ngx_str_t *id)
 {
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t                          n;
@@ -784,17 +799,16 @@ ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx)
 
     zone = ctx->zone;
 
-    n = ngx_http_llama_session_file_name(name, ctx->key, ctx->key_len,
-                                         ctx->fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     node = ngx_http_llama_session_node(zone, name, n);
 
     if (node) {
-        node->id_len = (u_char) ngx_min(ctx->id.len,
+        node->id_len = (u_char) ngx_min(id->len,
                                         NGX_HTTP_LLAMA_SESSION_ID_SHOW);
-        ngx_memcpy(node->id, ctx->id.data, node->id_len);
+        ngx_memcpy(node->id, id->data, node->id_len);
 
         node->model_len = (u_char) ngx_min(ctx->model.len,
                                            NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);

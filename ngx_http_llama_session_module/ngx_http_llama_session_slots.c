@@ -38,6 +38,7 @@ static ngx_str_t  ngx_http_llama_session_actions[] = {
     ngx_string("action=restore"),
     ngx_string("action=erase"),
     ngx_null_string,
+    ngx_null_string,
     ngx_null_string
 };
 
@@ -76,7 +77,8 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    uri.len = llcf->slots_uri.len + sizeof("/slots/") - 1 + NGX_INT_T_LEN;
+    uri.len = llcf->slots_uri.len + sizeof("/v1/chat/completions") - 1
+              + NGX_INT_T_LEN;
     uri.data = ngx_pnalloc(r->pool, uri.len);
     if (uri.data == NULL) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -90,6 +92,11 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS) {
         p = ngx_sprintf(uri.data, "%V/v1/models", &llcf->slots_uri);
+
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
+        p = ngx_sprintf(uri.data, ctx->anthropic ? "%V/v1/messages"
+                                  : "%V/v1/chat/completions",
+                        &llcf->slots_uri);
 
     } else {
         p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
@@ -171,6 +178,11 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
         if (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE) {
             b->last = ngx_cpymem(b->last, "{}", 2);
+
+        } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
+            if (ngx_http_llama_session_prime_body(r, ctx, &b) != NGX_OK) {
+                return NGX_HTTP_INTERNAL_SERVER_ERROR;
+            }
 
         } else {
             /* the key has only [A-Za-z0-9_-] in it */
@@ -588,7 +600,8 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
 
 ngx_int_t
 ngx_http_llama_session_save_done(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, const char *what)
+    ngx_http_llama_session_ctx_t *ctx, const char *what, u_char *key,
+    size_t len)
 {
     off_t       bytes;
     double      ms;
@@ -606,18 +619,25 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
             ngx_log_error(NGX_LOG_ERR, log, 0,
                           "llama_session: %s: llama-server saved no tokens "
                           "of session \"%*s\" from slot %ui, nothing is "
-                          "kept of it", what, ctx->out_len, ctx->out_key,
-                          ctx->slot);
+                          "kept of it", what, len, key, ctx->slot);
 
-        } else if (ngx_http_llama_session_store_commit(log, ctx, ctx->out_key,
-                                                       ctx->out_len, bytes)
+        } else if (ngx_http_llama_session_store_commit(log, ctx, key, len,
+                                                       bytes)
                    == NGX_OK)
         {
-            ctx->saved_tokens = tokens;
-            ctx->saved_bytes = bytes;
-            ctx->save_ms = ms;
+            if (key == ctx->out_key) {
+                ctx->saved_tokens = tokens;
+                ctx->saved_bytes = bytes;
+                ctx->save_ms = ms;
 
-            ngx_http_llama_session_saved_ok(log, ctx, tokens, bytes);
+            } else {
+                ctx->base_tokens = tokens;
+                ctx->base_bytes = bytes;
+                ctx->base_ms = ms;
+            }
+
+            ngx_http_llama_session_saved_ok(log, ctx, key, len, tokens,
+                                            bytes);
 
             return NGX_OK;
         }
@@ -625,12 +645,10 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
 
     if (ctx->zone->store.len == 0 && ctx->call_status == NGX_HTTP_OK) {
         /* llama-server wrote over the file itself: it cannot be trusted */
-        ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len, 0,
-                                          0, 0);
+        ngx_http_llama_session_file_saved(ctx, key, len, 0, 0, 0);
     }
 
-    ngx_http_llama_session_store_drop_tmp(log, ctx, ctx->out_key,
-                                          ctx->out_len);
+    ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
 
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
 
@@ -638,7 +656,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
                   "llama_session: %s: saving session \"%*s\" from slot %ui "
                   "failed (%i: \"%*s\"), its previous file is kept and its "
                   "latest turns are lost", what,
-                  ctx->out_len, ctx->out_key, ctx->slot, ctx->call_status,
+                  len, key, ctx->slot, ctx->call_status,
                   ctx->call_reply
                   ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos, 200)
                   : 0,
@@ -731,7 +749,7 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    if (aside && ctx->request && !ctx->api) {
+    if (aside && ctx->request && !ctx->api && ctx->old_len == 0) {
         /* deleting a large file takes its time: after the request */
         ngx_memcpy(ctx->old_name, name, n);
         ctx->old_len = n;

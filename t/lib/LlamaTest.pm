@@ -22,6 +22,7 @@ use File::Path qw(make_path remove_tree);
 use File::Temp qw(tempdir);
 use HTTP::Tiny;
 use IO::Socket::INET;
+use Encode ();
 use JSON::PP;
 use POSIX qw(:sys_wait_h);
 use Test::More;
@@ -230,6 +231,63 @@ sub fake_fp {
         $text .= "\0$k=$meta->{$k}" if defined $meta->{$k};
     }
     return substr(Digest::SHA::sha256_hex($text), 0, 8);
+}
+
+# the session key the module derives (body.c): the id through a strict
+# charset, then SHA-256 of namespace, model, id and the request's prefix:
+# its system prompt (with tools) and the first 256 bytes of the first
+# message after it.  %o: ns, model, body (the request, as sent)
+sub session_key {
+    my ($id, %o) = @_;
+    require Digest::SHA;
+    my $body = $o{body} // {};
+    my ($sys, $n, $head) = ('', 0);
+    my $text = sub {
+        my ($c, $billing) = @_;
+        my @t = !ref $c ? ($c)
+              : ref $c eq 'ARRAY' ? map { !ref $_ ? $_ : ref $_ eq 'HASH'
+                                          && defined $_->{text}
+                                          && !ref $_->{text}
+                                          ? $_->{text} : () } @$c
+              : ();
+        @t = grep { defined && length } @t;
+        if ($billing) {
+            s/^(x-anthropic-billing-header:.*?cch=)[^;]{5};/${1}fffff;/s
+                for @t;
+        }
+        return @t;
+    };
+    my @s = defined $body->{system} ? $text->($body->{system}, 1) : ();
+    my $i = 0;
+    my $msgs = ref $body->{messages} eq 'ARRAY' ? $body->{messages} : [];
+    for (; $i < @$msgs; $i++) {
+        my $m = $msgs->[$i];
+        last unless ref $m eq 'HASH' && defined $m->{role}
+                    && ($m->{role} eq 'system' || $m->{role} eq 'developer');
+        push @s, $text->($m->{content}) if defined $m->{content};
+    }
+    $sys = join "\n", map { Encode::encode('UTF-8', $_) } @s;
+    my $sys_len = length $sys;
+    for my $k (qw(tools tool_choice chat_template_kwargs)) {
+        my $v = $body->{$k};
+        next unless defined $v;
+        next if $k eq 'tools' && ref $v eq 'ARRAY' && !@$v;
+        my $raw = $JSON->encode($v);
+        $sys .= "\0$raw";
+        $sys_len += length $raw;
+    }
+    my $in = ($o{ns} // '') . "\0" . ($o{model} // '') . "\0$id";
+    $in .= "\0s" . substr(Digest::SHA::sha256($sys), 0, 8) if $sys_len;
+    if ($i < @$msgs) {
+        my $m = $msgs->[$i];
+        my $h = $JSON->encode($m->{role}) . "\0";
+        my $t = join "\n", map { Encode::encode('UTF-8', $_) }
+                               $text->($m->{content});
+        $h .= substr($t, 0, 256);
+        $in .= "\0h" . substr(Digest::SHA::sha256($h), 0, 8);
+    }
+    (my $safe = substr($id, 0, 32)) =~ s/[^A-Za-z0-9_-]/_/g;
+    return "$safe-" . substr(Digest::SHA::sha256_hex($in), 0, 24);
 }
 
 sub stop_proc {

@@ -1,0 +1,491 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * Warm starts: what a session without a file of its own starts from.
+ *
+ * Conversations that share a system prompt (and tools) share the start of
+ * their KV cache, and llama-server reuses the exact common token prefix of
+ * the slot's content and a new prompt.  So a new session starts, best
+ * first, from:
+ *
+ *   1. the slot's content, when it belongs to a session of the same
+ *      namespace, model and system prompt: cut back to the system prompt
+ *      by a "prime", a completion of the system prompt alone with one
+ *      token to generate (llama-server keeps the common prefix and drops
+ *      the rest); nothing is read from disk;
+ *   2. the base: the saved state of that system prompt alone, restored;
+ *   3. else an empty slot, where the prime computes the system prompt and
+ *      the state is saved as the base for the sessions to come.
+ *
+ * The base holds the system prompt alone, never another session's
+ * messages: llama-server reports how many prompt tokens it reused, and a
+ * session that started from another's whole history could probe it token
+ * by token.  "llama_session_warm history" lets sessions of one namespace
+ * start from the slot as it is (step 1 without the cut), for operators
+ * whose users share everything anyway.
+ *
+ * Bases are keyed by (namespace, model, system prompt digest): tenants
+ * never start from each other's state.  The request's own session then
+ * saves under its own name, the base is never written by it.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+#include <cjson/cJSON.h>
+
+
+static ngx_int_t ngx_http_llama_session_warm_call(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t step);
+static ngx_int_t ngx_http_llama_session_warm_go(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action);
+static ngx_uint_t ngx_http_llama_session_prime_tokens(ngx_log_t *log,
+    ngx_buf_t *b);
+
+
+static ngx_str_t  ngx_http_llama_session_base_id = ngx_string("base");
+
+
+/*
+ * NGX_DECLINED: no warm start for this request (off, no system prompt or
+ * a short one, an endpoint without a prime); else the first call is made.
+ */
+
+ngx_int_t
+ngx_http_llama_session_warm(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_str_t                           uri;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    if (llcf->warm == NGX_HTTP_LLAMA_SESSION_WARM_OFF
+        || ctx->base_len == 0
+        || ctx->sys_len < llcf->warm_min)
+    {
+        return NGX_DECLINED;
+    }
+
+    /* the endpoints a prime can be made for */
+
+    uri = r->uri;
+
+    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
+        uri.len--;
+    }
+
+    if (uri.len >= sizeof("/messages") - 1
+        && ngx_strncmp(uri.data + uri.len - (sizeof("/messages") - 1),
+                       "/messages", sizeof("/messages") - 1) == 0)
+    {
+        if (ctx->p_system.start == NULL) {
+            return NGX_DECLINED;
+        }
+
+        ctx->anthropic = 1;
+
+    } else if (uri.len < sizeof("/chat/completions") - 1
+               || ngx_strncmp(uri.data + uri.len
+                              - (sizeof("/chat/completions") - 1),
+                              "/chat/completions",
+                              sizeof("/chat/completions") - 1) != 0
+               || (ctx->p_leading.start == NULL && ctx->p_tools.start == NULL))
+    {
+        return NGX_DECLINED;
+    }
+
+    /* 1. the slot holds a session of the same base */
+
+    if (ctx->slot_has_base && !ctx->restarted
+        && ctx->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        && ctx->slot_tokens != 0
+        && ngx_memcmp(ctx->slot_base, ctx->base_id,
+                      NGX_HTTP_LLAMA_SESSION_DIGEST) == 0)
+    {
+        if (llcf->warm == NGX_HTTP_LLAMA_SESSION_WARM_HISTORY) {
+            ctx->history = 1;
+            return ngx_http_llama_session_warm_go(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_ACTION_WARM);
+        }
+
+        ctx->trimmed = 1;
+        ctx->base_file = (ngx_http_llama_session_has_file(r, ctx,
+                                                          ctx->base_key,
+                                                          ctx->base_len)
+                          == 1);
+
+        return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
+    }
+
+    /* 2. the base's file */
+
+    ctx->base_file = (ngx_http_llama_session_has_file(r, ctx, ctx->base_key,
+                                                      ctx->base_len)
+                      == 1);
+
+    if (ctx->base_file) {
+        return ngx_http_llama_session_warm_call(r, ctx,
+                                          NGX_HTTP_LLAMA_SESSION_WARM_RESTORE);
+    }
+
+    /* 3. an empty slot, then the base is made */
+
+    if (ctx->slot_tokens != 0) {
+        return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_ERASE);
+    }
+
+    return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_warm_call(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t step)
+{
+    ngx_uint_t  call;
+
+    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_WARM;
+    ctx->warm_step = step;
+
+    switch (step) {
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_RESTORE:
+        call = NGX_HTTP_LLAMA_SESSION_CALL_RESTORE;
+        break;
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_PRIME:
+        call = NGX_HTTP_LLAMA_SESSION_CALL_PRIME;
+        break;
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_SAVE:
+        call = NGX_HTTP_LLAMA_SESSION_CALL_SAVE;
+        break;
+
+    default: /* ERASE, CLEAN */
+        call = NGX_HTTP_LLAMA_SESSION_CALL_ERASE;
+    }
+
+    return ngx_http_llama_session_call(r, ctx, call, ctx->base_key,
+                                       ctx->base_len);
+}
+
+
+/* a call of the warm start is over: the next step, or the proxy */
+
+ngx_int_t
+ngx_http_llama_session_warm_done(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    off_t       bytes;
+    double      ms;
+    ngx_int_t   status;
+    ngx_uint_t  tokens, step;
+
+    static char  *names[] = { "", "restore of the base", "erase",
+                              "prime", "save of the base", "erase" };
+
+    status = ctx->call_status;
+    step = ctx->warm_step;
+
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    if (status == 0 || status == NGX_HTTP_UNAUTHORIZED
+        || status == NGX_HTTP_FORBIDDEN
+        || status == NGX_HTTP_BAD_GATEWAY
+        || status == NGX_HTTP_SERVICE_UNAVAILABLE
+        || status == NGX_HTTP_GATEWAY_TIME_OUT)
+    {
+        if (step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
+            ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
+                                                  ctx->base_key,
+                                                  ctx->base_len);
+        }
+
+        return ngx_http_llama_session_backend_error(r, ctx, names[step]);
+    }
+
+    switch (step) {
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_RESTORE:
+
+        tokens = 0;
+        bytes = 0;
+        ms = 0;
+
+        if (status == NGX_HTTP_OK
+            && ngx_http_llama_session_parse_action(r->connection->log, ctx,
+                                                   &tokens, &bytes, &ms)
+               == NGX_OK)
+        {
+            ctx->loaded_tokens = tokens;
+            ctx->loaded_bytes = bytes;
+            ctx->load_ms = ms;
+
+            /* in use: the base goes to the front of the queue */
+            ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
+                                            &ngx_http_llama_session_base_id);
+
+            return ngx_http_llama_session_warm_go(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_ACTION_WARM);
+        }
+
+        /* a failed restore leaves the slot empty: the base is made anew */
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: restoring base \"%*s\" into slot %ui "
+                      "failed (%i), it is made anew",
+                      ctx->base_len, ctx->base_key, ctx->slot, status);
+
+        ngx_http_llama_session_file_saved(ctx, ctx->base_key, ctx->base_len,
+                                          0, 0, 0);
+        ngx_http_llama_session_stat(ctx,
+                                    &ctx->zone->sh->stats.restore_errors);
+
+        ctx->base_file = 0;
+        ctx->slot_tokens = 0;
+
+        return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_ERASE:
+
+        if (status != NGX_HTTP_OK) {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: erasing slot %ui failed (%i), the "
+                          "request goes on", ctx->slot, status);
+
+            return ngx_http_llama_session_warm_go(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+        }
+
+        ctx->slot_tokens = 0;
+
+        return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_PRIME:
+
+        if (status != NGX_HTTP_OK) {
+            /*
+             * the template may refuse a system prompt alone: the slot
+             * must not keep another session's history for this one
+             */
+
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: llama-server refused the system "
+                          "prompt alone for base \"%*s\" (%i: \"%*s\"), the "
+                          "session starts fresh",
+                          ctx->base_len, ctx->base_key, status,
+                          ctx->call_reply
+                          ? ngx_min(ctx->call_reply->last
+                                    - ctx->call_reply->pos, 200)
+                          : 0,
+                          ctx->call_reply ? ctx->call_reply->pos
+                                          : (u_char *) "");
+
+            ctx->trimmed = 0;
+
+            if (ctx->slot_tokens == 0) {
+                return ngx_http_llama_session_warm_go(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+            }
+
+            return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_CLEAN);
+        }
+
+        ctx->base_tokens = ngx_http_llama_session_prime_tokens(
+                                         r->connection->log, ctx->call_reply);
+
+        if (!ctx->base_file) {
+            return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_SAVE);
+        }
+
+        return ngx_http_llama_session_warm_go(r, ctx,
+                                   ctx->trimmed
+                                   ? NGX_HTTP_LLAMA_SESSION_ACTION_WARM
+                                   : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+
+    case NGX_HTTP_LLAMA_SESSION_WARM_SAVE:
+
+        if (ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                             "base", ctx->base_key,
+                                             ctx->base_len)
+            == NGX_OK)
+        {
+            ctx->base_built = 1;
+            ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
+                                            &ngx_http_llama_session_base_id);
+            ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bases);
+        }
+
+        return ngx_http_llama_session_warm_go(r, ctx,
+                                   ctx->trimmed
+                                   ? NGX_HTTP_LLAMA_SESSION_ACTION_WARM
+                                   : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+
+    default: /* NGX_HTTP_LLAMA_SESSION_WARM_CLEAN */
+
+        if (status != NGX_HTTP_OK) {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: erasing slot %ui failed (%i), the "
+                          "request goes on", ctx->slot, status);
+        }
+
+        return ngx_http_llama_session_warm_go(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+    }
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_warm_go(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action)
+{
+    ctx->warm_step = NGX_HTTP_LLAMA_SESSION_WARM_NONE;
+    ctx->action = action;
+
+    return ngx_http_llama_session_proxy(r, ctx);
+}
+
+
+/*
+ * The prime's body: the request's own system prompt, tools and template
+ * arguments, as the client sent them (so the template renders the same
+ * tokens), no conversation, one token to generate.  OpenAI's chat shape,
+ * or Anthropic's for /v1/messages.
+ */
+
+ngx_int_t
+ngx_http_llama_session_prime_body(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out)
+{
+    size_t                          len;
+    ngx_buf_t                      *b;
+    ngx_uint_t                      i;
+    ngx_http_llama_session_span_t  *sp;
+
+    static struct {
+        const char                 *name;
+        size_t                      off;
+    } members[] = {
+        { "model", offsetof(ngx_http_llama_session_ctx_t, p_model) },
+        { "system", offsetof(ngx_http_llama_session_ctx_t, p_system) },
+        { "tools", offsetof(ngx_http_llama_session_ctx_t, p_tools) },
+        { "tool_choice",
+          offsetof(ngx_http_llama_session_ctx_t, p_tool_choice) },
+        { "chat_template_kwargs",
+          offsetof(ngx_http_llama_session_ctx_t, p_kwargs) }
+    };
+
+    len = sizeof("{\"messages\":[],\"max_tokens\":1,\"temperature\":0,"
+                 "\"stream\":false,\"id_slot\":}") - 1 + NGX_INT_T_LEN;
+
+    if (!ctx->anthropic && ctx->p_leading.start) {
+        len += ctx->p_leading.end - ctx->p_leading.start;
+    }
+
+    for (i = 0; i < sizeof(members) / sizeof(members[0]); i++) {
+        sp = (ngx_http_llama_session_span_t *) ((u_char *) ctx
+                                                + members[i].off);
+        if (sp->start && (i != 1 || ctx->anthropic)) {
+            len += sizeof(",\"\":") - 1 + ngx_strlen(members[i].name)
+                   + (sp->end - sp->start);
+        }
+    }
+
+    b = ngx_create_temp_buf(r->pool, len);
+    if (b == NULL) {
+        return NGX_ERROR;
+    }
+
+    b->last = ngx_cpymem(b->last, "{\"messages\":[", sizeof("{\"messages\":[")
+                                                  - 1);
+
+    if (!ctx->anthropic && ctx->p_leading.start) {
+        b->last = ngx_cpymem(b->last, ctx->p_leading.start,
+                             ctx->p_leading.end - ctx->p_leading.start);
+    }
+
+    b->last = ngx_cpymem(b->last, "]", 1);
+
+    for (i = 0; i < sizeof(members) / sizeof(members[0]); i++) {
+        sp = (ngx_http_llama_session_span_t *) ((u_char *) ctx
+                                                + members[i].off);
+        if (sp->start && (i != 1 || ctx->anthropic)) {
+            b->last = ngx_sprintf(b->last, ",\"%s\":", members[i].name);
+            b->last = ngx_cpymem(b->last, sp->start, sp->end - sp->start);
+        }
+    }
+
+    b->last = ngx_cpymem(b->last, ",\"max_tokens\":1,\"temperature\":0,"
+                         "\"stream\":false",
+                         sizeof(",\"max_tokens\":1,\"temperature\":0,"
+                                "\"stream\":false") - 1);
+
+    /* Anthropic's converter drops id_slot, OpenAI's keeps it */
+
+    if (!ctx->anthropic) {
+        b->last = ngx_sprintf(b->last, ",\"id_slot\":%ui", ctx->slot);
+    }
+
+    *b->last++ = '}';
+
+    b->last_buf = 1;
+    b->last_in_chain = 1;
+
+    *out = b;
+
+    return NGX_OK;
+}
+
+
+/* the prompt's tokens in the prime's reply: what the base will hold */
+
+static ngx_uint_t
+ngx_http_llama_session_prime_tokens(ngx_log_t *log, ngx_buf_t *b)
+{
+    cJSON       *json, *usage, *n;
+    ngx_uint_t   i, tokens;
+
+    static const char  *names[] = { "prompt_tokens", "input_tokens",
+                                    "cache_read_input_tokens" };
+
+    if (b == NULL) {
+        return 0;
+    }
+
+    json = cJSON_ParseWithLength((const char *) b->pos, b->last - b->pos);
+    if (json == NULL) {
+        return 0;
+    }
+
+    tokens = 0;
+
+    usage = cJSON_GetObjectItemCaseSensitive(json, "usage");
+
+    /* OpenAI's prompt_tokens; Anthropic's input_tokens leave out the cached */
+
+    for (i = 0; i < 3; i++) {
+        n = cJSON_GetObjectItemCaseSensitive(usage, names[i]);
+
+        if (cJSON_IsNumber(n) && n->valuedouble > 0 && n->valuedouble < 1e12)
+        {
+            tokens += (ngx_uint_t) n->valuedouble;
+
+            if (i == 0) {
+                break;
+            }
+        }
+    }
+
+    cJSON_Delete(json);
+
+    return tokens;
+}
