@@ -614,8 +614,8 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     size_t                              klen;
     cJSON                              *json, *list, *item;
     ngx_str_t                           ns, model;
-    ngx_uint_t                          i, n, is_key;
-    ngx_queue_t                        *q, *next;
+    ngx_uint_t                          i, k, n, is_key;
+    ngx_queue_t                        *q, *queue;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_node_t      *nodes, *node;
     ngx_http_llama_session_loc_conf_t  *llcf;
@@ -681,7 +681,64 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
         }
     }
 
-    if (delete
+    (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
+
+    /* its files, for every backend configuration */
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    nodes = ngx_palloc(r->pool, 64 * sizeof(ngx_http_llama_session_node_t));
+    if (nodes == NULL) {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    /*
+     * a key names one session; a client's id every session under it (a
+     * chat, its title and tags requests, its subagents), in the request's
+     * namespace
+     */
+
+    n = 0;
+
+    for (k = 0; k < 2; k++) {
+        queue = k ? &zone->sh->nofile : &zone->sh->lru;
+
+        for (q = ngx_queue_head(queue);
+             q != ngx_queue_sentinel(queue) && n < 64;
+             q = ngx_queue_next(q))
+        {
+            node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+            klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+            if (is_key ? (klen != ctx->key_len
+                          || ngx_memcmp(node->name, ctx->key, klen) != 0)
+                       : (!node->has_idk
+                          || ngx_memcmp(node->idk, ctx->idk,
+                                        NGX_HTTP_LLAMA_SESSION_DIGEST) != 0))
+            {
+                continue;
+            }
+
+            nodes[n++] = *node;
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    /* a session in a slot may have no file yet: it is in use all the same */
+
+    for (i = 0; delete && i < n; i++) {
+        klen = nodes[i].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+        if (ngx_http_llama_session_in_use(zone, nodes[i].name, klen)) {
+            return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+                                  "the session is in a slot or in use; "
+                                  "clear the slots or retry later", NULL);
+        }
+    }
+
+    if (delete && is_key
         && ngx_http_llama_session_in_use(zone, ctx->key, ctx->key_len))
     {
         return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
@@ -689,48 +746,38 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
                                   "clear the slots or retry later", NULL);
     }
 
-    (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
+    /* only the records with a file from here on */
 
-    /* its files, for every backend configuration */
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    nodes = ngx_palloc(r->pool, 8 * sizeof(ngx_http_llama_session_node_t));
-    if (nodes == NULL) {
-        ngx_shmtx_unlock(&zone->shpool->mutex);
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    n = 0;
-
-    for (q = ngx_queue_head(&zone->sh->lru);
-         q != ngx_queue_sentinel(&zone->sh->lru) && n < 8;
-         q = next)
-    {
-        next = ngx_queue_next(q);   /* a deleted record changes queue */
-
-        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
-        klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
-
-        if (!node->saved || klen != ctx->key_len
-            || ngx_memcmp(node->name, ctx->key, klen) != 0)
-        {
-            continue;
-        }
-
-        nodes[n++] = *node;
-
-        if (delete) {
-            ngx_http_llama_session_node_file(zone->sh, node, 0, 0);
+    for (i = 0, k = 0; i < n; i++) {
+        if (nodes[i].saved) {
+            nodes[k++] = nodes[i];
         }
     }
 
-    ngx_shmtx_unlock(&zone->shpool->mutex);
+    n = k;
 
     if (n == 0) {
         return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
                                                 "no saved session by that "
                                                 "id", NULL);
+    }
+
+    for (i = 0; delete && i < n; i++) {
+        ngx_shmtx_lock(&zone->shpool->mutex);
+
+        node = ngx_http_llama_session_lookup_name(zone, nodes[i].name,
+                                                  nodes[i].name_len);
+        if (node) {
+            ngx_http_llama_session_node_file(zone->sh, node, 0, 0);
+        }
+
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+    }
+
+    if (!is_key) {
+        /* the most recently used of the id's sessions */
+        ctx->key_len = nodes[0].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+        ngx_memcpy(ctx->key, nodes[0].name, ctx->key_len);
     }
 
     json = cJSON_CreateObject();

@@ -1157,6 +1157,14 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     parts[4] = ctx->id;
     nparts = 5;
 
+    /* what the API finds the client's id by, whatever the prefix */
+
+    if (ngx_http_llama_session_sha256(r, parts, 5, hash) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(ctx->idk, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
     if (ctx->sys_len) {
         parts[nparts].data = sys;
         parts[nparts].len = sizeof(sys);

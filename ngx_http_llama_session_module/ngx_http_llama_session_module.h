@@ -169,6 +169,10 @@ typedef struct {
     ngx_uint_t                      tokens;
     time_t                          saved_at;
     time_t                          used_at;
+    u_char                          has_idk;
+    u_char                          has_sys;
+    u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
 } ngx_http_llama_session_node_t;
 
 
@@ -304,6 +308,9 @@ struct ngx_http_llama_session_ctx_s {
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          head[NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t                          sys_len;    /* 0: none */
+
+    /* SHA-256(namespace \0 model \0 id): what the API finds an id by */
+    u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          base_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          base_len;   /* 0: no base */
     u_char                          base_id[NGX_HTTP_LLAMA_SESSION_DIGEST];

@@ -810,6 +810,14 @@ ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx,
                                         NGX_HTTP_LLAMA_SESSION_ID_SHOW);
         ngx_memcpy(node->id, id->data, node->id_len);
 
+        node->has_sys = (ctx->sys_len != 0);
+        ngx_memcpy(node->sys, ctx->sys, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+        if (key == ctx->key) {
+            node->has_idk = 1;
+            ngx_memcpy(node->idk, ctx->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+        }
+
         node->model_len = (u_char) ngx_min(ctx->model.len,
                                            NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
         ngx_memcpy(node->model, ctx->model.data, node->model_len);

@@ -28,6 +28,10 @@ typedef struct {
     u_char                          model_len;
     u_char                          model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW];
     ngx_uint_t                      tokens;
+    u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    unsigned                        has_idk:1;
+    unsigned                        has_sys:1;
     unsigned                        known:1;
 } ngx_http_llama_session_found_t;
 
@@ -41,6 +45,7 @@ static void ngx_http_llama_session_store_set_meta(
     ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f);
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
+static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
 static int ngx_libc_cdecl ngx_http_llama_session_found_cmp(const void *one,
     const void *two);
 static void ngx_http_llama_session_doomed_handler(ngx_event_t *ev);
@@ -664,6 +669,22 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->tokens = (ngx_uint_t) item->valuedouble;
     }
 
+    item = cJSON_GetObjectItemCaseSensitive(json, "idk");
+    if (cJSON_IsString(item)
+        && ngx_http_llama_session_store_hex(item->valuestring, f->idk)
+           == NGX_OK)
+    {
+        f->has_idk = 1;
+    }
+
+    item = cJSON_GetObjectItemCaseSensitive(json, "system");
+    if (cJSON_IsString(item)
+        && ngx_http_llama_session_store_hex(item->valuestring, f->sys)
+           == NGX_OK)
+    {
+        f->has_sys = 1;
+    }
+
     cJSON_Delete(json);
 }
 
@@ -685,6 +706,41 @@ ngx_http_llama_session_store_set_meta(ngx_http_llama_session_node_t *node,
     if (f->tokens) {
         node->tokens = f->tokens;
     }
+
+    if (f->has_idk) {
+        node->has_idk = 1;
+        ngx_memcpy(node->idk, f->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    }
+
+    if (f->has_sys) {
+        node->has_sys = 1;
+        ngx_memcpy(node->sys, f->sys, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    }
+}
+
+
+/* 16 hex digits into 8 bytes */
+
+static ngx_int_t
+ngx_http_llama_session_store_hex(char *s, u_char *out)
+{
+    ngx_int_t   n;
+    ngx_uint_t  i;
+
+    if (ngx_strlen(s) != 2 * NGX_HTTP_LLAMA_SESSION_DIGEST) {
+        return NGX_ERROR;
+    }
+
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_DIGEST; i++) {
+        n = ngx_hextoi((u_char *) s + 2 * i, 2);
+        if (n == NGX_ERROR) {
+            return NGX_ERROR;
+        }
+
+        out[i] = (u_char) n;
+    }
+
+    return NGX_OK;
 }
 
 
@@ -716,6 +772,7 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     u_char                         id[NGX_HTTP_LLAMA_SESSION_ID_SHOW + 1];
     u_char                         model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
     u_char                         nm[NGX_HTTP_LLAMA_SESSION_NAME_MAX + 1];
+    u_char                         hex[2 * NGX_HTTP_LLAMA_SESSION_DIGEST + 1];
     char                          *text;
     cJSON                         *json;
     ssize_t                        n;
@@ -746,6 +803,24 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     {
         cJSON_Delete(json);
         return NGX_ERROR;
+    }
+
+    if (node.has_idk) {
+        *ngx_hex_dump(hex, node.idk, NGX_HTTP_LLAMA_SESSION_DIGEST) = '\0';
+
+        if (cJSON_AddStringToObject(json, "idk", (char *) hex) == NULL) {
+            cJSON_Delete(json);
+            return NGX_ERROR;
+        }
+    }
+
+    if (node.has_sys) {
+        *ngx_hex_dump(hex, node.sys, NGX_HTTP_LLAMA_SESSION_DIGEST) = '\0';
+
+        if (cJSON_AddStringToObject(json, "system", (char *) hex) == NULL) {
+            cJSON_Delete(json);
+            return NGX_ERROR;
+        }
     }
 
     text = cJSON_PrintUnformatted(json);

@@ -102,7 +102,10 @@ sub run_sequence {
 my @with = run_sequence();
 
 is($with[0]{action}, 'fresh', 'A starts fresh');
-is($with[1]{action}, 'fresh', 'B starts fresh');
+is($with[1]{action}, 'warm', 'B starts warm: from the system prompt it '
+   . 'shares with A');
+cmp_ok($with[1]{cached}, '>', 1500, "B's first turn finds the system prompt "
+       . "cached ($with[1]{cached} tokens)");
 cmp_ok($with[0]{prompt}, '>', 1500, 'a long prompt: ' . $with[0]{prompt}
        . ' tokens');
 

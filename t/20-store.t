@@ -21,9 +21,17 @@ use Time::HiRes qw(sleep time);
 my $JSON = $LlamaTest::JSON;
 
 sub fp { LlamaTest::fake_fp($_[0]) }
+# a turn of a conversation: the same first message, then the text; the
+# session's key has that first message in it
+sub turn_body {
+    return { messages => [ { role => 'user',
+                             content => 'Hello, this is our conversation.' },
+                           { role => 'assistant', content => 'Go on.' },
+                           { role => 'user', content => $_[0] } ] };
+}
 sub key { my ($id, $model) = @_;
-          (($id =~ s/[^A-Za-z0-9_-]/_/gr) =~ s/^(.{0,32}).*/$1/sr) . '-'
-          . substr(sha256_hex("\0" . ($model // '') . "\0$id"), 0, 24) }
+          LlamaTest::session_key($id, model => $model,
+                                 body => turn_body('')) }
 
 my $t = LlamaTest->new(workers => 2);
 my $slots = $t->dir . '/slots';
@@ -47,7 +55,7 @@ sub put {
 }
 
 my $alpha = key('alpha');
-put("$alpha.$fp", '[{"content":"alpha history","role":"user"}]',
+put("$alpha.$fp", $JSON->encode(turn_body('alpha history')->{messages}),
     { id => 'alpha', model => '', tokens => 40 }, time - 100);
 put(key('beta') . ".$old", 'beta', { id => 'beta', model => 'old' },
     time - 50);
@@ -121,12 +129,13 @@ is($a->{id}, 'alpha', 'with its id from the .json');
 is($a->{fingerprint}, $fp, 'and its fingerprint');
 
 # a request after the "reboot": alpha comes back from its file
-my $chat = { messages => [ { role => 'user', content => 'alpha history' } ] };
+my $chat = turn_body('alpha history');
 my $r = $t->post('/v1/chat/completions', $chat,
                  headers => { 'X-Session-Id' => 'alpha' });
 is($r->{status}, 200, 'alpha after a restart');
 is($r->{headers}{'x-s-action'}, 'restore', 'alpha is restored from its file');
-is($r->{json}{timings}{cache_n}, length('[{"content":"alpha history","role":"user"}]'),
+is($r->{json}{timings}{cache_n},
+   length($JSON->encode(turn_body('alpha history')->{messages})),
    'the restored state serves the whole prompt from the cache');
 
 $list = $t->get('/api/sessions')->{json};
@@ -149,7 +158,7 @@ is($cur->{backend}{fingerprint}, $fp, 'current: its fingerprint');
 my $t0 = time;
 my $before = -M "$slots/$alpha.$fp.bin";
 $r = $t->post('/v1/chat/completions',
-              { messages => [ { role => 'user', content => 'alpha more' } ] },
+              turn_body('alpha more'),
               headers => { 'X-Session-Id' => 'alpha' });
 ok($t->wait_for(sub { $t->read_file("$slots/$alpha.$fp.bin") =~ /alpha more/ },
                10), 'the idle save wrote the latest turn, with no request '
@@ -171,7 +180,7 @@ is(scalar(grep { $_->{query} eq 'action=save' && $_->{time} >= $t0 }
 # a save killed half way leaves the previous file whole
 my $whole = $t->read_file("$slots/$alpha.$fp.bin");
 $t->post('/v1/chat/completions',
-         { messages => [ { role => 'user', content => 'alpha again' } ] },
+         turn_body('alpha again'),
          headers => { 'X-Session-Id' => 'alpha' });
 $t->fake_script({ save => { partial => 1 } });
 $r = $t->post('/v1/chat/completions', $chat,
@@ -186,17 +195,17 @@ $t->fake_script({});
 # the zone thought alpha was in the slot
 $t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 'alpha' });
 $t->post('/v1/chat/completions',
-         { messages => [ { role => 'user', content => 'alpha changed' } ] },
+         turn_body('alpha changed'),
          headers => { 'X-Session-Id' => 'alpha' });
 $t->post('/v1/chat/completions', $chat, headers => { 'X-Session-Id' => 'eps' });
 $t->post('/v1/chat/completions',
-         { messages => [ { role => 'user', content => 'alpha last' } ] },
+         turn_body('alpha last'),
          headers => { 'X-Session-Id' => 'alpha' });
 $whole = $t->read_file("$slots/$alpha.$fp.bin");
 $t->stop_proc('fake');
 $t->fake(port => $fake);
 $t->post('/v1/chat/completions',
-         { messages => [ { role => 'user', content => 'a stranger' } ] },
+         turn_body('a stranger'),
          port => $fake);
 $r = $t->post('/v1/chat/completions', $chat,
               headers => { 'X-Session-Id' => 'zeta' });
@@ -211,7 +220,7 @@ unlike($t->read_file("$slots/$alpha.$fp.bin"), qr/stranger/,
 # eviction: max_files=4, least recently used first, never the one in use
 for my $sid (qw(s1 s2 s3 s4 s5 s6)) {
     $t->post('/v1/chat/completions',
-             { messages => [ { role => 'user', content => "hello $sid" } ] },
+             turn_body("hello $sid"),
              headers => { 'X-Session-Id' => $sid });
 }
 my @bins = glob("$slots/*.bin");
@@ -239,7 +248,7 @@ is($r->{json}{error}{code}, 409, 'with a JSON error');
 
 # save now, then clear
 $t->post('/v1/chat/completions',
-         { messages => [ { role => 'user', content => 'six changed' } ] },
+         turn_body('six changed'),
          headers => { 'X-Session-Id' => 's6' });
 $r = $t->post('/api/sessions/save', '');
 is($r->{status}, 200, 'POST save');

@@ -25,19 +25,23 @@ use Time::HiRes qw(sleep time);
 
 my $JSON = $LlamaTest::JSON;
 
+# a turn of a conversation: the same first message, then the text (the
+# first message is part of the session's key)
+sub chat_of {
+    return { messages => [ { role => 'user',
+                             content => 'Hello, this is our conversation.' },
+                           { role => 'assistant', content => 'Go on.' },
+                           { role => 'user', content => $_[0] } ] };
+}
+
 sub key {
     my ($id, %o) = @_;
-    my $safe = substr($id =~ s/[^A-Za-z0-9_-]/_/gr, 0, 32);
-    return "$safe-" . substr(sha256_hex(($o{ns} // '') . "\0"
-                                        . ($o{model} // '') . "\0$id"),
-                             0, 24);
+    return LlamaTest::session_key($id, %o, body => chat_of(''));
 }
 
 my $fp = LlamaTest::fake_fp('fake.gguf');
 
-my $chat = { messages => [ { role => 'user', content => 'hello' } ] };
-
-sub chat_of { { messages => [ { role => 'user', content => $_[0] } ] } }
+my $chat = chat_of('hello');
 
 # the workers of the running nginx and their peak memory (kB)
 sub workers {

@@ -51,7 +51,13 @@ EOF
 $t->allow_alerts(qr/worker process \d+ exited on signal 9/,
                  qr/died holding slot/);
 
-sub chat_of { { messages => [ { role => 'user', content => $_[0] } ] } }
+# a turn of a conversation: the same first message, then the text
+sub chat_of {
+    return { messages => [ { role => 'user',
+                             content => 'Hello, this is our conversation.' },
+                           { role => 'assistant', content => 'Go on.' },
+                           { role => 'user', content => $_[0] } ] };
+}
 
 sub ask {
     my ($sid, $text) = @_;
@@ -68,7 +74,9 @@ sub worker_of {
         open my $fh, '<', $f or next;
         while (<$fh>) {
             my @c = split;
-            next unless @c > 9 && $c[2] =~ /:$port$/;
+            # a TIME_WAIT entry of an earlier connection from the same
+            # port (loopback reuses them) has no inode: not this one
+            next unless @c > 9 && $c[2] =~ /:$port$/ && $c[9];
             $inode = $c[9];
             last;
         }
@@ -100,7 +108,7 @@ sub queued_on {
                              chat_of($sid),
                              headers => { 'X-Session-Id' => $sid });
         my $w;
-        $t->wait_for(sub { $w = worker_of($s) }, 2);
+        $t->wait_for(sub { $w = worker_of($s) }, 5);
         if ($w && (!$o{on} || $w == $o{on}) && (!$o{not} || $w != $o{not})) {
             return ($s, $w);
         }

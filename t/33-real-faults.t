@@ -53,9 +53,11 @@ my $words = join ' ', map { "word$_" } 1 .. 4000;
 sub body {
     my ($name, $len) = @_;
     return { max_tokens => 2, temperature => 0,
-             messages => [ { role => 'user', content =>
-                             "conversation $name: " . substr($words, 0, $len)
-                           } ] };
+             messages => [ { role => 'user',
+                             content => "This is conversation $name." },
+                           { role => 'assistant', content => 'Go on.' },
+                           { role => 'user',
+                             content => substr($words, 0, $len) } ] };
 }
 
 sub ask {
