@@ -12,11 +12,15 @@
           plain proxy_pass, with wrk, 2 KB and 1 MB bodies
 4. scale  shared memory per session and hit-path latency with 1k, 10k and
           100k sessions known to the zone
+5. warm   the first turn of new conversations that share a 2k, 8k and 16k
+          token system prompt, interleaved with returning turns of older
+          ones: nginx + module against llama-server alone at its defaults
+          and with --cache-ram 0
 
 Every comparison runs in one process, its sides alternating request by
 request.  Results: a table on stdout and JSON (--out).
 
-usage: bench.py [--out FILE] [--only ttft,swap,hit,scale] [--quick]
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm] [--quick]
 """
 
 import argparse
@@ -85,7 +89,7 @@ def p95(xs):
 class Llama:
     """a real llama-server of the rig"""
 
-    def __init__(self, work, name, ctx, cache_ram=0):
+    def __init__(self, work, name, ctx, cache_ram=0, args=None):
         self.name = name
         self.port = free_port()
         self.slots = os.path.join(work, name + '-slots')
@@ -95,7 +99,10 @@ class Llama:
                      '--host', '127.0.0.1', '--port', str(self.port),
                      '-np', '1', '-c', str(ctx), '--slot-save-path',
                      self.slots, '-t', '2', '--no-webui']
-        if cache_ram:
+        if args is not None:
+            # llama-server as it is run without the module
+            self.args += args
+        elif cache_ram:
             # llama-server's own RAM prompt cache, as deployed: its defaults
             # (prompt similarity, idle slots cached) with a budget
             self.args += ['--cache-ram', str(cache_ram)]
@@ -655,11 +662,123 @@ def bench_scale(work, quick):
     return res
 
 
+# 5. warm starts: new conversations that share a system prompt -------------
+
+def bench_warm(work, quick):
+    grid = [2048] if quick else [2048, 8192, 16384]
+    nconv = 4
+    results = []
+
+    for stoks in grid:
+        ctx = stoks + 4096
+        # at its defaults (RAM cache of 8 GiB, prompt similarity, idle
+        # slots cached), with --cache-ram 0 alone, and as the module wants
+        defaults = Llama(work, 'warm-defaults-%d' % stoks, ctx, args=[])
+        noram = Llama(work, 'warm-noram-%d' % stoks, ctx,
+                      args=['--cache-ram', '0'])
+        withmod = Llama(work, 'warm-module-%d' % stoks, ctx)
+        nport = free_port()
+        ngx = Nginx(work, 'nginx-warm-%d' % stoks, '''
+    llama_session_zone zone=llama:4m store=%s;
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%d;
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%d/;
+            proxy_read_timeout 900s;
+        }
+    }''' % (withmod.slots, nport, withmod.port, withmod.port))
+        wait_http(nport)
+        sides = [('defaults', defaults.port), ('cache_ram_0', noram.port),
+                 ('module', nport)]
+
+        # a system prompt of about stoks tokens; each conversation's own
+        # first message of about 512 tokens
+        nwords = words_for(noram.port, stoks, 'sys')
+        system = filler('sys', nwords)
+        own = max(64, nwords * 512 // stoks)
+        rec = {s: {'new': [], 'new_cache_n': [], 'return': [],
+                   'return_cache_n': [], 'first': None} for s, _ in sides}
+        conv = {}
+
+        def turn(side, port, i, kind):
+            key = (side, i)
+            if key not in conv:
+                conv[key] = [{'role': 'system', 'content': system},
+                             {'role': 'user', 'content':
+                              filler('c%dw' % i, own) + ' Q1?'}]
+            else:
+                conv[key].append({'role': 'user', 'content':
+                                  'Q%d? %s' % (len(conv[key]),
+                                               filler('q', 8))})
+            ttft, text, cache_n, hdrs, _ = stream_turn(port, conv[key],
+                                                       'conv-%d' % i)
+            conv[key].append({'role': 'assistant', 'content': text})
+            if os.environ.get('BENCH_DEBUG'):
+                print('  %s %d %s: %.3f s, %s cached, %s'
+                      % (side, i, kind, ttft, cache_n,
+                         hdrs.get('X-S-Action')))
+            if kind == 'first':
+                rec[side]['first'] = ttft
+            else:
+                rec[side][kind].append(ttft)
+                rec[side][kind + '_cache_n'].append(cache_n)
+
+        # the first conversation computes the system prompt everywhere;
+        # then each new one comes, and an older one returns after it
+        for side, port in sides:
+            turn(side, port, 0, 'first')
+        for i in range(1, nconv + 1):
+            for side, port in sides:
+                turn(side, port, i, 'new')
+            for side, port in sides:
+                turn(side, port, i - 1, 'return')
+
+        row = {'system_tokens': stoks, 'conversations': nconv, 'sides': {}}
+        for side, _ in sides:
+            r = rec[side]
+            row['sides'][side] = {
+                'first': r['first'],
+                'new_median': median(r['new']),
+                'new_cache_n': r['new_cache_n'],
+                'return_median': median(r['return']),
+                'return_cache_n': r['return_cache_n'],
+            }
+        d = row['sides']
+        row['new_module_vs_defaults'] = (d['module']['new_median']
+                                         / d['defaults']['new_median'])
+        row['return_module_vs_defaults'] = (d['module']['return_median']
+                                            / d['defaults']['return_median'])
+        results.append(row)
+        print('warm %5d-token system prompt: new conversation %s / %s / %s '
+              's (defaults / --cache-ram 0 / module), returning %s / %s / %s'
+              % (stoks, fmt(d['defaults']['new_median']),
+                 fmt(d['cache_ram_0']['new_median']),
+                 fmt(d['module']['new_median']),
+                 fmt(d['defaults']['return_median']),
+                 fmt(d['cache_ram_0']['return_median']),
+                 fmt(d['module']['return_median'])))
+
+        ngx.stop()
+        for srv in (defaults, noram, withmod):
+            srv.stop()
+            shutil.rmtree(srv.slots, ignore_errors=True)
+
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
                                                   'latest.json'))
-    ap.add_argument('--only', default='ttft,swap,hit,scale')
+    ap.add_argument('--only', default='ttft,swap,hit,scale,warm')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '

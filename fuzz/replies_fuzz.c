@@ -90,9 +90,19 @@ ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
 
 void
 ngx_http_llama_session_saved_ok(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t tokens, off_t bytes)
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t tokens, off_t bytes)
 {
     fuzz_unexpected("ngx_http_llama_session_saved_ok");
+}
+
+
+ngx_int_t
+ngx_http_llama_session_prime_body(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out)
+{
+    fuzz_unexpected("ngx_http_llama_session_prime_body");
+    return NGX_ERROR;
 }
 
 

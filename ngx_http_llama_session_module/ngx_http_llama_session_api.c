@@ -384,7 +384,7 @@ ngx_http_llama_session_api_node(ngx_http_llama_session_zone_t *zone,
 {
     cJSON   *item;
     size_t   klen;
-    u_char  *fp;
+    u_char  *fp, hex[2 * NGX_HTTP_LLAMA_SESSION_DIGEST];
 
     klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
     fp = node->name + klen + 1;
@@ -414,6 +414,17 @@ ngx_http_llama_session_api_node(ngx_http_llama_session_zone_t *zone,
     {
         cJSON_Delete(item);
         return NULL;
+    }
+
+    if (node->has_sys) {
+        ngx_hex_dump(hex, node->sys, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+        if (ngx_http_llama_session_api_str(item, "system", hex, sizeof(hex))
+            == NULL)
+        {
+            cJSON_Delete(item);
+            return NULL;
+        }
     }
 
     return item;

@@ -314,7 +314,6 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         ngx_str_null(&ctx->id);
         ngx_str_set(&ctx->source, "probe");
         ctx->probe = 1;
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.probes);
         goto fallback;
     }
 

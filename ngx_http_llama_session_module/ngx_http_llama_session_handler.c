@@ -420,6 +420,11 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
         } else {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
 
+            if (ctx->probe) {
+                ngx_http_llama_session_stat(ctx,
+                                            &ctx->zone->sh->stats.probes);
+            }
+
             /* the wait is counted from here, after the body */
             llcf = ngx_http_get_module_loc_conf(r,
                                                 ngx_http_llama_session_module);
