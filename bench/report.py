@@ -111,6 +111,36 @@ def main():
                           s(r['start_seconds'], '%.1f')))
         out.append('')
 
+    if 'warm' in d:
+        out.append('### 5. New conversations that share a system prompt')
+        out.append('')
+        out.append('Time to first token (ms, medians): the first turn of a '
+                   'new conversation, and the next turn of the previous one '
+                   'right after it; cached tokens of the new conversations\' '
+                   'first turns in brackets.')
+        out.append('')
+        out.append('| system prompt | new: defaults | new: --cache-ram 0 | '
+                   'new: module | module / defaults | returning: defaults | '
+                   'returning: --cache-ram 0 | returning: module | module / '
+                   'defaults | first conversation: defaults / module |')
+        out.append('|---|---|---|---|---|---|---|---|---|---|')
+        for r in d['warm']:
+            a = r['sides']['defaults']
+            b = r['sides']['cache_ram_0']
+            c = r['sides']['module']
+            out.append('| %d | %s (%s) | %s (%s) | %s (%s) | %s | %s | %s | '
+                       '%s | %s | %s / %s |'
+                       % (r['system_tokens'],
+                          ms(a['new_median']), min(a['new_cache_n'] or [0]),
+                          ms(b['new_median']), min(b['new_cache_n'] or [0]),
+                          ms(c['new_median']), min(c['new_cache_n'] or [0]),
+                          s(r['new_module_vs_defaults']),
+                          ms(a['return_median']), ms(b['return_median']),
+                          ms(c['return_median']),
+                          s(r['return_module_vs_defaults']),
+                          ms(a['first']), ms(c['first'])))
+        out.append('')
+
     print('\n'.join(out))
 
 

@@ -1370,6 +1370,27 @@ ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
         state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
         break;
 
+    case NGX_HTTP_LLAMA_SESSION_ST_WARM:
+        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+
+        if (ctx->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
+            if (ctx->zone->store.len == 0) {
+                ngx_http_llama_session_file_saved(ctx, ctx->base_key,
+                                                  ctx->base_len, 0, 0, 0);
+
+            } else {
+                ngx_http_llama_session_store_drop_tmp(r->connection->log,
+                                                      ctx, ctx->base_key,
+                                                      ctx->base_len);
+            }
+
+        } else if (ctx->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_PRIME) {
+            /* llama-server may still run the prime, as any completion */
+            ctx->quarantine = 1;
+        }
+
+        break;
+
     case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
 
         if (r->upstream
@@ -1399,8 +1420,16 @@ ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
                    "at stage %ui (%ui)", ctx->key_len, ctx->key, ctx->slot,
                    ctx->state, state);
 
-    if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
-        && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
+    if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_WARM) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: the request of session \"%*s\" ended "
+                      "during the warm start's %V of slot %ui, whose content "
+                      "is unknown now", ctx->key_len, ctx->key,
+                      &ngx_http_llama_session_call_names[ctx->call],
+                      ctx->slot);
+
+    } else if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
+               && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
     {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the request of session \"%*s\" ended "

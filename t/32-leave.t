@@ -4,7 +4,9 @@
 # HTTP/2, against the fake backend, which is made slow at that stage:
 # GET /props, GET /v1/models, GET /slots, the save of the session leaving,
 # the restore or the erase of the one coming in, and the inference itself
-# (streamed or not).  After each: the slot serves the next request, no
+# (streamed or not), and a new conversation's warm start (the prime of its
+# system prompt, the save of its base).  After each: the slot serves the
+# next request, no
 # request runs as a hit on a slot whose content nobody knows, and every
 # saved file holds its own session's text only.
 
@@ -33,6 +35,8 @@ $t->nginx(<<'EOF');
 
         add_header X-S-Action $llama_session_action always;
 
+        llama_session_warm system min=16;
+
         location / {
             llama_session llama;
             proxy_pass http://llama;
@@ -48,7 +52,20 @@ EOF
 
 my ($curl) = grep { -x } map { "$_/curl" } split /:/, $ENV{PATH};
 
-sub chat_of { { messages => [ { role => 'user', content => $_[0] } ] } }
+# a turn of a conversation: its first message, then the text
+sub chat_of {
+    return { messages => [ { role => 'user',
+                             content => 'Hello, this is our conversation.' },
+                           { role => 'assistant', content => 'Go on.' },
+                           { role => 'user', content => $_[0] } ] };
+}
+
+# the first turn of a new conversation with a system prompt: a warm start
+sub warm_of {
+    return { messages => [ { role => 'system',
+                             content => 'You answer in one line. ' x 4 },
+                           { role => 'user', content => $_[0] } ] };
+}
 
 sub ask {
     my ($sid, $text) = @_;
@@ -71,8 +88,9 @@ sub files_own {
 }
 
 sub leave {
-    my ($proto, $sid, $after) = @_;
-    my $body = $JSON->encode({ %{ chat_of("text of $sid") },
+    my ($proto, $sid, $after, $warm) = @_;
+    my $body = $JSON->encode({ %{ $warm ? warm_of("text of $sid")
+                                        : chat_of("text of $sid") },
                                stream => JSON::PP::true });
     if ($proto eq 'h2') {
         my $pid = fork();
@@ -102,6 +120,11 @@ my @stages = (
     [ 'inference',      { completion => { delay_ms => 800 } }, 'swap' ],
     [ 'a stream',       { completion => { chunks => 8, chunk_ms => 150 } },
                         'swap' ],
+    [ 'the prime',      { completion => { delay_ms => 800,
+                                          match => '"max_tokens":1,' } },
+                        'warm' ],
+    [ 'the base\'s save', { save => { delay_ms => 800, match => 'base-' } },
+                        'warm' ],
 );
 
 my @names;
@@ -130,17 +153,17 @@ for my $proto ('http/1.1', 'h2') {
                 $t->fake(port => $t->{llama_port}{fake});
             }
 
-            my $leaver = $how eq 'erase' ? "new$n" : $a;
+            my $leaver = $how eq 'erase' || $how eq 'warm' ? "new$n" : $a;
             push @names, $leaver;
             $t->fake_script($script);
-            leave($proto, $leaver, 0.3);
+            leave($proto, $leaver, 0.3, $how eq 'warm');
             sleep 1;
             $t->fake_script({});
 
             my $r = ask($b, "text of $b again");
             is($r->{status}, 200,
                "$proto, left during $stage: the next request is served");
-            if ($how eq 'restore' || $how eq 'erase') {
+            if ($how eq 'restore' || $how eq 'erase' || $how eq 'warm') {
                 isnt($r->{headers}{'x-s-action'}, 'hit',
                      "$proto, left during $stage: no hit on the slot");
             } else {
@@ -152,8 +175,13 @@ for my $proto ('http/1.1', 'h2') {
             # a save that llama-server carries on after its client left
             # may write its temporary file after the module deleted it: the
             # next start deletes it, the next save of the session reuses it
-            ok($stage eq 'save' || !glob($t->dir . '/slots/*.tmp'),
+            ok($stage =~ /save/ || !glob($t->dir . '/slots/*.tmp'),
                "$proto, left during $stage: no temporary file stays");
+            if ($stage =~ /save/) {
+                # as the next start would: the next stages look for theirs
+                sleep 1;
+                unlink glob($t->dir . '/slots/*.tmp');
+            }
         }
     }
 }

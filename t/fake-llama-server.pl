@@ -26,7 +26,8 @@
 # shows the slot busy; path: the completion fault applies to that path only;
 # chunks, chunk_ms: the shape of a streamed reply; pre_ms (completion):
 # time before the request takes the slot, which it does even if its client
-# left meanwhile, as llama-server does; until (completion): a file whose
+# left meanwhile, as llama-server does; match: a regular expression the
+# request's body must match for the fault to apply; until (completion): a file whose
 # creation ends the delay (at most 120 s), for tests that must not race a
 # clock.  Every request is appended to --calls as JSON.
 
@@ -198,8 +199,10 @@ sub error {
 }
 
 sub fault {
-    my ($c, $f) = @_;
+    my ($c, $f, $req) = @_;
     return 0 unless $f;
+    return 0 if $f->{match} && $req
+                && ($req->{body} // '') !~ /$f->{match}/;
     sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
     if ($f->{close}) { close $c; return 2; }
     if ($f->{status} && $f->{status} != 200) {
@@ -220,7 +223,7 @@ sub handle {
     }
 
     if ($m eq 'GET' && $p eq '/props') {
-        my $f = fault($c, $script->{props});
+        my $f = fault($c, $script->{props}, $req);
         return $f == 1 if $f;
         return reply($c, 200, { total_slots => $o{np},
                                 model_path => $o{model},
@@ -229,7 +232,7 @@ sub handle {
     }
 
     if ($m eq 'GET' && $p eq '/v1/models') {
-        my $f = fault($c, $script->{models});
+        my $f = fault($c, $script->{models}, $req);
         return $f == 1 if $f;
         return reply($c, 200, { object => 'list', data => [
             { id => $o{model}, object => 'model',
@@ -237,7 +240,7 @@ sub handle {
     }
 
     if ($m eq 'GET' && $p eq '/slots') {
-        my $f = fault($c, $script->{slots});
+        my $f = fault($c, $script->{slots}, $req);
         return $f == 1 if $f;
         my $st = read_state();
         my $i = 0;
@@ -257,7 +260,7 @@ sub handle {
         $action //= '';
         return error($c, 400, 'Invalid action', 'invalid_request_error')
             unless $action =~ /^(save|restore|erase)$/;
-        my $f = fault($c, $script->{$action});
+        my $f = fault($c, $script->{$action}, $req);
         return $f == 1 if $f;
         my $body = eval { $json->decode($req->{body} || '{}') };
         return error($c, 500, 'bad json') unless ref $body eq 'HASH';
@@ -367,6 +370,7 @@ sub completion {
     };
 
     $f = undef if $f && $f->{path} && $f->{path} ne $req->{path};
+    $f = undef if $f && $f->{match} && $req->{body} !~ /$f->{match}/;
 
     if ($f) {
         sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
