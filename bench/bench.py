@@ -679,7 +679,8 @@ def bench_warm(work, quick):
         withmod = Llama(work, 'warm-module-%d' % stoks, ctx)
         nport = free_port()
         ngx = Nginx(work, 'nginx-warm-%d' % stoks, '''
-    llama_session_zone zone=llama:4m store=%s;
+    llama_session_zone zone=llama:4m store=%s save_idle=500ms
+                       backend=127.0.0.1:%d;
     server {
         listen 127.0.0.1:%d;
         location / {
@@ -688,19 +689,22 @@ def bench_warm(work, quick):
             proxy_buffering off;
             proxy_read_timeout 900s;
             add_header X-S-Action $llama_session_action always;
+            add_header X-S-Swap $llama_session_swap_ms always;
         }
         location /_llama_slots/ {
             internal;
             proxy_pass http://127.0.0.1:%d/;
             proxy_read_timeout 900s;
         }
-    }''' % (withmod.slots, nport, withmod.port, withmod.port))
+    }''' % (withmod.slots, withmod.port, nport, withmod.port, withmod.port))
         wait_http(nport)
         sides = [('defaults', defaults.port), ('cache_ram_0', noram.port),
                  ('module', nport)]
 
         # a system prompt of about stoks tokens; each conversation's own
-        # first message of about 512 tokens
+        # first message of about 512 tokens.  The module saves idle
+        # sessions after 500 ms, as deployed (save_idle): the other sides'
+        # turns give it that time between its own
         nwords = words_for(noram.port, stoks, 'sys')
         system = filler('sys', nwords)
         own = max(64, nwords * 512 // stoks)
@@ -722,9 +726,9 @@ def bench_warm(work, quick):
                                                        'conv-%d' % i)
             conv[key].append({'role': 'assistant', 'content': text})
             if os.environ.get('BENCH_DEBUG'):
-                print('  %s %d %s: %.3f s, %s cached, %s'
+                print('  %s %d %s: %.3f s, %s cached, %s, swap %s ms'
                       % (side, i, kind, ttft, cache_n,
-                         hdrs.get('X-S-Action')))
+                         hdrs.get('X-S-Action'), hdrs.get('X-S-Swap')))
             if kind == 'first':
                 rec[side]['first'] = ttft
             else:
