@@ -112,13 +112,34 @@ ok(!(grep { $_ eq 'erase' || $_ eq 'restore' } @calls),
 my $sys_len = length $JSON->encode([ { role => 'system', content => $system } ]);
 is($r->{cache_n}, $sys_len - 1, 'beta finds the system prompt, no more');
 
+# without an id: the system prompt's hash and the first message name the
+# session, and it starts warm all the same; so does "default"
+$r = $t->post('/v1/chat/completions',
+              { messages => [ { role => 'system', content => $system },
+                              { role => 'user', content => 'no id here' } ],
+                tools => $tools,
+                chat_template_kwargs => { enable_thinking => JSON::PP::false } });
+is($r->{headers}{'x-s-action'}, 'warm', 'a session without an id (sys-) '
+   . 'starts warm');
+is($r->{json}{timings}{cache_n}, $sys_len - 1, 'with the system prompt '
+   . 'cached');
+$r = $t->post('/v1/chat/completions',
+              { messages => [ { role => 'system', content => $system },
+                              { role => 'user', content => 'a probe' } ],
+                tools => $tools, max_tokens => 1,
+                chat_template_kwargs => { enable_thinking => JSON::PP::false } },
+              headers => { 'X-Session-Id' => 'beta' });
+is($r->{headers}{'x-s-action'}, 'warm', 'a probe, run as "default", starts '
+   . 'warm too');
+
 # another tenant: never from this tenant's slot
 $n = @{ $t->fake_calls };
 $r = ask('gamma', 'gamma words', headers => { 'X-Tenant' => 'other' });
 is($r->{action}, 'fresh', 'another tenant\'s conversation starts fresh');
 @calls = grep { $_ ne 'get' && $_ ne 'other' } map { what($_) } calls_since($n);
-is_deeply(\@calls, [ qw(save erase prime save completion) ],
-          'beta saved, the slot erased before the tenant\'s prime')
+is_deeply(\@calls, [ qw(erase prime save completion) ],
+          'the slot (the probe\'s "default") erased before the tenant\'s '
+          . 'prime')
     or diag "@calls";
 
 # a template that refuses a system prompt alone
