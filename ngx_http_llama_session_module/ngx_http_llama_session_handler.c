@@ -417,6 +417,31 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
+        } else if (ctx->zone->nslots > 1
+                   && r->uri.len >= sizeof("/messages") - 1
+                   && ngx_strncmp(r->uri.data + r->uri.len
+                                  - (sizeof("/messages") - 1),
+                                  "/messages", sizeof("/messages") - 1) == 0)
+        {
+            /*
+             * llama-server's Anthropic conversion drops "id_slot": the
+             * request could run on any slot, on another session's cache
+             */
+
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: zone \"%V\" has %ui slots and "
+                          "llama-server cannot pin \"%V\" to one (it drops "
+                          "id_slot): refused", &ctx->zone->name,
+                          ctx->zone->nslots, &r->uri);
+
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->fail_status = NGX_HTTP_NOT_IMPLEMENTED;
+            ctx->fail_type = "not_implemented_error";
+            ctx->fail_message = "llama-server cannot run this endpoint on "
+                                "a chosen slot; with several slots, use "
+                                "/v1/chat/completions, or a zone with "
+                                "slots=1 for Anthropic clients";
+
         } else {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
 
@@ -984,6 +1009,12 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    if (ctx->zone->nslots > 1
+        && ngx_http_llama_session_pin(r, ctx) == NGX_ERROR)
+    {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
 
     if (!ctx->swapped) {
         /* a hit: the zone marked the slot changed already */

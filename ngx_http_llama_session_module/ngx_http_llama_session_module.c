@@ -438,18 +438,13 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
             n = ngx_atoi(value[i].data + 6, value[i].len - 6);
 
-            if (n == NGX_ERROR || n < 1) {
+            if (n == NGX_ERROR || n < 1
+                || n > NGX_HTTP_LLAMA_SESSION_SLOTS_MAX)
+            {
                 ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid number of slots \"%V\"",
-                                   &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            if (n > 1) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "\"%V\": this version keeps sessions on "
-                                   "one slot only; run llama-server with "
-                                   "-np 1 and use slots=1", &value[i]);
+                                   "invalid number of slots \"%V\": 1 to "
+                                   "%d, as llama-server's -np",
+                                   &value[i], NGX_HTTP_LLAMA_SESSION_SLOTS_MAX);
                 return NGX_CONF_ERROR;
             }
 

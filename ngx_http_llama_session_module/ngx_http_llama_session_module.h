@@ -433,6 +433,10 @@ ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
 ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, const char *what);
 
+/* pin.c: the request runs on the module's slot */
+ngx_int_t ngx_http_llama_session_pin(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+
 /* warm.c: what a session without a file of its own starts from */
 ngx_int_t ngx_http_llama_session_warm(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);

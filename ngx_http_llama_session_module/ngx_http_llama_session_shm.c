@@ -27,6 +27,16 @@ static void ngx_http_llama_session_reap_locked(
 static void ngx_http_llama_session_take_locked(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
 static ngx_uint_t ngx_http_llama_session_alive(ngx_pid_t pid, uint64_t start);
+static ngx_int_t ngx_http_llama_session_acquire_many(
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_choose_locked(
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_uint_t ngx_http_llama_session_waited_locked(
+    ngx_http_llama_session_sh_t *sh, u_char *key, size_t len);
+static ngx_int_t ngx_http_llama_session_slot_of_locked(
+    ngx_http_llama_session_sh_t *sh, u_char *key, size_t len);
+static ngx_uint_t ngx_http_llama_session_wanted_locked(
+    ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_slot_t *slot);
 static uint64_t ngx_http_llama_session_proc_start(ngx_pid_t pid);
 
 
@@ -195,6 +205,11 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 
     zone = ctx->zone;
     sh = zone->sh;
+
+    if (sh->nslots > 1) {
+        return ngx_http_llama_session_acquire_many(ctx);
+    }
+
     slot = &sh->slots[ctx->slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
@@ -315,6 +330,331 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
 }
 
 
+/*
+ * Many slots.  A session that is in a slot runs there, its requests one at
+ * a time in arrival order.  A session that is in no slot takes one when
+ * it is the oldest of the waiters that need a swap (a swap never waits
+ * behind a hit on another slot), by ngx_http_llama_session_choose_locked.
+ * Every waiter is in the one queue of the zone; a poll walks the waiters
+ * older than the request (bounded by max_waiting).
+ */
+
+static ngx_int_t
+ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                         s, e;
+    ngx_uint_t                        i, stalled;
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_sh_t      *sh;
+    ngx_http_llama_session_slot_t    *slot;
+    ngx_http_llama_session_zone_t    *zone;
+    ngx_http_llama_session_waiter_t  *w, *me;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    stalled = 0;
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        ngx_http_llama_session_reap_locked(ctx, slot);
+
+        if (!slot->busy
+            && (ngx_msec_int_t) (ngx_current_msec - slot->free_since)
+               >= NGX_HTTP_LLAMA_SESSION_STALL)
+        {
+            stalled = 1;
+        }
+    }
+
+    if (!ctx->queued) {
+        if (ngx_queue_empty(&sh->free_waiters)) {
+            sh->stats.queue_full++;
+            ngx_shmtx_unlock(&zone->shpool->mutex);
+
+            ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
+                          "llama_session zone \"%V\" has %ui requests "
+                          "waiting already, its max_waiting",
+                          &zone->name, zone->waiters_max);
+            return NGX_DECLINED;
+        }
+
+        q = ngx_queue_head(&sh->free_waiters);
+        ngx_queue_remove(q);
+
+        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+        w->ticket = sh->next_ticket++;
+        w->pid = ngx_pid;
+        w->start = ngx_http_llama_session_self_start;
+        w->key_len = (u_short) ctx->key_len;
+        ngx_memcpy(w->key, ctx->key, ctx->key_len);
+
+        ngx_queue_insert_tail(&sh->waiters, &w->queue);
+        sh->nwaiters++;
+
+        ctx->waiter = w;
+        ctx->ticket = w->ticket;
+        ctx->queued = 1;
+
+    } else if (stalled) {
+        /* a free slot nobody took for a while: who waits really? */
+        ngx_http_llama_session_prune(zone, &sh->slots[0],
+                                     ctx->request->connection->log);
+
+        for (i = 0; i < sh->nslots; i++) {
+            if (!sh->slots[i].busy) {
+                sh->slots[i].free_since = ngx_current_msec;
+            }
+        }
+    }
+
+    me = ctx->waiter;
+
+    if (me == NULL || me->ticket != ctx->ticket) {
+        /* dropped as a dead worker's: this process is alive, queue again */
+        ctx->queued = 0;
+        ctx->waiter = NULL;
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_AGAIN;
+    }
+
+    s = ngx_http_llama_session_slot_of_locked(sh, ctx->key, ctx->key_len);
+
+    /* the older waiters: of the same session, or swaps that go first */
+
+    for (q = ngx_queue_head(&sh->waiters);
+         q != ngx_queue_sentinel(&sh->waiters);
+         q = ngx_queue_next(q))
+    {
+        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+        if (w == me) {
+            break;
+        }
+
+        if ((w->key_len == ctx->key_len
+             && ngx_memcmp(w->key, ctx->key, ctx->key_len) == 0)
+            || (s == NGX_ERROR
+                && ngx_http_llama_session_slot_of_locked(sh, w->key,
+                                                         w->key_len)
+                   == NGX_ERROR))
+        {
+            ngx_shmtx_unlock(&zone->shpool->mutex);
+            return NGX_AGAIN;
+        }
+    }
+
+    if (s != NGX_ERROR) {
+        e = sh->slots[s].busy ? NGX_ERROR : s;
+
+    } else {
+        e = ngx_http_llama_session_choose_locked(ctx);
+    }
+
+    if (e == NGX_ERROR) {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_AGAIN;
+    }
+
+    ngx_http_llama_session_unqueue_locked(ctx);
+
+    ctx->slot = e;
+    slot = &sh->slots[e];
+
+    ngx_http_llama_session_take_locked(ctx, slot);
+
+    if (s != NGX_ERROR) {
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
+        ctx->save_pending = 0;
+        slot->dirty = 1;
+        sh->stats.hits++;
+
+    } else {
+        ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
+                           ? 0 : -1;
+
+        /* the session coming in: its other requests wait for this slot */
+        slot->batch_len = (u_short) ctx->key_len;
+        ngx_memcpy(slot->batch_key, ctx->key, ctx->key_len);
+    }
+
+    sh->stats.requests++;
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return NGX_OK;
+}
+
+
+/*
+ * Which slot a session that is in none takes, among the free slots whose
+ * session no request waits for: an empty slot, or one nobody can vouch
+ * for, first; then one holding the unsaved "default" session (for a
+ * request with an id); then one whose session is saved and unchanged
+ * since (evicting it costs nothing); then the least recently used (its
+ * session is saved first).  Among equals, a slot that starts with the
+ * request's system prompt (a warm start without a restore), then the least
+ * recently used.  A request without an id ("default") takes a slot of a
+ * named session only when there is no other.  NGX_ERROR: none now.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                       best;
+    ngx_uint_t                      i, rank, best_rank, same;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+
+    sh = ctx->zone->sh;
+    best = NGX_ERROR;
+    best_rank = 0;
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->busy) {
+            continue;
+        }
+
+        if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
+            rank = 0;
+
+        } else if (ngx_http_llama_session_waited_locked(sh, slot->key,
+                                                        slot->key_len))
+        {
+            continue;
+
+        } else if (!slot->saveable) {
+            rank = 1;
+
+        } else {
+            rank = slot->dirty ? 3 : 2;
+
+            if (ctx->default_session) {
+                rank += 4;
+            }
+        }
+
+        same = (ctx->base_len && slot->has_base
+                && ngx_memcmp(slot->base, ctx->base_id,
+                              NGX_HTTP_LLAMA_SESSION_DIGEST) == 0);
+
+        /* rank, then the shared prefix, then the least recently used */
+
+        rank = rank * 2 + !same;
+
+        if (best == NGX_ERROR || rank < best_rank
+            || (rank == best_rank
+                && (ngx_msec_int_t) (slot->last_used
+                                     - sh->slots[best].last_used) < 0))
+        {
+            best = i;
+            best_rank = rank;
+        }
+    }
+
+    return best;
+}
+
+
+/*
+ * May a waiting request want the slot: one of its session, or one that
+ * needs a swap?  With one slot, any waiting request.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_wanted_locked(ngx_http_llama_session_sh_t *sh,
+    ngx_http_llama_session_slot_t *slot)
+{
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_waiter_t  *w;
+
+    if (sh->nslots == 1) {
+        return !ngx_queue_empty(&sh->waiters);
+    }
+
+    for (q = ngx_queue_head(&sh->waiters);
+         q != ngx_queue_sentinel(&sh->waiters);
+         q = ngx_queue_next(q))
+    {
+        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+        if ((slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+             && w->key_len == slot->key_len
+             && ngx_memcmp(w->key, slot->key, w->key_len) == 0)
+            || ngx_http_llama_session_slot_of_locked(sh, w->key, w->key_len)
+               == NGX_ERROR)
+        {
+            return 1;
+        }
+    }
+
+    return 0;
+}
+
+
+/* does a request wait for the session? */
+
+static ngx_uint_t
+ngx_http_llama_session_waited_locked(ngx_http_llama_session_sh_t *sh,
+    u_char *key, size_t len)
+{
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_waiter_t  *w;
+
+    for (q = ngx_queue_head(&sh->waiters);
+         q != ngx_queue_sentinel(&sh->waiters);
+         q = ngx_queue_next(q))
+    {
+        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+        if (w->key_len == len && ngx_memcmp(w->key, key, len) == 0) {
+            return 1;
+        }
+    }
+
+    return 0;
+}
+
+
+/* the slot that holds the session, or is swapping it in; NGX_ERROR: none */
+
+static ngx_int_t
+ngx_http_llama_session_slot_of_locked(ngx_http_llama_session_sh_t *sh,
+    u_char *key, size_t len)
+{
+    ngx_uint_t                      i;
+    ngx_http_llama_session_slot_t  *slot;
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->busy && slot->batch_len == len
+            && ngx_memcmp(slot->batch_key, key, len) == 0)
+        {
+            return i;
+        }
+    }
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+            && slot->key_len == len && ngx_memcmp(slot->key, key, len) == 0)
+        {
+            return i;
+        }
+    }
+
+    return NGX_ERROR;
+}
+
+
 /* the waiters of the session swapped in that came before the swap */
 
 static ngx_uint_t
@@ -364,7 +704,7 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_http_llama_session_reap_locked(ctx, slot);
 
-    if (slot->busy || !ngx_queue_empty(&sh->waiters)) {
+    if (slot->busy || ngx_http_llama_session_wanted_locked(sh, slot)) {
         ngx_shmtx_unlock(&zone->shpool->mutex);
         return NGX_BUSY;
     }
@@ -410,7 +750,8 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
     ngx_log_error(NGX_LOG_ALERT, ctx->request ? ctx->request->connection->log
                                               : ngx_cycle->log, 0,
                   "llama_session: worker %P died holding slot %ui, its "
-                  "content is unknown now", slot->owner, ctx->slot);
+                  "content is unknown now", slot->owner,
+                  (ngx_uint_t) (slot - ctx->zone->sh->slots));
 
     slot->busy = 0;
     slot->owner = 0;
@@ -472,7 +813,7 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (slot->busy || !ngx_queue_empty(&sh->waiters)
+    if (slot->busy || ngx_http_llama_session_wanted_locked(sh, slot)
         || slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
         || !slot->dirty || !slot->saveable || !sh->fp_known
         || (ngx_msec_int_t) (ngx_current_msec - slot->last_used)
