@@ -34,6 +34,7 @@ typedef struct {
     ngx_http_llama_session_ctx_t   *ctx;
     ngx_uint_t                      op;
     ngx_uint_t                      slot;
+    ngx_uint_t                      last;       /* the slot after the end */
     cJSON                          *result;    /* the reply's slot list */
     ngx_uint_t                      failed;
     ngx_uint_t                      busy;       /* llama-server ran it */
@@ -109,8 +110,8 @@ static ngx_int_t
 ngx_http_llama_session_api_handler(ngx_http_request_t *r)
 {
     u_char                             *p, *last, *s;
-    ngx_int_t                           rc;
-    ngx_str_t                           rest, id;
+    ngx_int_t                           rc, n;
+    ngx_str_t                           rest, id, arg;
     ngx_pool_cleanup_t                 *cln;
     ngx_http_llama_session_api_t       *api;
     ngx_http_llama_session_zone_t      *zone;
@@ -237,6 +238,27 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
+        api->last = zone->nslots;
+
+        /* ?slot=k: that slot alone */
+
+        if (ngx_http_arg(r, (u_char *) "slot", 4, &arg) == NGX_OK) {
+            n = ngx_atoi(arg.data, arg.len);
+
+            if (n == NGX_ERROR || (ngx_uint_t) n >= zone->nslots) {
+                rc = ngx_http_discard_request_body(r);
+                if (rc != NGX_OK) {
+                    return rc;
+                }
+
+                return ngx_http_llama_session_api_error(r,
+                                  NGX_HTTP_BAD_REQUEST,
+                                  "no such slot", NULL);
+            }
+
+            api->slot = n;
+            api->last = n + 1;
+        }
 
         /*
          * the body is read whole first (and ignored): a discard still
@@ -859,7 +881,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
     for ( ;; ) {
 
-        if (api->slot >= ctx->zone->nslots) {
+        if (api->slot >= api->last) {
             break;
         }
 
