@@ -597,7 +597,16 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
-        return ngx_http_llama_session_proxy(r, ctx);
+        if (!ctx->verify) {
+            return ngx_http_llama_session_proxy(r, ctx);
+        }
+
+        /* the slot was idle a while: has llama-server restarted? */
+
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                           NULL, 0);
     }
 
     ctx->swap_start = ngx_current_msec;
@@ -745,6 +754,14 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                       ctx->out_len ? ctx->out_len : 1,
                       ctx->out_len ? ctx->out_key : (u_char *) "-");
 
+        if (ctx->verify) {
+            /* no hit after all: the session comes back from its file */
+            ctx->verify = 0;
+            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
+            ctx->swapped = 1;
+            ctx->swap_start = ngx_current_msec;
+        }
+
         ctx->restarted = 1;
         ctx->save_pending = 0;
         ctx->out_len = 0;
@@ -753,6 +770,11 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
                                            NULL, 0);
+    }
+
+    if (ctx->verify && !processing) {
+        /* the hit is one */
+        return ngx_http_llama_session_proxy(r, ctx);
     }
 
     if (processing) {

@@ -37,6 +37,13 @@
  */
 #define NGX_HTTP_LLAMA_SESSION_QUARANTINE  2000
 
+/*
+ * A hit on a slot that had no request for this long asks GET /slots
+ * first: llama-server may have restarted meanwhile (its slots are empty
+ * then, and the session is restored from its file instead).
+ */
+#define NGX_HTTP_LLAMA_SESSION_VERIFY      1000
+
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_OFF     0
 #define NGX_HTTP_LLAMA_SESSION_FALLBACK_SYSTEM  1
 
@@ -401,6 +408,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        slots_checked:1; /* GET /slots vouched */
     unsigned                        quarantine:1;
     unsigned                        has_head:1;
+    unsigned                        verify:1;   /* a hit, checked first */
     unsigned                        probe:1;
     unsigned                        anthropic:1; /* /v1/messages */
     unsigned                        slot_has_base:1;

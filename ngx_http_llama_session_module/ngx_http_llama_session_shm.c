@@ -306,6 +306,8 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     if (hit) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
         ctx->save_pending = 0;
+        ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
+                       >= NGX_HTTP_LLAMA_SESSION_VERIFY);
 
         /* the request will change the session in the slot */
         slot->dirty = 1;
@@ -470,6 +472,8 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
     if (s != NGX_ERROR) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
         ctx->save_pending = 0;
+        ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
+                       >= NGX_HTTP_LLAMA_SESSION_VERIFY);
         slot->dirty = 1;
         sh->stats.hits++;
 

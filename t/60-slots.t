@@ -165,6 +165,57 @@ ok($t->wait_for(sub {
        && !grep { $_->{changed_since_save} } @{ $c->{slots} }
    }, 15), 'idle saves saved every slot');
 
+# every inference endpoint is pinned: a client's id_slot never wins
+my $words = join ' ', map { "word$_" } 1 .. 300;
+my %endpoints = (
+    '/completion' => sub { { prompt => "$_[0] $words $_[1]", n_predict => 2,
+                             id_slot => $_[2] } },
+    '/v1/completions' => sub { { prompt => "$_[0] $words $_[1]",
+                                 max_tokens => 2, id_slot => $_[2] } },
+    '/v1/responses' => sub { { input => "$_[0] $words $_[1]",
+                               max_output_tokens => 2, id_slot => $_[2] } },
+);
+sub cached_of {
+    my ($j) = @_;
+    return $j->{timings}{cache_n}
+           // $j->{usage}{input_tokens_details}{cached_tokens};
+}
+for my $ep (sort keys %endpoints) {
+    my $sid = "ep$ep" =~ s{/}{_}gr;
+    my $r1 = $t->post($ep, $endpoints{$ep}->($sid, 'one', 0),
+                      headers => { 'X-Session-Id' => $sid });
+    is($r1->{status}, 200, "$ep is served");
+    my $s1 = $r1->{headers}{'x-s-slot'};
+    # the other sessions take every other slot in between
+    turn("between$_$sid") for 1 .. 3;
+    my $r2 = $t->post($ep, $endpoints{$ep}->($sid, 'two', ($s1 + 1) % 4),
+                      headers => { 'X-Session-Id' => $sid });
+    is($r2->{status}, 200, "$ep again, with another id_slot from the client");
+    cmp_ok(cached_of($r2->{json}) // 0, '>', 250,
+           "$ep: its own state on its own slot ("
+           . (cached_of($r2->{json}) // 'no') . ' cached)');
+}
+
+# llama-server restarts: each session's next turn comes from its file
+my @four = map { "after$_" } 1 .. 4;
+my %before = map { $_ => turn($_) } @four;
+ok($t->wait_for(sub {
+       !grep { $_->{changed_since_save} }
+            @{ $t->get('/api/sessions/current')->{json}{slots} }
+   }, 15), 'the four are saved');
+$t->stop_llama;
+$t->llama(np => 4, ctx => 4 * 8192, port => $t->{llama_port}{llama});
+for my $sid (@four) {
+    my $r = turn($sid);
+    is($r->{action}, 'restore', "after the restart $sid is restored, not "
+       . 'taken for a hit');
+    cmp_ok($r->{cached}, '>=', $before{$sid}{prompt} - 4,
+           "$sid finds its history ($r->{cached} of "
+           . "$before{$sid}{prompt})");
+}
+ok($t->log_lines(qr/llama-server restarted \(slot \d shows task/),
+   'the restart is logged');
+
 # Anthropic's endpoint cannot be pinned: refused, not run anywhere
 $r = $t->post('/v1/messages', { model => 'm', max_tokens => 4,
                                 messages => [ { role => 'user',
