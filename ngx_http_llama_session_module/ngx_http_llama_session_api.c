@@ -238,14 +238,14 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
-        api->last = zone->nslots;
+        api->last = zone->sh->nslots;
 
         /* ?slot=k: that slot alone */
 
         if (ngx_http_arg(r, (u_char *) "slot", 4, &arg) == NGX_OK) {
             n = ngx_atoi(arg.data, arg.len);
 
-            if (n == NGX_ERROR || (ngx_uint_t) n >= zone->nslots) {
+            if (n == NGX_ERROR || (ngx_uint_t) n >= zone->sh->nslots) {
                 rc = ngx_http_discard_request_body(r);
                 if (rc != NGX_OK) {
                     return rc;
@@ -378,7 +378,7 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
         klen = nodes[i].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
         in_slot = 0;
 
-        for (j = 0; j < zone->nslots; j++) {
+        for (j = 0; j < zone->sh->nslots; j++) {
             if (slots[j].state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
                 && slots[j].key_len == klen
                 && ngx_memcmp(slots[j].key, nodes[i].name, klen) == 0)
@@ -547,7 +547,7 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
 
 #undef ngx_http_llama_session_api_stat
 
-    for (i = 0; i < zone->nslots; i++) {
+    for (i = 0; i < zone->sh->nslots; i++) {
         slot = &copy.slots[i];
 
         item = cJSON_CreateObject();

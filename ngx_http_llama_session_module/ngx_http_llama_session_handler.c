@@ -417,31 +417,6 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
-        } else if (ctx->zone->nslots > 1
-                   && r->uri.len >= sizeof("/messages") - 1
-                   && ngx_strncmp(r->uri.data + r->uri.len
-                                  - (sizeof("/messages") - 1),
-                                  "/messages", sizeof("/messages") - 1) == 0)
-        {
-            /*
-             * llama-server's Anthropic conversion drops "id_slot": the
-             * request could run on any slot, on another session's cache
-             */
-
-            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                          "llama_session: zone \"%V\" has %ui slots and "
-                          "llama-server cannot pin \"%V\" to one (it drops "
-                          "id_slot): refused", &ctx->zone->name,
-                          ctx->zone->nslots, &r->uri);
-
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
-            ctx->fail_status = NGX_HTTP_NOT_IMPLEMENTED;
-            ctx->fail_type = "not_implemented_error";
-            ctx->fail_message = "llama-server cannot run this endpoint on "
-                                "a chosen slot; with several slots, use "
-                                "/v1/chat/completions, or a zone with "
-                                "slots=1 for Anthropic clients";
-
         } else {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
 
@@ -474,6 +449,42 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 {
     ngx_int_t   rc;
     ngx_msec_t  now, delay;
+
+    if (ctx->zone->sh->nslots == 0) {
+        /* slots=auto: the backend's slot count first (GET /props) */
+
+        ctx->learn_slots = 1;
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+                                           NULL, 0);
+    }
+
+    if (!ctx->queued && ctx->zone->sh->nslots > 1
+        && r->uri.len >= sizeof("/messages") - 1
+        && ngx_strncmp(r->uri.data + r->uri.len - (sizeof("/messages") - 1),
+                       "/messages", sizeof("/messages") - 1) == 0)
+    {
+        /*
+         * llama-server's Anthropic conversion drops "id_slot": the
+         * request could run on any slot, on another session's cache
+         */
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: zone \"%V\" has %ui slots and "
+                      "llama-server cannot pin \"%V\" to one (it drops "
+                      "id_slot): refused", &ctx->zone->name,
+                      ctx->zone->sh->nslots, &r->uri);
+
+        return ngx_http_llama_session_error(r, ctx,
+                                  NGX_HTTP_NOT_IMPLEMENTED,
+                                  "not_implemented_error",
+                                  "llama-server cannot run this endpoint on "
+                                  "a chosen slot; with several slots, use "
+                                  "/v1/chat/completions, or a zone with "
+                                  "slots=1 for Anthropic clients", 0);
+    }
 
     rc = ngx_http_llama_session_acquire(ctx);
 
@@ -650,6 +661,18 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
     }
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    if (ctx->learn_slots) {
+        ctx->learn_slots = 0;
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+
+        if (ctx->zone->sh->nslots == 0) {
+            return ngx_http_llama_session_backend_error(r, ctx,
+                                                        "GET /props");
+        }
+
+        return ngx_http_llama_session_wait(r, ctx);
+    }
 
     return ngx_http_llama_session_files(r, ctx);
 }
@@ -1032,7 +1055,7 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    if (ctx->zone->nslots > 1
+    if (ctx->zone->sh->nslots > 1
         && ngx_http_llama_session_pin(r, ctx) == NGX_ERROR)
     {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;

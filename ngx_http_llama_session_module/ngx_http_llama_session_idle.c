@@ -114,7 +114,7 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
 
     pool = NULL;
 
-    for (n = 0; n < zone->nslots; n++) {
+    for (n = 0; n < zone->sh->nslots; n++) {
 
         if (pool == NULL) {
             pool = ngx_create_pool(4096, ev->log);

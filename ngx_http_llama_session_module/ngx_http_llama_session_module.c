@@ -434,6 +434,12 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
+        if (ngx_strcmp(value[i].data, "slots=auto") == 0) {
+            /* what the backend's GET /props says, at the first request */
+            nslots = 0;
+            continue;
+        }
+
         if (ngx_strncmp(value[i].data, "slots=", 6) == 0) {
 
             n = ngx_atoi(value[i].data + 6, value[i].len - 6);

@@ -409,6 +409,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        quarantine:1;
     unsigned                        has_head:1;
     unsigned                        verify:1;   /* a hit, checked first */
+    unsigned                        learn_slots:1; /* slots=auto */
     unsigned                        probe:1;
     unsigned                        anthropic:1; /* /v1/messages */
     unsigned                        slot_has_base:1;

@@ -156,7 +156,7 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 
     /* after a start nobody can vouch for what the backend's slots hold */
 
-    for (i = 0; i < zone->nslots; i++) {
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; i++) {
         sh->slots[i].state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
         sh->slots[i].task = -1;
     }
@@ -1221,6 +1221,16 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
     sh->fp_known = 1;
     sh->n_ctx = n_ctx;
     sh->total_slots = total_slots;
+
+    if (sh->nslots == 0 && total_slots) {
+        /* slots=auto: the zone drives the slots the backend has */
+
+        sh->nslots = ngx_min(total_slots, NGX_HTTP_LLAMA_SESSION_SLOTS_MAX);
+
+        ngx_log_error(NGX_LOG_NOTICE, ctx->request->connection->log, 0,
+                      "llama_session zone \"%V\" drives the %ui slots of "
+                      "its backend (slots=auto)", &zone->name, sh->nslots);
+    }
     sh->model_path_len = (u_short) ngx_min(model_path->len,
                                            NGX_HTTP_LLAMA_SESSION_PATH_SHOW);
     ngx_memcpy(sh->model_path, model_path->data, sh->model_path_len);

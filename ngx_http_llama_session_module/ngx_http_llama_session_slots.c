@@ -891,10 +891,12 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
 
     ctx->props_text.len = p - ctx->props_text.data;
 
-    if (ctx->props_slots != ctx->zone->nslots) {
+    if (ctx->zone->nslots && ctx->props_slots != ctx->zone->nslots) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: llama-server has %ui slots, zone \"%V\" "
-                      "has slots=%ui", ctx->props_slots, &ctx->zone->name,
+                      "has slots=%ui: set -np and slots= alike, or "
+                      "slots=auto; a slot llama-server does not have is "
+                      "never used", ctx->props_slots, &ctx->zone->name,
                       ctx->zone->nslots);
     }
 

@@ -143,5 +143,48 @@ is($c[-1]{body_len}, length($JSON->encode($big))
    + length(qq(,"id_slot":$r->{headers}{'x-s-slot'})),
    'pinned, with the right length');
 
+# slots=auto: the backend's slot count, learned at the first request
+$t->stop_nginx;
+$t->nginx(<<'EOF2');
+    llama_session_zone zone=auto:1m slots=auto store=%%SLOTS%%;
+
+    upstream llama { server 127.0.0.1:%%LLAMA%%; }
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        add_header X-S-Slot $llama_session_slot always;
+
+        location / {
+            llama_session auto;
+            proxy_pass http://llama;
+        }
+
+        location /api/ {
+            llama_session_api auto;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://llama/;
+        }
+    }
+EOF2
+is(scalar @{ $t->get('/api/sessions/current')->{json}{slots} }, 0,
+   'slots=auto: no slot before the first request');
+my %seen;
+for my $sid (map { "auto$_" } 1 .. 4) {
+    $r = $t->post('/v1/chat/completions',
+                  { messages => [ { role => 'user', content => $sid } ] },
+                  headers => { 'X-Session-Id' => $sid });
+    is($r->{status}, 200, "slots=auto: $sid is served");
+    $seen{ $r->{headers}{'x-s-slot'} }++;
+}
+is(scalar keys %seen, 4, 'on the four slots llama-server has');
+is(scalar @{ $t->get('/api/sessions/current')->{json}{slots} }, 4,
+   'the API shows four slots');
+ok($t->log_lines(qr/zone "auto" drives the 4 slots of its backend \(slots=auto\)/),
+   'the count is logged');
+
 $t->stop;
 done_testing;
