@@ -16,6 +16,9 @@
           token system prompt, interleaved with returning turns of older
           ones: nginx + module against llama-server alone at its defaults
           and with --cache-ram 0
+6. team   M sessions on 4 slots (-np 4), 4 clients with think time:
+          llama-server alone at its defaults, with a RAM budget of two
+          sessions, and nginx + module (slots=4), M = 4, 8, 16
 
 Every comparison runs in one process, its sides alternating request by
 request.  Results: a table on stdout and JSON (--out).
@@ -89,7 +92,7 @@ def p95(xs):
 class Llama:
     """a real llama-server of the rig"""
 
-    def __init__(self, work, name, ctx, cache_ram=0, args=None):
+    def __init__(self, work, name, ctx, cache_ram=0, args=None, np=1):
         self.name = name
         self.port = free_port()
         self.slots = os.path.join(work, name + '-slots')
@@ -97,7 +100,7 @@ class Llama:
         self.log = open(os.path.join(work, name + '.log'), 'ab')
         self.args = [rig('build-llama-server.sh'), '-m', rig('make-model.sh'),
                      '--host', '127.0.0.1', '--port', str(self.port),
-                     '-np', '1', '-c', str(ctx), '--slot-save-path',
+                     '-np', str(np), '-c', str(ctx), '--slot-save-path',
                      self.slots, '-t', '2', '--no-webui']
         if args is not None:
             # llama-server as it is run without the module
@@ -778,11 +781,138 @@ def bench_warm(work, quick):
     return results
 
 
+# 6. a team on four slots ------------------------------------------------
+
+def bench_team(work, quick, full=False):
+    import threading
+    nslots, clients, think, rounds = 4, 4, 1.0, 3
+    grid = [(4096, [4, 8, 16])]
+    if full:
+        grid = [(4096, [4, 8, 16]), (8192, [4, 8, 16])]
+    if quick:
+        grid = [(2048, [4, 8])]
+    kv_per_token = 8.3 * 1024
+    results = []
+
+    for ptoks, ms in grid:
+        ctx = nslots * (ptoks + 1536)
+        for m in ms:
+            budget = int(2.5 * ptoks * kv_per_token / 2 ** 20) + 8
+            defaults = Llama(work, 'team-defaults-%d-%d' % (ptoks, m), ctx,
+                             args=[], np=nslots)
+            ram2 = Llama(work, 'team-ram2-%d-%d' % (ptoks, m), ctx,
+                         args=['--cache-ram', str(budget)], np=nslots)
+            withmod = Llama(work, 'team-module-%d-%d' % (ptoks, m), ctx,
+                            np=nslots)
+            nport = free_port()
+            ngx = Nginx(work, 'nginx-team-%d-%d' % (ptoks, m), '''
+    llama_session_zone zone=llama:4m slots=%d store=%s save_idle=500ms
+                       backend=127.0.0.1:%d;
+    upstream llama { server 127.0.0.1:%d; keepalive 8; }
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            llama_session_wait_timeout 600s;
+            proxy_pass http://llama;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://llama/;
+            proxy_read_timeout 900s;
+        }
+    }''' % (nslots, withmod.slots, withmod.port, withmod.port, nport))
+            wait_http(nport)
+            sides = [('defaults', defaults.port), ('ram_two_sessions',
+                                                   ram2.port),
+                     ('module', nport)]
+            # the words for a session of about ptoks tokens, measured once
+            nwords = words_for(withmod.port, ptoks, 'team')
+            system = filler('sys', nwords // 4)
+            row = {'prompt_tokens': ptoks, 'sessions': m, 'slots': nslots,
+                   'clients': clients, 'think_seconds': think, 'sides': {}}
+
+            for side, port in sides:
+                conv = {i: [{'role': 'system', 'content': system},
+                            {'role': 'user', 'content':
+                             filler('u%dw' % i, nwords * 3 // 4) + ' Q1?'}]
+                        for i in range(m)}
+                lock = threading.Lock()
+                rec = {'return': [], 'cached': 0, 'prompt': 0, 'turns': 0}
+
+                def client(k, round_no):
+                    for i in range(k, m, clients):
+                        msgs = conv[i]
+                        if round_no:
+                            msgs.append({'role': 'user', 'content':
+                                         'Q%d? %s' % (round_no + 1,
+                                                      filler('q', 8))})
+                        ttft, text, cache_n, _, prompt_n = stream_turn(
+                            port, msgs, 'team-%d' % i)
+                        msgs.append({'role': 'assistant', 'content': text})
+                        with lock:
+                            rec['turns'] += 1
+                            if round_no:
+                                rec['return'].append(ttft)
+                                rec['cached'] += cache_n or 0
+                                rec['prompt'] += prompt_n or 0
+                        time.sleep(think)
+
+                t0 = time.time()
+                for round_no in range(rounds):
+                    th = [threading.Thread(target=client, args=(k, round_no))
+                          for k in range(clients)]
+                    for x in th:
+                        x.start()
+                    for x in th:
+                        x.join()
+                elapsed = time.time() - t0
+                row['sides'][side] = {
+                    'return_p50': median(rec['return']),
+                    'return_p95': p95(rec['return']),
+                    'turns_per_minute': 60.0 * rec['turns'] / elapsed,
+                    'cached_share': (rec['cached'] / rec['prompt']
+                                     if rec['prompt'] else None),
+                    'samples': len(rec['return']),
+                    'seconds': round(elapsed, 1),
+                }
+            d = row['sides']
+            row['module_vs_ram_two'] = (d['module']['return_p50']
+                                        / d['ram_two_sessions']['return_p50'])
+            row['module_vs_defaults'] = (d['module']['return_p50']
+                                         / d['defaults']['return_p50'])
+            results.append(row)
+            print('team %d tokens, %2d sessions on %d slots: returning p50 '
+                  '%s / %s / %s s (defaults / RAM for two / module), '
+                  'turns/min %.1f / %.1f / %.1f, cached %s / %s / %s'
+                  % (ptoks, m, nslots, fmt(d['defaults']['return_p50']),
+                     fmt(d['ram_two_sessions']['return_p50']),
+                     fmt(d['module']['return_p50']),
+                     d['defaults']['turns_per_minute'],
+                     d['ram_two_sessions']['turns_per_minute'],
+                     d['module']['turns_per_minute'],
+                     fmt(d['defaults']['cached_share'], '%.2f'),
+                     fmt(d['ram_two_sessions']['cached_share'], '%.2f'),
+                     fmt(d['module']['cached_share'], '%.2f')))
+
+            ngx.stop()
+            for srv in (defaults, ram2, withmod):
+                srv.stop()
+                shutil.rmtree(srv.slots, ignore_errors=True)
+
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
                                                   'latest.json'))
-    ap.add_argument('--only', default='ttft,swap,hit,scale,warm')
+    ap.add_argument('--only', default='ttft,swap,hit,scale,warm,team')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '
@@ -808,7 +938,8 @@ def main():
         for part in args.only.split(','):
             t1 = time.time()
             fn = globals()['bench_' + part]
-            result[part] = (fn(work, args.quick, args.full) if part == 'ttft'
+            result[part] = (fn(work, args.quick, args.full)
+                            if part in ('ttft', 'team')
                             else fn(work, args.quick))
             result[part + '_seconds'] = round(time.time() - t1, 1)
     finally:

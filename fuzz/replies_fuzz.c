@@ -140,6 +140,23 @@ ngx_http_llama_session_store_delete(u_char *file)
 }
 
 
+ngx_int_t
+ngx_http_llama_session_store_commit(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size)
+{
+    fuzz_unexpected("ngx_http_llama_session_store_commit");
+    return NGX_ERROR;
+}
+
+
+void
+ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    fuzz_unexpected("ngx_http_llama_session_store_drop_tmp");
+}
+
+
 static void
 fuzz_props_reply(ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *b, u_char *p,
     size_t size)

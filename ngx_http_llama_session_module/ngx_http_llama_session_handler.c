@@ -48,6 +48,8 @@ static ngx_int_t ngx_http_llama_session_load(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_loaded(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_pinned(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 static void ngx_http_llama_session_wake(ngx_event_t *ev);
@@ -121,22 +123,23 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_props(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_CHECK:
-        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
-            return NGX_AGAIN;
-        }
-
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
-            /* after a pause while the backend still ran the slot */
-            return ngx_http_llama_session_call(r, ctx,
-                                               NGX_HTTP_LLAMA_SESSION_CALL_GET,
-                                               NULL, 0);
-        }
-
         if (!ctx->call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_checked(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_PAUSE:
+        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
+            return NGX_AGAIN;
+        }
+
+        /* after a pause while the backend still ran the slot */
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                           NULL, 0);
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
         if (!ctx->call_done) {
@@ -722,14 +725,13 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     ngx_uint_t  processing;
     ngx_msec_t  delay;
 
-    if (ctx->call_status == 0 || ctx->call_status == NGX_HTTP_UNAUTHORIZED
-        || ctx->call_status == NGX_HTTP_FORBIDDEN
-        || ctx->call_status == NGX_HTTP_NOT_FOUND
-        || ctx->call_status >= NGX_HTTP_INTERNAL_SERVER_ERROR)
+    /* 501: --no-slots, see below */
+
+    if (ngx_http_llama_session_backend_failed(ctx->call_status)
+        || (ctx->call_status >= NGX_HTTP_INTERNAL_SERVER_ERROR
+            && ctx->call_status != NGX_HTTP_NOT_IMPLEMENTED))
     {
-        if (ctx->call_status != NGX_HTTP_NOT_IMPLEMENTED) {
-            return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
-        }
+        return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
     }
 
     processing = 0;
@@ -822,6 +824,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         ctx->delay = (ctx->polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
                      : ngx_min(ctx->delay * 2, NGX_HTTP_LLAMA_SESSION_BUSY_MAX);
 
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PAUSE;
+
         return ngx_http_llama_session_sleep(r, ctx,
                                       ngx_min(ctx->delay,
                                               (ngx_msec_t) (ctx->deadline
@@ -840,6 +844,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         delay = ctx->quiet_until - ngx_current_msec;
         ctx->quiet_until = 0;
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PAUSE;
 
         return ngx_http_llama_session_sleep(r, ctx, delay);
     }
@@ -908,13 +913,13 @@ ngx_http_llama_session_saved_ok(ngx_log_t *log,
 
     if (key != ctx->out_key) {
         /* a base: it goes before the session that starts from it */
-        ngx_http_llama_session_evict(log, ctx->zone, key, len);
+        ngx_http_llama_session_store_evict(log, ctx->zone, key, len);
 
     } else if (ctx->key_len) {
-        ngx_http_llama_session_evict(log, ctx->zone, ctx->key, ctx->key_len);
+        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->key, ctx->key_len);
 
     } else {
-        ngx_http_llama_session_evict(log, ctx->zone, ctx->out_key,
+        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->out_key,
                                      ctx->out_len);
     }
 }
@@ -961,14 +966,10 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
 
     call = ctx->call;
 
-    if (ctx->call_status == 0
-        || ctx->call_status == NGX_HTTP_UNAUTHORIZED
-        || ctx->call_status == NGX_HTTP_FORBIDDEN
-        || ctx->call_status == NGX_HTTP_NOT_FOUND
-        || ctx->call_status == NGX_HTTP_NOT_IMPLEMENTED
-        || ctx->call_status == NGX_HTTP_BAD_GATEWAY
-        || ctx->call_status == NGX_HTTP_SERVICE_UNAVAILABLE
-        || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+    /* 501: llama-server without --slot-save-path */
+
+    if (ngx_http_llama_session_backend_failed(ctx->call_status)
+        || ctx->call_status == NGX_HTTP_NOT_IMPLEMENTED)
     {
         return ngx_http_llama_session_backend_error(r, ctx,
                                (char *) ngx_http_llama_session_call_names[call]
@@ -1055,15 +1056,9 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    if (ctx->zone->sh->nslots > 1
-        && ngx_http_llama_session_pin(r, ctx) == NGX_ERROR)
-    {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
     if (!ctx->swapped) {
         /* a hit: the zone marked the slot changed already */
-        return NGX_DECLINED;
+        return ngx_http_llama_session_pinned(r, ctx);
     }
 
     /* whatever runs now leaves the slot holding this session's tokens */
@@ -1143,7 +1138,43 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
                   "in %*s, %M ms in all", ctx->slot, &ctx->zone->name,
                   out_len, out, p - in, in, ctx->swap_ms);
 
-    return NGX_DECLINED;
+    return ngx_http_llama_session_pinned(r, ctx);
+}
+
+
+/*
+ * With several slots the request goes to the slot it holds, by "id_slot"
+ * in its body; one that cannot be pinned could run on any slot: never.
+ * The slot is labelled with the session already, which is what it holds.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_pinned(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t  rc;
+
+    if (ctx->zone->sh->nslots < 2) {
+        return NGX_DECLINED;
+    }
+
+    rc = ngx_http_llama_session_pin(r, ctx);
+
+    if (rc == NGX_OK) {
+        return NGX_DECLINED;
+    }
+
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                  "llama_session: the body is no JSON object, it cannot be "
+                  "pinned to slot %ui", ctx->slot);
+
+    return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
+                                        "invalid_request_error",
+                                        "the body must be a JSON object", 0);
 }
 
 

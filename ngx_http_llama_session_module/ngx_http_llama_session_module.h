@@ -83,6 +83,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE,
     NGX_HTTP_LLAMA_SESSION_ST_PROPS,
     NGX_HTTP_LLAMA_SESSION_ST_CHECK,
+    NGX_HTTP_LLAMA_SESSION_ST_PAUSE,    /* until GET /slots again */
     NGX_HTTP_LLAMA_SESSION_ST_SAVE,
     NGX_HTTP_LLAMA_SESSION_ST_LOAD,
     NGX_HTTP_LLAMA_SESSION_ST_WARM,
@@ -257,6 +258,15 @@ typedef struct {
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
 } ngx_http_llama_session_zone_t;
+
+
+/* a file the zone gave up, to delete outside the lock */
+
+typedef struct {
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          len;
+    off_t                           bytes;
+} ngx_http_llama_session_evicted_t;
 
 
 /* configuration */
@@ -516,8 +526,9 @@ ngx_uint_t ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_int_t task);
 ngx_int_t ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
     u_char *name, size_t len, ngx_http_llama_session_node_t *copy);
-void ngx_http_llama_session_evict(ngx_log_t *log,
-    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
+ngx_uint_t ngx_http_llama_session_evict_pick(
+    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len,
+    ngx_http_llama_session_evicted_t *out, ngx_uint_t max);
 ngx_http_llama_session_node_t *ngx_http_llama_session_node(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
 ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(
@@ -528,10 +539,6 @@ size_t ngx_http_llama_session_file_name(u_char *buf, u_char *key,
     size_t len, u_char *fp);
 void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
     ngx_atomic_uint_t *counter);
-
-/* store.c: keeping the index true to the folder */
-ngx_int_t ngx_http_llama_session_store_sync(
-    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 
 /* slots.c: slot calls */
 ngx_uint_t ngx_http_llama_session_own_call(ngx_http_request_t *r);
@@ -544,25 +551,30 @@ ngx_int_t ngx_http_llama_session_parse_slots(ngx_log_t *log,
 ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
     double *ms);
-ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
 ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, const char *what, u_char *key,
     size_t len);
 ngx_uint_t ngx_http_llama_session_may_save(
     ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_parse_models(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_uint_t ngx_http_llama_session_backend_failed(ngx_int_t status);
 
-/* store.c: the store folder */
+/* store.c: the store folder, the index kept true to it */
+ngx_int_t ngx_http_llama_session_store_sync(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
+void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+void ngx_http_llama_session_store_evict(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
 ngx_int_t ngx_http_llama_session_store_check(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_index(

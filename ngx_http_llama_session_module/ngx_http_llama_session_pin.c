@@ -22,19 +22,19 @@
 
 
 static ssize_t ngx_http_llama_session_tail(ngx_http_request_t *r,
-    u_char *tail, size_t size, off_t total);
+    u_char *tail, size_t size, off_t end);
 
 
 /*
- * NGX_OK: pinned; NGX_DECLINED: the body is no JSON object (llama-server
- * refuses it before it takes a slot); NGX_ERROR: an error.
+ * NGX_OK: pinned; NGX_DECLINED: the body does not end as a JSON object
+ * does (the request must not go unpinned); NGX_ERROR: an error.
  */
 
 ngx_int_t
 ngx_http_llama_session_pin(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    off_t         total, at, size;
+    off_t         total, end, at, size;
     u_char        tail[NGX_HTTP_LLAMA_SESSION_TAIL], *p;
     ssize_t       n;
     ngx_buf_t    *b, *cut;
@@ -51,28 +51,42 @@ ngx_http_llama_session_pin(ngx_http_request_t *r,
         total += ngx_buf_size(cl->buf);
     }
 
-    n = ngx_http_llama_session_tail(r, tail, sizeof(tail), total);
+    /* the closing brace: the last byte that is no white space */
 
-    if (n == NGX_ERROR) {
-        return NGX_ERROR;
+    end = total;
+
+    for ( ;; ) {
+        if (end == 0) {
+            return NGX_DECLINED;
+        }
+
+        n = ngx_http_llama_session_tail(r, tail, sizeof(tail), end);
+
+        if (n == NGX_ERROR) {
+            return NGX_ERROR;
+        }
+
+        p = tail + n;
+
+        while (p > tail && (p[-1] == ' ' || p[-1] == '\t' || p[-1] == '\r'
+                            || p[-1] == '\n'))
+        {
+            p--;
+        }
+
+        if (p > tail) {
+            break;
+        }
+
+        end -= n;
     }
 
-    /* the closing brace, and whether anything comes before it */
-
-    p = tail + n;
-
-    while (p > tail && (p[-1] == ' ' || p[-1] == '\t' || p[-1] == '\r'
-                        || p[-1] == '\n'))
-    {
-        p--;
-    }
-
-    if (p == tail || p[-1] != '}') {
+    if (p[-1] != '}') {
         return NGX_DECLINED;
     }
 
     p--;
-    at = total - n + (p - tail);     /* the brace's offset in the body */
+    at = end - n + (p - tail);       /* the brace's offset in the body */
 
     while (p > tail && (p[-1] == ' ' || p[-1] == '\t' || p[-1] == '\r'
                         || p[-1] == '\n'))
@@ -80,6 +94,7 @@ ngx_http_llama_session_pin(ngx_http_request_t *r,
         p--;
     }
 
+    /* an empty object takes no comma (the brace's neighbour, if in view) */
     empty = (p > tail && p[-1] == '{');
 
     /* the body up to the brace */
@@ -156,29 +171,29 @@ ngx_http_llama_session_pin(ngx_http_request_t *r,
 }
 
 
-/* the last bytes of the body, from memory or its temporary file */
+/* the body's bytes before "end" (at most size), from memory or its file */
 
 static ssize_t
 ngx_http_llama_session_tail(ngx_http_request_t *r, u_char *tail, size_t size,
-    off_t total)
+    off_t end)
 {
-    off_t         from, start, end, lo, hi;
+    off_t         from, start, stop, lo, hi;
     u_char       *p;
     ssize_t       n;
     ngx_buf_t    *b;
     ngx_chain_t  *cl;
 
-    from = total > (off_t) size ? total - (off_t) size : 0;
+    from = end > (off_t) size ? end - (off_t) size : 0;
     p = tail;
     start = 0;
 
-    for (cl = r->request_body->bufs; cl; cl = cl->next) {
+    for (cl = r->request_body->bufs; cl && start < end; cl = cl->next) {
         b = cl->buf;
-        end = start + ngx_buf_size(b);
+        stop = start + ngx_buf_size(b);
 
-        if (end > from) {
+        if (stop > from) {
             lo = ngx_max(from, start) - start;
-            hi = end - start;
+            hi = ngx_min(stop, end) - start;
 
             if (ngx_buf_in_memory(b)) {
                 p = ngx_cpymem(p, b->pos + lo, (size_t) (hi - lo));
@@ -198,7 +213,7 @@ ngx_http_llama_session_tail(ngx_http_request_t *r, u_char *tail, size_t size,
             }
         }
 
-        start = end;
+        start = stop;
     }
 
     return p - tail;

@@ -1035,8 +1035,11 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
         slot->has_base = 0;
     }
 
-    slot->last_used = ngx_current_msec;
-    slot->used_at = ngx_time();
+    if (ctx->request && ctx->api == NULL) {
+        /* a request's use (not an idle save's, nor the API's) */
+        slot->last_used = ngx_current_msec;
+        slot->used_at = ngx_time();
+    }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 }
@@ -1313,31 +1316,23 @@ ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
 
 
 /*
- * Deletes the least recently used files while the zone has more than
+ * The least recently used files to delete while the zone has more than
  * max_files or max_size, never a session in a slot nor "keep" (the one
- * being restored).  The files go after the lock is released.
+ * coming in): they are forgotten here, and deleted by the caller after
+ * the lock (ngx_http_llama_session_store_evict).  Returns how many.
  */
 
-#define NGX_HTTP_LLAMA_SESSION_EVICT_BATCH  64
-
-void
-ngx_http_llama_session_evict(ngx_log_t *log,
-    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len)
+ngx_uint_t
+ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
+    u_char *keep, size_t keep_len, ngx_http_llama_session_evicted_t *out,
+    ngx_uint_t max)
 {
-    u_char                          names[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH]
-                                         [NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t                          lens[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
-    off_t                           sizes[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
     size_t                          klen;
     ngx_uint_t                      i, n, used;
     ngx_queue_t                    *q, *prev;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *node;
     ngx_http_llama_session_slot_t  *slot;
-
-    if (zone->max_files == 0 && zone->max_size == 0) {
-        return;
-    }
 
     sh = zone->sh;
     n = 0;
@@ -1346,7 +1341,7 @@ ngx_http_llama_session_evict(ngx_log_t *log,
 
     for (q = ngx_queue_last(&sh->lru);
          q != ngx_queue_sentinel(&sh->lru)
-         && n < NGX_HTTP_LLAMA_SESSION_EVICT_BATCH
+         && n < max
          && ((zone->max_files && sh->files > zone->max_files)
              || (zone->max_size && sh->bytes > zone->max_size));
          q = prev)
@@ -1383,9 +1378,9 @@ ngx_http_llama_session_evict(ngx_log_t *log,
             continue;
         }
 
-        ngx_memcpy(names[n], node->name, node->name_len);
-        lens[n] = node->name_len;
-        sizes[n] = node->bytes;
+        ngx_memcpy(out[n].name, node->name, node->name_len);
+        out[n].len = node->name_len;
+        out[n].bytes = node->bytes;
         n++;
 
         ngx_http_llama_session_node_file(sh, node, 0, 0);
@@ -1394,16 +1389,7 @@ ngx_http_llama_session_evict(ngx_log_t *log,
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
-    for (i = 0; i < n; i++) {
-        ngx_log_error(NGX_LOG_INFO, log, 0,
-                      "llama_session: evicted session \"%*s\" (%O bytes) to "
-                      "keep zone \"%V\" within max_files=%ui max_size=%O",
-                      lens[i], names[i], sizes[i], &zone->name,
-                      zone->max_files, zone->max_size);
-
-        (void) ngx_http_llama_session_store_unlink(zone, names[i], lens[i],
-                                                   log);
-    }
+    return n;
 }
 
 

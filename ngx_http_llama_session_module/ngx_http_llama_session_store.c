@@ -456,7 +456,7 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
 
     ngx_destroy_pool(pool);
 
-    ngx_http_llama_session_evict(log, zone, NULL, 0);
+    ngx_http_llama_session_store_evict(log, zone, NULL, 0);
 
     return NGX_OK;
 }
@@ -993,5 +993,175 @@ ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
 
     if (!ngx_queue_empty(&ngx_http_llama_session_doomed) && !ngx_exiting) {
         ngx_add_timer(ev, 10);
+    }
+}
+
+
+/*
+ * With store= the save went to "<key>.<fp>.bin.tmp": move it into place, so
+ * a save that fails or dies half way never harms the previous file.  The
+ * temporary file must be a regular file (no link) of the size llama-server
+ * says it wrote.
+ *
+ * The previous file is first moved aside to ".bin.old", then the new one
+ * takes its name, then the old one goes: a rename over an existing file
+ * makes ext4 (auto_da_alloc) write the new file's data out at once, which
+ * costs more than the save itself; renames to free names do not.  If the
+ * process dies between the two renames, the next start brings ".bin.old"
+ * back.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_commit(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size)
+{
+    u_char           from[NGX_MAX_PATH], to[NGX_MAX_PATH], old[NGX_MAX_PATH];
+    u_char           name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t           n;
+    ngx_str_t       *store;
+    ngx_uint_t       aside;
+    ngx_file_info_t  fi;
+
+    store = &ctx->zone->store;
+
+    if (store->len == 0) {
+        return NGX_OK;
+    }
+
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+
+    ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
+    ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
+    ngx_snprintf(old, sizeof(old), "%V/%*s.bin.old%Z", store, n, name);
+
+    if (ngx_link_info(from, &fi) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_link_info_n " \"%s\" failed: is store= the folder "
+                      "of llama-server's --slot-save-path?", from);
+        return NGX_ERROR;
+    }
+
+    if (!ngx_is_file(&fi) || size <= 0 || ngx_file_size(&fi) != size) {
+        ngx_log_error(NGX_LOG_ERR, log, 0,
+                      "llama_session: \"%s\" is not the file llama-server "
+                      "said it wrote (%O bytes, it has %O): a full disk?",
+                      from, size,
+                      ngx_is_file(&fi) ? ngx_file_size(&fi) : (off_t) -1);
+        return NGX_ERROR;
+    }
+
+    aside = (ngx_rename_file(to, old) != NGX_FILE_ERROR);
+
+    if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_rename_file_n " \"%s\" to \"%s\" failed: is "
+                      "store= the folder of llama-server's --slot-save-path "
+                      "and writable by nginx's workers?", from, to);
+
+        if (aside) {
+            (void) ngx_rename_file(old, to);
+        }
+
+        return NGX_ERROR;
+    }
+
+    if (aside && ctx->request && !ctx->api && ctx->old_len == 0) {
+        /* deleting a large file takes its time: after the request */
+        ngx_memcpy(ctx->old_name, name, n);
+        ctx->old_len = n;
+        return NGX_OK;
+    }
+
+    if (aside && ngx_http_llama_session_store_delete(old) == NGX_FILE_ERROR)
+    {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", old);
+    }
+
+    return NGX_OK;
+}
+
+
+/* a previous file moved aside by a save, once the request is over */
+
+void
+ngx_http_llama_session_store_drop_old(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char  file[NGX_MAX_PATH];
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin.old%Z", &ctx->zone->store,
+                 ctx->old_len, ctx->old_name);
+
+    ctx->old_len = 0;
+
+    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+        && ngx_errno != NGX_ENOENT)
+    {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", file);
+    }
+}
+
+
+/* after a failed save: the temporary file, if llama-server left one */
+
+void
+ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    u_char     file[NGX_MAX_PATH];
+    u_char     name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t     n;
+
+    if (ctx->zone->store.len == 0) {
+        return;
+    }
+
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin.tmp%Z", &ctx->zone->store,
+                 n, name);
+
+    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+        && ngx_errno != NGX_ENOENT)
+    {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", file);
+    }
+}
+
+
+/*
+ * Keeps the folder within max_files and max_size: the zone picks the
+ * least recently used files (never a session in a slot nor "keep"), then
+ * they are deleted here, outside the lock.
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_EVICT_BATCH  64
+
+void
+ngx_http_llama_session_store_evict(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len)
+{
+    ngx_uint_t                        i, n;
+    ngx_http_llama_session_evicted_t  out[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
+
+    if (zone->max_files == 0 && zone->max_size == 0) {
+        return;
+    }
+
+    n = ngx_http_llama_session_evict_pick(zone, keep, keep_len, out,
+                                          NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
+
+    for (i = 0; i < n; i++) {
+        ngx_log_error(NGX_LOG_INFO, log, 0,
+                      "llama_session: evicted session \"%*s\" (%O bytes) to "
+                      "keep zone \"%V\" within max_files=%ui max_size=%O",
+                      out[i].len, out[i].name, out[i].bytes, &zone->name,
+                      zone->max_files, zone->max_size);
+
+        (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
+                                                   out[i].len, log);
     }
 }

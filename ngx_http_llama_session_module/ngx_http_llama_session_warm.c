@@ -194,12 +194,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    if (status == 0 || status == NGX_HTTP_UNAUTHORIZED
-        || status == NGX_HTTP_FORBIDDEN
-        || status == NGX_HTTP_BAD_GATEWAY
-        || status == NGX_HTTP_SERVICE_UNAVAILABLE
-        || status == NGX_HTTP_GATEWAY_TIME_OUT)
-    {
+    if (ngx_http_llama_session_backend_failed(status)) {
         if (step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
             ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
                                                   ctx->base_key,

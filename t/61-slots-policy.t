@@ -143,6 +143,24 @@ is($c[-1]{body_len}, length($JSON->encode($big))
    + length(qq(,"id_slot":$r->{headers}{'x-s-slot'})),
    'pinned, with the right length');
 
+# white space after the object does not hide it; a body that is no object
+# is never sent unpinned
+$r = $t->request('POST', '/v1/completions',
+                 body => '{"prompt":"padded"}' . (" \n" x 400),
+                 headers => { 'X-Session-Id' => 'padded',
+                              'Content-Type' => 'application/json' });
+is($r->{status}, 200, 'a body with 800 bytes of white space after it');
+is(pinned(), $r->{headers}{'x-s-slot'}, 'is pinned all the same');
+$n = @{ $t->fake_calls };
+$r = $t->request('POST', '/v1/completions', body => '["not", "an object"]',
+                 headers => { 'X-Session-Id' => 'array',
+                              'Content-Type' => 'application/json' });
+is($r->{status}, 400, 'a body that is no JSON object: 400');
+like($r->{content}, qr/must be a JSON object/, 'with the reason');
+ok(!(grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots} }
+     @{ $t->fake_calls }[$n .. $#{ $t->fake_calls }]),
+   'and never reaches llama-server');
+
 # slots=auto: the backend's slot count, learned at the first request
 $t->stop_nginx;
 $t->nginx(<<'EOF2');
