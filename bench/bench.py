@@ -16,6 +16,10 @@
           token system prompt, interleaved with returning turns of older
           ones: nginx + module against llama-server alone at its defaults
           and with --cache-ram 0
+7. oneslot  one slot, two sessions of about 8.5k tokens taking turns, 24
+          returning turns a side: llama-server's RAM cache (two sessions'
+          budget) against the module with idle saves; where the module's
+          time goes (its swap: GET /slots and the restore; the rest)
 6. team   M sessions on 4 slots (-np 4), 4 clients with think time:
           llama-server alone at its defaults, with a RAM budget of two
           sessions, and nginx + module (slots=4), M = 4, 8, 16
@@ -781,6 +785,98 @@ def bench_warm(work, quick):
     return results
 
 
+# 7. one slot, enough samples ---------------------------------------------
+
+def bench_oneslot(work, quick):
+    ptoks = 2048 if quick else 8704
+    turns = 6 if quick else 24
+    kv_per_token = 8.3 * 1024
+    ctx = ptoks * 3 // 2 + 2048
+    cache_mib = int(2.5 * ptoks * kv_per_token / 2 ** 20) + 8
+    native = Llama(work, 'one-native', ctx, cache_ram=cache_mib)
+    withmod = Llama(work, 'one-module', ctx)
+    nport = free_port()
+    ngx = Nginx(work, 'nginx-one', '''
+    llama_session_zone zone=llama:4m store=%s save_idle=500ms
+                       backend=127.0.0.1:%d;
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%d;
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+            add_header X-S-Swap $llama_session_swap_ms always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%d/;
+            proxy_read_timeout 900s;
+        }
+    }''' % (withmod.slots, withmod.port, nport, withmod.port, withmod.port))
+    wait_http(nport)
+    sides = [('native_ram_cache', native.port), ('module', nport)]
+    nwords = words_for(withmod.port, ptoks, 'oneA')
+    system = filler('sys', nwords // 4)
+    conv = {(s, sid): [{'role': 'system', 'content': system},
+                       {'role': 'user', 'content':
+                        filler(sid + 'h', nwords * 3 // 4) + ' Q1?'}]
+            for s, _ in sides for sid in ('A', 'B')}
+    rec = {s: {'return': [], 'swap_ms': [], 'cache_n': []} for s, _ in sides}
+
+    def turn(side, port, sid, n, keep):
+        msgs = conv[(side, sid)]
+        if n:
+            msgs.append({'role': 'user', 'content':
+                         'Q%d? %s' % (n + 1, filler('q', 8))})
+        ttft, text, cache_n, hdrs, _ = stream_turn(port, msgs, sid)
+        msgs.append({'role': 'assistant', 'content': text})
+        if keep:
+            rec[side]['return'].append(ttft)
+            rec[side]['cache_n'].append(cache_n)
+            if hdrs.get('X-S-Swap'):
+                rec[side]['swap_ms'].append(float(hdrs['X-S-Swap']))
+
+    for sid in ('A', 'B'):
+        for side, port in sides:
+            turn(side, port, sid, 0, False)
+    for n in range(1, turns // 2 + 1):
+        for sid in ('A', 'B'):
+            for side, port in sides:
+                turn(side, port, sid, n, True)
+            time.sleep(0.6)         # think time: the idle save runs
+
+    res = {'prompt_tokens': ptoks, 'sides': {}}
+    for side, _ in sides:
+        r = rec[side]
+        xs = sorted(r['return'])
+        res['sides'][side] = {
+            'return_median': median(xs), 'return_p95': p95(xs),
+            'return_min': xs[0], 'return_max': xs[-1],
+            'samples': len(xs),
+            'stdev': statistics.pstdev(xs) if len(xs) > 1 else 0,
+            'swap_ms_median': median(r['swap_ms']) if r['swap_ms'] else None,
+            'cache_n_min': min(r['cache_n']) if r['cache_n'] else None,
+        }
+    d = res['sides']
+    res['module_vs_native'] = (d['module']['return_median']
+                               / d['native_ram_cache']['return_median'])
+    print('oneslot %d tokens, %d returning turns a side: median %s / %s s '
+          '(native RAM cache / module), p95 %s / %s, module swap %s ms'
+          % (ptoks, d['module']['samples'],
+             fmt(d['native_ram_cache']['return_median']),
+             fmt(d['module']['return_median']),
+             fmt(d['native_ram_cache']['return_p95']),
+             fmt(d['module']['return_p95']),
+             fmt(d['module']['swap_ms_median'], '%.0f')))
+    ngx.stop()
+    for srv in (native, withmod):
+        srv.stop()
+        shutil.rmtree(srv.slots, ignore_errors=True)
+    return res
+
+
 # 6. a team on four slots ------------------------------------------------
 
 def bench_team(work, quick, full=False):
@@ -795,7 +891,9 @@ def bench_team(work, quick, full=False):
     results = []
 
     for ptoks, ms in grid:
-        ctx = nslots * (ptoks + 1536)
+        # room for the prompt's own words (each session's filler tokenizes
+        # longer than the calibration's) and three turns
+        ctx = nslots * (ptoks * 3 // 2 + 2048)
         for m in ms:
             budget = int(2.5 * ptoks * kv_per_token / 2 ** 20) + 8
             defaults = Llama(work, 'team-defaults-%d-%d' % (ptoks, m), ctx,
@@ -912,7 +1010,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
                                                   'latest.json'))
-    ap.add_argument('--only', default='ttft,swap,hit,scale,warm,team')
+    ap.add_argument('--only',
+                    default='ttft,swap,hit,scale,warm,team,oneslot')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '

@@ -141,6 +141,58 @@ def main():
                           ms(a['first']), ms(c['first'])))
         out.append('')
 
+    if 'team' in d:
+        out.append('### 6. A team on four slots')
+        out.append('')
+        out.append('M sessions, 4 clients with 1 s of think time, 3 turns '
+                   'a session; returning turns\' time to first token (ms, '
+                   'p50 / p95), turns per minute, and the share of prompt '
+                   'tokens of returning turns served from cache.')
+        out.append('')
+        out.append('| prompt | sessions | defaults | RAM for two | module | '
+                   'module / RAM for two | module / defaults | turns/min '
+                   'defaults / RAM for two / module | cached defaults / '
+                   'RAM for two / module |')
+        out.append('|---|---|---|---|---|---|---|---|---|')
+        for r in d['team']:
+            a = r['sides']['defaults']
+            b = r['sides']['ram_two_sessions']
+            c = r['sides']['module']
+            out.append('| %d | %d | %s / %s | %s / %s | %s / %s | %s | %s | '
+                       '%.1f / %.1f / %.1f | %s / %s / %s |'
+                       % (r['prompt_tokens'], r['sessions'],
+                          ms(a['return_p50']), ms(a['return_p95']),
+                          ms(b['return_p50']), ms(b['return_p95']),
+                          ms(c['return_p50']), ms(c['return_p95']),
+                          s(r['module_vs_ram_two']),
+                          s(r['module_vs_defaults']),
+                          a['turns_per_minute'], b['turns_per_minute'],
+                          c['turns_per_minute'],
+                          s(a['cached_share'], '%.2f'),
+                          s(b['cached_share'], '%.2f'),
+                          s(c['cached_share'], '%.2f')))
+        out.append('')
+
+    if 'oneslot' in d:
+        r = d['oneslot']
+        a = r['sides']['native_ram_cache']
+        c = r['sides']['module']
+        out.append('### 7. One slot, two sessions of %d tokens'
+                   % r['prompt_tokens'])
+        out.append('')
+        out.append('| side | samples | median (ms) | p95 | min / max | '
+                   'stdev | swap (ms, median) |')
+        out.append('|---|---|---|---|---|---|---|')
+        for name, x in (('native RAM cache', a), ('module', c)):
+            out.append('| %s | %d | %s | %s | %s / %s | %s | %s |'
+                       % (name, x['samples'], ms(x['return_median']),
+                          ms(x['return_p95']), ms(x['return_min']),
+                          ms(x['return_max']), ms(x['stdev']),
+                          s(x['swap_ms_median'], '%.0f')))
+        out.append('')
+        out.append('module / native: %s' % s(r['module_vs_native']))
+        out.append('')
+
     print('\n'.join(out))
 
 
