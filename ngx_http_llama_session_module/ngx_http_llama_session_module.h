@@ -145,6 +145,8 @@ typedef struct {
     ngx_int_t                       task;       /* last id_task seen, -1 */
     u_char                          has_base;   /* base[] is its prefix's */
     u_char                          base[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          saving_base; /* a base's save runs */
+    u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
 } ngx_http_llama_session_slot_t;
 
 
@@ -499,6 +501,8 @@ ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,
 ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_process_init(void);
 ngx_int_t ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx);
+ngx_uint_t ngx_http_llama_session_base_claim(
+    ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
     ngx_msec_t save_idle);
 void ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,

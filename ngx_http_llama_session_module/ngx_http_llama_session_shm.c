@@ -836,6 +836,50 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/*
+ * May the request's slot save the request's base now?  Not while another
+ * slot saves it: both would write its one temporary file.  The claim ends
+ * with the slot's release.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_base_claim(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_uint_t                      i, free;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+    free = 1;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (i != ctx->slot && slot->busy && slot->saving_base
+            && ngx_memcmp(slot->saving, ctx->base_id,
+                          NGX_HTTP_LLAMA_SESSION_DIGEST) == 0)
+        {
+            free = 0;
+            break;
+        }
+    }
+
+    if (free) {
+        slot = &sh->slots[ctx->slot];
+        slot->saving_base = 1;
+        ngx_memcpy(slot->saving, ctx->base_id, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return free;
+}
+
+
 /* a save of the slot's session succeeded: it is clean until used again */
 
 void
@@ -1034,6 +1078,8 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
         slot->saveable = 0;
         slot->has_base = 0;
     }
+
+    slot->saving_base = 0;
 
     if (ctx->request && ctx->api == NULL) {
         /* a request's use (not an idle save's, nor the API's) */

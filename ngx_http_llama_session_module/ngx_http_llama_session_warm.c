@@ -297,7 +297,9 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
         ctx->base_tokens = ngx_http_llama_session_prime_tokens(
                                          r->connection->log, ctx->call_reply);
 
-        if (!ctx->base_file) {
+        /* one slot at a time saves a base: its file has one name */
+
+        if (!ctx->base_file && ngx_http_llama_session_base_claim(ctx)) {
             return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_SAVE);
         }

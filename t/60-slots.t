@@ -114,6 +114,8 @@ for my $round (1 .. 3) {
         }
     }
 }
+ok(!$t->log_lines(qr/saving session "base-\w+" from slot \d+ failed/),
+   'one slot at a time saves the shared system prompt\'s base');
 is_deeply(\@bad, [], '12 sessions, 6 clients at a time: every returning '
           . 'turn finds its own whole history, no first turn another\'s')
     or diag join "\n", @bad;
@@ -182,8 +184,16 @@ sub cached_of {
 }
 for my $ep (sort keys %endpoints) {
     my $sid = "ep$ep" =~ s{/}{_}gr;
-    my $r1 = $t->post($ep, $endpoints{$ep}->($sid, 'one', 0),
-                      headers => { 'X-Session-Id' => $sid });
+    # the rig's random-weight model now and then writes what llama-server
+    # cannot parse back (500 "does not match the expected ... format"):
+    # that turn is asked again
+    my $r1;
+    for (1 .. 3) {
+        $r1 = $t->post($ep, $endpoints{$ep}->($sid, 'one', 0),
+                       headers => { 'X-Session-Id' => $sid });
+        last unless $r1->{status} == 500
+                    && ($r1->{content} // '') =~ /does not match/;
+    }
     is($r1->{status}, 200, "$ep is served");
     my $s1 = $r1->{headers}{'x-s-slot'};
     # the other sessions take every other slot in between
