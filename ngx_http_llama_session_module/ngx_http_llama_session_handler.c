@@ -347,6 +347,36 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
+    if (llcf->zone == NULL) {
+        /*
+         * identity only (an edge node): the key for "hash
+         * $llama_session_key consistent", the request forwarded as it
+         * came, headers and body; the owner node refuses what it refuses
+         */
+
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+
+        if (!ngx_http_llama_session_uses_slot(r, ctx)) {
+            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
+            return NGX_DECLINED;
+        }
+
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_BODY;
+        ctx->identity = 1;
+
+        rc = ngx_http_read_client_request_body(r,
+                                         ngx_http_llama_session_body_handler);
+
+        if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            return rc;
+        }
+
+        ngx_http_finalize_request(r, NGX_DONE);
+
+        return NGX_DONE;
+    }
+
     if (!ngx_http_llama_session_uses_slot(r, ctx)) {
 
         ngx_http_llama_session_drop_headers(r);
@@ -406,6 +436,20 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
     if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
 
         rc = ngx_http_llama_session_identify(r, ctx);
+
+        if (ctx->identity) {
+            /* an edge node: its owner node needs the request as it came */
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+
+            if (rc == NGX_ERROR) {
+                ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
+            }
+
+            r->preserve_body = 1;
+            r->write_event_handler = ngx_http_core_run_phases;
+            ngx_http_core_run_phases(r);
+            return;
+        }
 
         /* after identity, which may take the id from such a header */
         ngx_http_llama_session_drop_headers(r);

@@ -408,6 +408,17 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
             name.len = p - name.data;
 
+            if ((name.len == 3 && ngx_strncmp(name.data, "off", 3) == 0)
+                || (name.len == 8
+                    && ngx_strncmp(name.data, "identity", 8) == 0))
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "the zone name \"%V\" is reserved: "
+                                   "\"llama_session %V\" means something "
+                                   "else", &name, &name);
+                return NGX_CONF_ERROR;
+            }
+
             s.data = p + 1;
             s.len = value[i].data + value[i].len - s.data;
 
@@ -703,6 +714,13 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     if (ngx_strcmp(value[1].data, "off") == 0) {
         llcf->enable = 0;
+        llcf->zone = NULL;
+        return NGX_CONF_OK;
+    }
+
+    if (ngx_strcmp(value[1].data, "identity") == 0) {
+        /* an edge node: the session's key for the upstream hash, no slot */
+        llcf->enable = 1;
         llcf->zone = NULL;
         return NGX_CONF_OK;
     }

@@ -422,6 +422,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        has_head:1;
     unsigned                        verify:1;   /* a hit, checked first */
     unsigned                        learn_slots:1; /* slots=auto */
+    unsigned                        identity:1; /* llama_session identity */
     unsigned                        probe:1;
     unsigned                        anthropic:1; /* /v1/messages */
     unsigned                        slot_has_base:1;

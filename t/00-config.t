@@ -112,6 +112,8 @@ my @bad = (
     [ 'llama_session_zone zone=llama:64k max_waiting=60000;',
       qr/zone "llama" is too small for max_waiting=60000/,
       'max_waiting too large for the zone' ],
+    [ 'llama_session_zone zone=identity:1m;',
+      qr/the zone name "identity" is reserved/, 'zone named identity' ],
     [ 'llama_session_warm always;',
       qr/invalid value "always" in "llama_session_warm": use "off", "system" or "history"/,
       'bad warm mode' ],

@@ -1,0 +1,137 @@
+#!/usr/bin/perl
+
+# Many llama-servers behind one nginx, with its stock pieces: a zone per
+# llama-server, each in a server of its own (an owner), and a front server
+# that routes each session by "hash $llama_session_key consistent" (the
+# module in identity mode sets the key).  Against three real llama-servers:
+# each session keeps its backend and its cache; a backend that goes down
+# sends its sessions elsewhere (they start there), the others stay.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2);
+my $dir = $t->dir;
+my %port;
+for my $b (qw(a b c)) {
+    $t->llama(name => $b, ctx => 8192, slots => "$dir/slots-$b");
+    $port{$b} = LlamaTest::port();
+}
+
+my $conf = '';
+for my $b (qw(a b c)) {
+    $conf .= <<"EOF";
+    llama_session_zone zone=$b:1m store=$dir/slots-$b;
+
+    server {
+        listen 127.0.0.1:$port{$b};
+
+        location / {
+            llama_session $b;
+            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
+            proxy_read_timeout 300s;
+            add_header X-S-Action \$llama_session_action always;
+            add_header X-Backend $b always;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
+        }
+    }
+
+EOF
+}
+$conf .= <<"EOF";
+    upstream backends {
+        hash \$llama_session_key consistent;
+        server 127.0.0.1:$port{a} max_fails=1 fail_timeout=30s;
+        server 127.0.0.1:$port{b} max_fails=1 fail_timeout=30s;
+        server 127.0.0.1:$port{c} max_fails=1 fail_timeout=30s;
+    }
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session identity;
+            proxy_pass http://backends;
+            proxy_read_timeout 300s;
+            # a backend's llama-server down: the owner answers 502 before
+            # anything ran, so the request may go to the next one
+            proxy_next_upstream error timeout http_502 non_idempotent;
+        }
+    }
+EOF
+$t->nginx($conf);
+
+my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
+my (%conv, %backend, %prev);
+
+sub turn {
+    my ($sid) = @_;
+    $conv{$sid} //= [ { role => 'system', content => $system },
+                      { role => 'user', content => join ' ', map {
+                            "Session $sid note $_." } 1 .. 40 } ];
+    my $r = $t->post('/v1/chat/completions',
+                     { messages => $conv{$sid}, max_tokens => 2,
+                       temperature => 0 },
+                     headers => { 'X-Session-Id' => $sid });
+    die "$sid: $r->{status} $r->{content}\n" unless $r->{status} == 200;
+    push @{ $conv{$sid} },
+        { role => 'assistant',
+          content => $r->{json}{choices}[0]{message}{content} },
+        { role => 'user', content => "More for $sid?" };
+    return { prompt => $r->{json}{usage}{prompt_tokens},
+             cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
+             backend => $r->{headers}{'x-backend'} };
+}
+
+my @sessions = map { "m$_" } 1 .. 9;
+my @bad;
+for my $round (0 .. 2) {
+    for my $sid (@sessions) {
+        my $r = turn($sid);
+        push @bad, "$sid moved from $backend{$sid} to $r->{backend}"
+            if defined $backend{$sid} && $backend{$sid} ne $r->{backend};
+        push @bad, "$sid: $r->{cached} cached of $prev{$sid}"
+            if $round && $r->{cached} < $prev{$sid} - 4;
+        $backend{$sid} = $r->{backend};
+        $prev{$sid} = $r->{prompt};
+    }
+}
+is_deeply(\@bad, [], '9 sessions, 3 rounds: each keeps its llama-server and '
+          . 'finds its cache') or diag join "\n", @bad;
+my %load;
+$load{$_}++ for values %backend;
+is(scalar keys %load, 3, 'spread over the three ('
+   . join(', ', map { "$_: $load{$_}" } sort keys %load) . ')');
+
+# one llama-server goes down
+my ($gone) = sort { $load{$b} <=> $load{$a} } keys %load;
+$t->stop_llama($gone);
+@bad = ();
+for my $sid (@sessions) {
+    my $r = turn($sid);
+    if ($backend{$sid} eq $gone) {
+        push @bad, "$sid still on $gone" if $r->{backend} eq $gone;
+    } elsif ($r->{backend} ne $backend{$sid}
+             || $r->{cached} < $prev{$sid} - 4)
+    {
+        push @bad, "$sid: on $r->{backend}, $r->{cached} cached of "
+                   . "$prev{$sid}";
+    }
+}
+is_deeply(\@bad, [], "llama-server $gone down: its $load{$gone} sessions are "
+          . 'served elsewhere, the others stay, with their caches')
+    or diag join "\n", @bad;
+$t->allow_alerts(qr/connect\(\) failed/);
+
+$t->stop;
+done_testing;
