@@ -695,10 +695,28 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     u_char  *p;
-    cJSON   *json, *path, *slots, *settings, *n_ctx, *ftype, *build;
+    cJSON   *json, *path, *slots, *settings, *n_ctx, *ftype, *build, *role;
 
     json = ngx_http_llama_session_reply_json(r->connection->log, ctx);
     if (json == NULL) {
+        return NGX_ERROR;
+    }
+
+    role = cJSON_GetObjectItemCaseSensitive(json, "role");
+
+    if (cJSON_IsString(role) && ngx_strcmp(role->valuestring, "router") == 0)
+    {
+        /*
+         * llama-server's router (no -m): its models come and go with their
+         * slots; a zone drives the slots of one model
+         */
+
+        cJSON_Delete(json);
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: zone \"%V\" faces llama-server's "
+                      "router mode, which this version does not drive: "
+                      "run each model's llama-server with -m, a zone each "
+                      "(docs/scaling.md)", &ctx->zone->name);
         return NGX_ERROR;
     }
 

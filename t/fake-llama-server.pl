@@ -19,7 +19,8 @@
 # "models" (GET /v1/models) and "completion":
 #   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
 # partial (save): write part of the file, then drop the connection, as a
-# llama-server killed mid-save would; short (save): a 200 whose file is
+# llama-server killed mid-save would; router (top level): GET /props
+# answers as llama-server's router mode does; short (save): a 200 whose file is
 # shorter than its n_written, as a full disk gives; --model sets /props's
 # model_path, --meta (JSON) what GET /v1/models says of the model;
 # close: drop the connection without an answer; processing: GET /slots
@@ -225,6 +226,11 @@ sub handle {
     if ($m eq 'GET' && $p eq '/props') {
         my $f = fault($c, $script->{props}, $req);
         return $f == 1 if $f;
+        if ($script->{router}) {
+            # llama-server without -m: its router
+            return reply($c, 200, { role => 'router', max_instances => 4,
+                                    build_info => 'b1-fake' });
+        }
         return reply($c, 200, { total_slots => $o{np},
                                 model_path => $o{model},
                                 default_generation_settings =>

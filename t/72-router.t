@@ -1,0 +1,48 @@
+#!/usr/bin/perl
+
+# llama-server's router mode (no -m, many models) is not driven by this
+# version: a zone in front of a router says so in the error log and
+# answers 502 JSON, instead of taking one model's slots for another's.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2);
+$t->fake(script => { router => 1 });
+$t->nginx(<<'EOF2');
+    llama_session_zone zone=llama:1m store=%%SLOTS%%;
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%%LLAMA%%;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA%%/;
+        }
+    }
+EOF2
+
+my $r = $t->post('/v1/chat/completions',
+                 { model => 'any', messages => [ { role => 'user',
+                                                   content => 'hi' } ] },
+                 headers => { 'X-Session-Id' => 'r1' });
+is($r->{status}, 502, 'a request through a zone that faces a router: 502');
+is($r->{json}{error}{type}, 'server_error', 'with a JSON error');
+ok($t->log_lines(qr/zone "llama" faces llama-server's router mode, which this version does not drive/),
+   'the error log says why');
+ok(!(grep { $_->{method} eq 'POST' } @{ $t->fake_calls }),
+   'nothing ran on the backend');
+
+$t->stop;
+done_testing;
