@@ -96,7 +96,7 @@ sub turn {
              owner => $r->{headers}{'x-owner'} };
 }
 
-my @sessions = map { "u$_" } 1 .. 9;
+my @sessions = map { "u$_" } 1 .. 24;
 my (@bad, @moved_owner);
 for my $round (0 .. 2) {
     for my $i (0 .. $#sessions) {
@@ -114,7 +114,7 @@ for my $round (0 .. 2) {
         $prev{$sid} = $r->{prompt};
     }
 }
-is_deeply(\@bad, [], '9 sessions, 3 rounds, alternating edges: the edges '
+is_deeply(\@bad, [], '24 sessions, 3 rounds, alternating edges: the edges '
           . 'compute the owners\' keys, each session keeps its owner, every '
           . 'returning turn finds its cache') or diag join "\n", @bad;
 my %load;

@@ -93,7 +93,7 @@ sub turn {
              backend => $r->{headers}{'x-backend'} };
 }
 
-my @sessions = map { "m$_" } 1 .. 9;
+my @sessions = map { "m$_" } 1 .. 24;
 my @bad;
 for my $round (0 .. 2) {
     for my $sid (@sessions) {
@@ -106,7 +106,7 @@ for my $round (0 .. 2) {
         $prev{$sid} = $r->{prompt};
     }
 }
-is_deeply(\@bad, [], '9 sessions, 3 rounds: each keeps its llama-server and '
+is_deeply(\@bad, [], '24 sessions, 3 rounds: each keeps its llama-server and '
           . 'finds its cache') or diag join "\n", @bad;
 my %load;
 $load{$_}++ for values %backend;
