@@ -354,30 +354,15 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
          * came, headers and body; the owner node refuses what it refuses
          */
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+        ctx->identity = 1;
 
         if (!ngx_http_llama_session_uses_slot(r, ctx)) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
             return NGX_DECLINED;
         }
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_BODY;
-        ctx->identity = 1;
-
-        rc = ngx_http_read_client_request_body(r,
-                                         ngx_http_llama_session_body_handler);
-
-        if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
-            return rc;
-        }
-
-        ngx_http_finalize_request(r, NGX_DONE);
-
-        return NGX_DONE;
-    }
-
-    if (!ngx_http_llama_session_uses_slot(r, ctx)) {
+    } else if (!ngx_http_llama_session_uses_slot(r, ctx)) {
 
         ngx_http_llama_session_drop_headers(r);
 

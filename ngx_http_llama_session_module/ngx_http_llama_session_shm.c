@@ -29,6 +29,11 @@ static void ngx_http_llama_session_take_locked(
 static ngx_uint_t ngx_http_llama_session_alive(ngx_pid_t pid, uint64_t start);
 static ngx_int_t ngx_http_llama_session_acquire_many(
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_enqueue_locked(
+    ngx_http_llama_session_ctx_t *ctx);
+static void ngx_http_llama_session_granted_locked(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot,
+    ngx_uint_t hit);
 static ngx_int_t ngx_http_llama_session_choose_locked(
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_uint_t ngx_http_llama_session_waited_locked(
@@ -228,35 +233,8 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
         if (!slot->busy && ngx_queue_empty(&sh->waiters)) {
             grant = 1;
 
-        } else {
-            if (ngx_queue_empty(&sh->free_waiters)) {
-                sh->stats.queue_full++;
-                ngx_shmtx_unlock(&zone->shpool->mutex);
-
-                ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
-                              "llama_session zone \"%V\" has %ui requests "
-                              "waiting already, its max_waiting",
-                              &zone->name, zone->waiters_max);
-                return NGX_DECLINED;
-            }
-
-            q = ngx_queue_head(&sh->free_waiters);
-            ngx_queue_remove(q);
-
-            w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
-
-            w->ticket = sh->next_ticket++;
-            w->pid = ngx_pid;
-            w->start = ngx_http_llama_session_self_start;
-            w->key_len = (u_short) ctx->key_len;
-            ngx_memcpy(w->key, ctx->key, ctx->key_len);
-
-            ngx_queue_insert_tail(&sh->waiters, &w->queue);
-            sh->nwaiters++;
-
-            ctx->waiter = w;
-            ctx->ticket = w->ticket;
-            ctx->queued = 1;
+        } else if (ngx_http_llama_session_enqueue_locked(ctx) != NGX_OK) {
+            return NGX_DECLINED;
         }
 
     } else if (!slot->busy) {
@@ -302,29 +280,13 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     }
 
     ngx_http_llama_session_take_locked(ctx, slot);
+    ngx_http_llama_session_granted_locked(ctx, slot, hit);
 
-    if (hit) {
-        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
-        ctx->save_pending = 0;
-        ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
-                       >= NGX_HTTP_LLAMA_SESSION_VERIFY);
-
-        /* the request will change the session in the slot */
-        slot->dirty = 1;
-        sh->stats.hits++;
-
-    } else {
+    if (!hit) {
         /* requests of this session waiting now go before the next swap */
         slot->batch = sh->next_ticket;
-        slot->batch_len = (u_short) ctx->key_len;
-        ngx_memcpy(slot->batch_key, ctx->key, ctx->key_len);
         slot->batch_left = ngx_http_llama_session_count_batch(sh, slot);
-
-        ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
-                           ? 0 : -1;
     }
-
-    sh->stats.requests++;
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -373,34 +335,9 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
     }
 
     if (!ctx->queued) {
-        if (ngx_queue_empty(&sh->free_waiters)) {
-            sh->stats.queue_full++;
-            ngx_shmtx_unlock(&zone->shpool->mutex);
-
-            ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
-                          "llama_session zone \"%V\" has %ui requests "
-                          "waiting already, its max_waiting",
-                          &zone->name, zone->waiters_max);
+        if (ngx_http_llama_session_enqueue_locked(ctx) != NGX_OK) {
             return NGX_DECLINED;
         }
-
-        q = ngx_queue_head(&sh->free_waiters);
-        ngx_queue_remove(q);
-
-        w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
-
-        w->ticket = sh->next_ticket++;
-        w->pid = ngx_pid;
-        w->start = ngx_http_llama_session_self_start;
-        w->key_len = (u_short) ctx->key_len;
-        ngx_memcpy(w->key, ctx->key, ctx->key_len);
-
-        ngx_queue_insert_tail(&sh->waiters, &w->queue);
-        sh->nwaiters++;
-
-        ctx->waiter = w;
-        ctx->ticket = w->ticket;
-        ctx->queued = 1;
 
     } else if (stalled) {
         /* a free slot nobody took for a while: who waits really? */
@@ -468,25 +405,7 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
     slot = &sh->slots[e];
 
     ngx_http_llama_session_take_locked(ctx, slot);
-
-    if (s != NGX_ERROR) {
-        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
-        ctx->save_pending = 0;
-        ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
-                       >= NGX_HTTP_LLAMA_SESSION_VERIFY);
-        slot->dirty = 1;
-        sh->stats.hits++;
-
-    } else {
-        ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
-                           ? 0 : -1;
-
-        /* the session coming in: its other requests wait for this slot */
-        slot->batch_len = (u_short) ctx->key_len;
-        ngx_memcpy(slot->batch_key, ctx->key, ctx->key_len);
-    }
-
-    sh->stats.requests++;
+    ngx_http_llama_session_granted_locked(ctx, slot, s != NGX_ERROR);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -656,6 +575,90 @@ ngx_http_llama_session_slot_of_locked(ngx_http_llama_session_sh_t *sh,
     }
 
     return NGX_ERROR;
+}
+
+
+/*
+ * What the grant of the slot means: a hit (the request will change the
+ * session in the slot; a slot idle for a while is checked first), or a
+ * swap, whose session coming in is recorded, so that its other requests
+ * wait for this slot.
+ */
+
+static void
+ngx_http_llama_session_granted_locked(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_slot_t *slot, ngx_uint_t hit)
+{
+    ngx_http_llama_session_sh_t  *sh;
+
+    sh = ctx->zone->sh;
+
+    if (hit) {
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
+        ctx->save_pending = 0;
+        ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
+                       >= NGX_HTTP_LLAMA_SESSION_VERIFY);
+        slot->dirty = 1;
+        sh->stats.hits++;
+
+    } else {
+        ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
+                           ? 0 : -1;
+        slot->batch_len = (u_short) ctx->key_len;
+        ngx_memcpy(slot->batch_key, ctx->key, ctx->key_len);
+    }
+
+    sh->stats.requests++;
+}
+
+
+/*
+ * The request takes its place at the end of the queue, in the storage
+ * reserved for waiters.  NGX_DECLINED: max_waiting requests wait already;
+ * the lock is released then.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_enqueue_locked(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_queue_t                      *q;
+    ngx_http_llama_session_sh_t      *sh;
+    ngx_http_llama_session_zone_t    *zone;
+    ngx_http_llama_session_waiter_t  *w;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+
+    if (ngx_queue_empty(&sh->free_waiters)) {
+        sh->stats.queue_full++;
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
+                      "llama_session zone \"%V\" has %ui requests waiting "
+                      "already, its max_waiting",
+                      &zone->name, zone->waiters_max);
+        return NGX_DECLINED;
+    }
+
+    q = ngx_queue_head(&sh->free_waiters);
+    ngx_queue_remove(q);
+
+    w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
+
+    w->ticket = sh->next_ticket++;
+    w->pid = ngx_pid;
+    w->start = ngx_http_llama_session_self_start;
+    w->key_len = (u_short) ctx->key_len;
+    ngx_memcpy(w->key, ctx->key, ctx->key_len);
+
+    ngx_queue_insert_tail(&sh->waiters, &w->queue);
+    sh->nwaiters++;
+
+    ctx->waiter = w;
+    ctx->ticket = w->ticket;
+    ctx->queued = 1;
+
+    return NGX_OK;
 }
 
 

@@ -249,19 +249,14 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_WARM_ERASE:
 
-        if (status != NGX_HTTP_OK) {
-            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                          "llama_session: erasing slot %ui failed (%i), the "
-                          "request goes on", ctx->slot, status);
+        if (status == NGX_HTTP_OK) {
+            ctx->slot_tokens = 0;
 
-            return ngx_http_llama_session_warm_go(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+            return ngx_http_llama_session_warm_call(r, ctx,
+                                            NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
         }
 
-        ctx->slot_tokens = 0;
-
-        return ngx_http_llama_session_warm_call(r, ctx,
-                                            NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
+        break;
 
     case NGX_HTTP_LLAMA_SESSION_WARM_PRIME:
 
@@ -328,16 +323,19 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                    : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
 
     default: /* NGX_HTTP_LLAMA_SESSION_WARM_CLEAN */
-
-        if (status != NGX_HTTP_OK) {
-            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                          "llama_session: erasing slot %ui failed (%i), the "
-                          "request goes on", ctx->slot, status);
-        }
-
-        return ngx_http_llama_session_warm_go(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
+        break;
     }
+
+    /* after an erase, the request goes on fresh */
+
+    if (status != NGX_HTTP_OK) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: erasing slot %ui failed (%i), the "
+                      "request goes on", ctx->slot, status);
+    }
+
+    return ngx_http_llama_session_warm_go(r, ctx,
+                                          NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
 }
 
 
