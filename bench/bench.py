@@ -170,6 +170,33 @@ class Nginx:
                 self.proc.wait()
 
 
+def module_nginx(work, name, llama):
+    """nginx + module in front of one llama-server of the rig, one slot,
+    idle saves after 500 ms: (the Nginx, its port)"""
+    nport = free_port()
+    ngx = Nginx(work, name, '''
+    llama_session_zone zone=llama:4m store=%s save_idle=500ms
+                       backend=127.0.0.1:%d;
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%d;
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+            add_header X-S-Swap $llama_session_swap_ms always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%d/;
+            proxy_read_timeout 900s;
+        }
+    }''' % (llama.slots, llama.port, nport, llama.port, llama.port))
+    wait_http(nport)
+    return ngx, nport
+
+
 def post(port, path, body, headers=None, timeout=600):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     c = http.client.HTTPConnection('127.0.0.1', port, timeout=timeout)
@@ -265,27 +292,7 @@ def bench_ttft(work, quick, full=False):
         alone = Llama(work, 'alone-%d' % ptoks, ctx)
         native = Llama(work, 'native-%d' % ptoks, ctx, cache_ram=cache_mib)
         withmod = Llama(work, 'module-%d' % ptoks, ctx)
-        nport = free_port()
-        ngx = Nginx(work, 'nginx-ttft-%d' % ptoks, '''
-    llama_session_zone zone=llama:4m store=%s save_idle=500ms
-                       backend=127.0.0.1:%d;
-    server {
-        listen 127.0.0.1:%d;
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%d;
-            proxy_buffering off;
-            proxy_read_timeout 900s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Swap $llama_session_swap_ms always;
-        }
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%d/;
-            proxy_read_timeout 900s;
-        }
-    }''' % (withmod.slots, withmod.port, nport, withmod.port, withmod.port))
-        wait_http(nport)
+        ngx, nport = module_nginx(work, 'nginx-ttft-%d' % ptoks, withmod)
 
         sides = [('alone', alone.port), ('native_ram_cache', native.port),
                  ('module', nport)]
@@ -684,27 +691,7 @@ def bench_warm(work, quick):
         noram = Llama(work, 'warm-noram-%d' % stoks, ctx,
                       args=['--cache-ram', '0'])
         withmod = Llama(work, 'warm-module-%d' % stoks, ctx)
-        nport = free_port()
-        ngx = Nginx(work, 'nginx-warm-%d' % stoks, '''
-    llama_session_zone zone=llama:4m store=%s save_idle=500ms
-                       backend=127.0.0.1:%d;
-    server {
-        listen 127.0.0.1:%d;
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%d;
-            proxy_buffering off;
-            proxy_read_timeout 900s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Swap $llama_session_swap_ms always;
-        }
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%d/;
-            proxy_read_timeout 900s;
-        }
-    }''' % (withmod.slots, withmod.port, nport, withmod.port, withmod.port))
-        wait_http(nport)
+        ngx, nport = module_nginx(work, 'nginx-warm-%d' % stoks, withmod)
         sides = [('defaults', defaults.port), ('cache_ram_0', noram.port),
                  ('module', nport)]
 
@@ -795,27 +782,7 @@ def bench_oneslot(work, quick):
     cache_mib = int(2.5 * ptoks * kv_per_token / 2 ** 20) + 8
     native = Llama(work, 'one-native', ctx, cache_ram=cache_mib)
     withmod = Llama(work, 'one-module', ctx)
-    nport = free_port()
-    ngx = Nginx(work, 'nginx-one', '''
-    llama_session_zone zone=llama:4m store=%s save_idle=500ms
-                       backend=127.0.0.1:%d;
-    server {
-        listen 127.0.0.1:%d;
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%d;
-            proxy_buffering off;
-            proxy_read_timeout 900s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Swap $llama_session_swap_ms always;
-        }
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%d/;
-            proxy_read_timeout 900s;
-        }
-    }''' % (withmod.slots, withmod.port, nport, withmod.port, withmod.port))
-    wait_http(nport)
+    ngx, nport = module_nginx(work, 'nginx-one', withmod)
     sides = [('native_ram_cache', native.port), ('module', nport)]
     nwords = words_for(withmod.port, ptoks, 'oneA')
     system = filler('sys', nwords // 4)

@@ -49,6 +49,11 @@ static ngx_int_t ngx_http_llama_session_sha256(ngx_http_request_t *r,
 static EVP_MD_CTX *ngx_http_llama_session_sha256_begin(ngx_http_request_t *r);
 static ngx_uint_t ngx_http_llama_session_last_matches(ngx_str_t *parts,
     ngx_uint_t n);
+static ngx_int_t ngx_http_llama_session_base_key(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns, u_char *sys,
+    u_char *hash);
+static void ngx_http_llama_session_base_name(
+    ngx_http_llama_session_ctx_t *ctx, u_char *hash);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
 static ngx_uint_t ngx_http_llama_session_suffix(ngx_str_t *uri,
@@ -63,6 +68,9 @@ static u_char   ngx_http_llama_session_last_in[512];
 static size_t   ngx_http_llama_session_last_len;
 static u_char   ngx_http_llama_session_last_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
 static size_t   ngx_http_llama_session_last_key_len;
+static u_char   ngx_http_llama_session_last_idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
+static u_char   ngx_http_llama_session_last_base[
+                    NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2];
 
 
 static ngx_str_t  ngx_http_llama_session_model_name =
@@ -186,6 +194,26 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     }
 
     return 1;
+}
+
+
+/* does the request's path end with suffix, trailing slashes aside? */
+
+ngx_uint_t
+ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
+{
+    ngx_str_t  uri, s;
+
+    uri = r->uri;
+
+    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
+        uri.len--;
+    }
+
+    s.data = (u_char *) suffix;
+    s.len = ngx_strlen(suffix);
+
+    return ngx_http_llama_session_suffix(&uri, &s);
 }
 
 
@@ -1100,7 +1128,7 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     u_char       sys[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char       head[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t       i, n, len;
-    ngx_str_t    parts[9];
+    ngx_str_t    parts[7];
     ngx_uint_t   nparts;
 
     sys[0] = '\0';
@@ -1111,27 +1139,14 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     head[1] = 'h';
     ngx_memcpy(head + 2, ctx->head, NGX_HTTP_LLAMA_SESSION_DIGEST);
 
-    if (ctx->sys_len) {
-        ngx_str_set(&parts[0], "base");
-        ngx_str_set(&parts[1], "\0");
-        parts[2] = *ns;
-        parts[3] = parts[1];
-        parts[4] = ctx->model;
-        parts[5].data = sys;
-        parts[5].len = sizeof(sys);
-
-        if (ngx_http_llama_session_sha256(r, parts, 6, hash) != NGX_OK) {
+    if (ctx->default_session) {
+        if (ctx->sys_len
+            && ngx_http_llama_session_base_key(r, ctx, ns, sys, hash)
+               != NGX_OK)
+        {
             return NGX_ERROR;
         }
 
-        ngx_memcpy(ctx->base_id, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
-
-        p = ngx_cpymem(ctx->base_key, "base-", sizeof("base-") - 1);
-        p = ngx_hex_dump(p, hash, NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
-        ctx->base_len = p - ctx->base_key;
-    }
-
-    if (ctx->default_session) {
         p = ngx_cpymem(ctx->key, "default", sizeof("default") - 1);
 
         if (ns->len) {
@@ -1156,14 +1171,6 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     parts[4] = ctx->id;
     nparts = 5;
 
-    /* what the API finds the client's id by, whatever the prefix */
-
-    if (ngx_http_llama_session_sha256(r, parts, 5, hash) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    ngx_memcpy(ctx->idk, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
-
     if (ctx->sys_len) {
         parts[nparts].data = sys;
         parts[nparts].len = sizeof(sys);
@@ -1178,7 +1185,8 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
 
     /*
      * the same session comes again and again: the worker keeps the last
-     * key it derived, and its input, to skip SHA-256 then
+     * key it derived, with its id's and its base's digests, and the input,
+     * to skip SHA-256 then
      */
 
     len = 0;
@@ -1193,7 +1201,34 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     {
         ctx->key_len = ngx_http_llama_session_last_key_len;
         ngx_memcpy(ctx->key, ngx_http_llama_session_last_key, ctx->key_len);
+        ngx_memcpy(ctx->idk, ngx_http_llama_session_last_idk,
+                   NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+        if (ctx->sys_len) {
+            ngx_http_llama_session_base_name(ctx,
+                                             ngx_http_llama_session_last_base);
+        }
+
         return NGX_OK;
+    }
+
+    /* what the API finds the client's id by, whatever the prefix */
+
+    if (ngx_http_llama_session_sha256(r, parts, 5, hash) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(ctx->idk, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    if (ctx->sys_len
+        && ngx_http_llama_session_base_key(r, ctx, ns, sys, hash) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    if (len <= sizeof(ngx_http_llama_session_last_in)) {
+        ngx_memcpy(ngx_http_llama_session_last_base, hash,
+                   NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
     }
 
     if (ngx_http_llama_session_sha256(r, parts, nparts, hash) != NGX_OK) {
@@ -1228,6 +1263,8 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
         ngx_http_llama_session_last_len = len;
         ngx_http_llama_session_last_key_len = ctx->key_len;
         ngx_memcpy(ngx_http_llama_session_last_key, ctx->key, ctx->key_len);
+        ngx_memcpy(ngx_http_llama_session_last_idk, ctx->idk,
+                   NGX_HTTP_LLAMA_SESSION_DIGEST);
     }
 
     ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
@@ -1235,6 +1272,50 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
                    &ctx->source, ctx->key_len, ctx->key);
 
     return NGX_OK;
+}
+
+
+/*
+ * The base's key: SHA-256("base" \0 namespace \0 model \0s system digest);
+ * its first bytes are left in hash for the worker's cache
+ */
+
+static ngx_int_t
+ngx_http_llama_session_base_key(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns, u_char *sys,
+    u_char *hash)
+{
+    ngx_str_t  parts[6];
+
+    ngx_str_set(&parts[0], "base");
+    ngx_str_set(&parts[1], "\0");
+    parts[2] = *ns;
+    parts[3] = parts[1];
+    parts[4] = ctx->model;
+    parts[5].data = sys;
+    parts[5].len = 2 + NGX_HTTP_LLAMA_SESSION_DIGEST;
+
+    if (ngx_http_llama_session_sha256(r, parts, 6, hash) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ngx_http_llama_session_base_name(ctx, hash);
+
+    return NGX_OK;
+}
+
+
+static void
+ngx_http_llama_session_base_name(ngx_http_llama_session_ctx_t *ctx,
+    u_char *hash)
+{
+    u_char  *p;
+
+    ngx_memcpy(ctx->base_id, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    p = ngx_cpymem(ctx->base_key, "base-", sizeof("base-") - 1);
+    p = ngx_hex_dump(p, hash, NGX_HTTP_LLAMA_SESSION_HASH_HEX / 2);
+    ctx->base_len = p - ctx->base_key;
 }
 
 

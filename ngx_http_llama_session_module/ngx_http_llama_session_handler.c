@@ -494,9 +494,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
     }
 
     if (!ctx->queued && ctx->zone->sh->nslots > 1
-        && r->uri.len >= sizeof("/messages") - 1
-        && ngx_strncmp(r->uri.data + r->uri.len - (sizeof("/messages") - 1),
-                       "/messages", sizeof("/messages") - 1) == 0)
+        && ngx_http_llama_session_uri_ends(r, "/messages"))
     {
         /*
          * llama-server's Anthropic conversion drops "id_slot": the

@@ -483,6 +483,8 @@ ngx_int_t ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
+    char *suffix);
 ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
 void ngx_http_llama_session_sha256_free(void);

@@ -56,7 +56,6 @@ ngx_int_t
 ngx_http_llama_session_warm(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_str_t                           uri;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -70,27 +69,14 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* the endpoints a prime can be made for */
 
-    uri = r->uri;
-
-    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
-        uri.len--;
-    }
-
-    if (uri.len >= sizeof("/messages") - 1
-        && ngx_strncmp(uri.data + uri.len - (sizeof("/messages") - 1),
-                       "/messages", sizeof("/messages") - 1) == 0)
-    {
+    if (ngx_http_llama_session_uri_ends(r, "/messages")) {
         if (ctx->p_system.start == NULL) {
             return NGX_DECLINED;
         }
 
         ctx->anthropic = 1;
 
-    } else if (uri.len < sizeof("/chat/completions") - 1
-               || ngx_strncmp(uri.data + uri.len
-                              - (sizeof("/chat/completions") - 1),
-                              "/chat/completions",
-                              sizeof("/chat/completions") - 1) != 0
+    } else if (!ngx_http_llama_session_uri_ends(r, "/chat/completions")
                || (ctx->p_leading.start == NULL && ctx->p_tools.start == NULL))
     {
         return NGX_DECLINED;

@@ -23,12 +23,7 @@ my $JSON = $LlamaTest::JSON;
 sub fp { LlamaTest::fake_fp($_[0]) }
 # a turn of a conversation: the same first message, then the text; the
 # session's key has that first message in it
-sub turn_body {
-    return { messages => [ { role => 'user',
-                             content => 'Hello, this is our conversation.' },
-                           { role => 'assistant', content => 'Go on.' },
-                           { role => 'user', content => $_[0] } ] };
-}
+sub turn_body { LlamaTest::conversation($_[0]) }
 sub key { my ($id, $model) = @_;
           LlamaTest::session_key($id, model => $model,
                                  body => turn_body('')) }

@@ -27,12 +27,7 @@ my $JSON = $LlamaTest::JSON;
 
 # a turn of a conversation: the same first message, then the text (the
 # first message is part of the session's key)
-sub chat_of {
-    return { messages => [ { role => 'user',
-                             content => 'Hello, this is our conversation.' },
-                           { role => 'assistant', content => 'Go on.' },
-                           { role => 'user', content => $_[0] } ] };
-}
+sub chat_of { LlamaTest::conversation($_[0]) }
 
 sub key {
     my ($id, %o) = @_;

@@ -52,12 +52,7 @@ $t->allow_alerts(qr/worker process \d+ exited on signal 9/,
                  qr/died holding slot/);
 
 # a turn of a conversation: the same first message, then the text
-sub chat_of {
-    return { messages => [ { role => 'user',
-                             content => 'Hello, this is our conversation.' },
-                           { role => 'assistant', content => 'Go on.' },
-                           { role => 'user', content => $_[0] } ] };
-}
+sub chat_of { LlamaTest::conversation($_[0]) }
 
 sub ask {
     my ($sid, $text) = @_;

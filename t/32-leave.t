@@ -53,12 +53,7 @@ EOF
 my ($curl) = grep { -x } map { "$_/curl" } split /:/, $ENV{PATH};
 
 # a turn of a conversation: its first message, then the text
-sub chat_of {
-    return { messages => [ { role => 'user',
-                             content => 'Hello, this is our conversation.' },
-                           { role => 'assistant', content => 'Go on.' },
-                           { role => 'user', content => $_[0] } ] };
-}
+sub chat_of { LlamaTest::conversation($_[0]) }
 
 # the first turn of a new conversation with a system prompt: a warm start
 sub warm_of {

@@ -233,6 +233,16 @@ sub fake_fp {
     return substr(Digest::SHA::sha256_hex($text), 0, 8);
 }
 
+# a turn of a conversation: the same first message (part of the session's
+# key, with the system prompt), then the text
+sub conversation {
+    my ($text) = @_;
+    return { messages => [ { role => 'user',
+                             content => 'Hello, this is our conversation.' },
+                           { role => 'assistant', content => 'Go on.' },
+                           { role => 'user', content => $text } ] };
+}
+
 # the session key the module derives (body.c): the id through a strict
 # charset, then SHA-256 of namespace, model, id and the request's prefix:
 # its system prompt (with tools) and the first 256 bytes of the first
