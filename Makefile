@@ -65,6 +65,8 @@ deps:
 rig: deps
 	rig/build-llama-server.sh
 	rig/make-model.sh
+	rig/make-model.sh 4
+	rig/make-model.sh 12
 
 test: deps $(MODULE) rig
 	prove $(PROVE_FLAGS) t/

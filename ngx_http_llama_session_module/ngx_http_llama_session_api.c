@@ -644,7 +644,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete)
 {
     u_char                             *p;
-    size_t                              klen;
+    size_t                              klen, skip;
     cJSON                              *json, *list, *item;
     ngx_str_t                           ns, model;
     ngx_uint_t                          i, k, n, is_key;
@@ -665,13 +665,21 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
 
     /* a key as the API lists it, or a client's id to derive the key from */
 
-    is_key = (id->len > NGX_HTTP_LLAMA_SESSION_HASH_HEX + 1
-              && id->len <= NGX_HTTP_LLAMA_SESSION_SAFE_MAX + 1
-                            + NGX_HTTP_LLAMA_SESSION_HASH_HEX
-              && id->data[id->len - NGX_HTTP_LLAMA_SESSION_HASH_HEX - 1]
-                 == '-');
+    /* a router's model zone: "<zone>@" and the key */
 
-    for (i = 0; is_key && i < id->len; i++) {
+    skip = (zone->prefix.len && id->len > zone->prefix.len
+            && ngx_strncmp(id->data, zone->prefix.data, zone->prefix.len)
+               == 0)
+           ? zone->prefix.len : 0;
+
+    is_key = (id->len - skip > NGX_HTTP_LLAMA_SESSION_HASH_HEX + 1
+              && id->len - skip <= NGX_HTTP_LLAMA_SESSION_SAFE_MAX + 1
+                                   + NGX_HTTP_LLAMA_SESSION_HASH_HEX
+              && id->data[id->len - NGX_HTTP_LLAMA_SESSION_HASH_HEX - 1]
+                 == '-'
+              && (skip || zone->prefix.len == 0));
+
+    for (i = skip; is_key && i < id->len; i++) {
         p = &id->data[i];
 
         if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z')
@@ -705,6 +713,10 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
             p = ctx->model.data;
             ngx_unescape_uri(&p, &model.data, model.len, 0);
             ctx->model.len = p - ctx->model.data;
+
+        } else if (zone->model.len) {
+            /* a router's model zone: its model */
+            ctx->model = zone->model;
         }
 
         ctx->id = *id;

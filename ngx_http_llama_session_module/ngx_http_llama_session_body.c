@@ -363,7 +363,35 @@ fallback:
         ctx->default_session = 1;
     }
 
-    return ngx_http_llama_session_make_key(r, ctx, &ns);
+    /* router mode: the zone of the request's model */
+
+    rc = ngx_http_llama_session_choose_zone(r, ctx);
+    if (rc != NGX_OK) {
+        return rc;
+    }
+
+    if (ngx_http_llama_session_make_key(r, ctx, &ns) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (ctx->zone && ctx->zone->prefix.len) {
+        /* "<zone>@<key>": the zones of one router share a store folder */
+
+        ngx_memmove(ctx->key + ctx->zone->prefix.len, ctx->key,
+                    ctx->key_len);
+        ngx_memcpy(ctx->key, ctx->zone->prefix.data, ctx->zone->prefix.len);
+        ctx->key_len += ctx->zone->prefix.len;
+
+        if (ctx->base_len) {
+            ngx_memmove(ctx->base_key + ctx->zone->prefix.len, ctx->base_key,
+                        ctx->base_len);
+            ngx_memcpy(ctx->base_key, ctx->zone->prefix.data,
+                       ctx->zone->prefix.len);
+            ctx->base_len += ctx->zone->prefix.len;
+        }
+    }
+
+    return NGX_OK;
 }
 
 

@@ -34,8 +34,6 @@ static ngx_int_t ngx_http_llama_session_start(ngx_http_request_t *r,
 static void ngx_http_llama_session_body_handler(ngx_http_request_t *r);
 static ngx_int_t ngx_http_llama_session_wait(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_files(ngx_http_request_t *r,
@@ -50,12 +48,7 @@ static ngx_int_t ngx_http_llama_session_loaded(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_pinned(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 static void ngx_http_llama_session_wake(ngx_event_t *ev);
-static ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
-    char *message, time_t retry_after);
 static void ngx_http_llama_session_cleanup(void *data);
 static ngx_int_t ngx_http_llama_session_subrequest(ngx_http_request_t *r);
 static void ngx_http_llama_session_drop_headers(ngx_http_request_t *r);
@@ -69,7 +62,11 @@ static ngx_str_t  ngx_http_llama_session_call_names[] = {
     ngx_string("erase"),
     ngx_string("GET /props"),
     ngx_string("GET /v1/models"),
-    ngx_string("prime")
+    ngx_string("prime"),
+    ngx_string("GET /models"),
+    ngx_string("GET /props"),
+    ngx_string("POST /models/load"),
+    ngx_string("POST /models/unload")
 };
 
 
@@ -114,6 +111,16 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         }
 
         return ngx_http_llama_session_wait(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_ROUTER:
+        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted
+            || (ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+                && !ctx->call_done))
+        {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_routed(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROPS:
         if (!ctx->call_done) {
@@ -445,6 +452,14 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
             ctx->fail_type = "invalid_request_error";
             ctx->fail_message = "the session id is too long";
 
+        } else if (rc == NGX_DECLINED) {
+            /* router mode: no zone of the location drives the model */
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->fail_status = NGX_HTTP_BAD_REQUEST;
+            ctx->fail_type = "invalid_request_error";
+            ctx->fail_message = "the request's \"model\" is not one this "
+                                "server keeps sessions for";
+
         } else if (rc != NGX_OK) {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -633,10 +648,15 @@ ngx_http_llama_session_has_file(ngx_http_request_t *r,
 
 /* the request holds the slot: decide what the swap needs */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    if (ctx->zone->model.len && !ctx->routed) {
+        /* router mode: the model is up first, see router.c */
+        return ngx_http_llama_session_route(r, ctx);
+    }
+
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
         if (!ctx->verify) {
             return ngx_http_llama_session_proxy(r, ctx);
@@ -751,6 +771,16 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     ngx_int_t   rc;
     ngx_uint_t  processing;
     ngx_msec_t  delay;
+
+    if (ctx->call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len
+        && !ctx->rerouted)
+    {
+        /* router mode: the model went since the router's look: again */
+        ctx->rerouted = 1;
+        ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+        ctx->routed = 0;
+        return ngx_http_llama_session_route(r, ctx);
+    }
 
     /* 501: --no-slots, see below */
 
@@ -1205,7 +1235,7 @@ ngx_http_llama_session_pinned(ngx_http_request_t *r,
 }
 
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay)
 {
@@ -1314,7 +1344,7 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
 /* an OpenAI-style JSON error to the client */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
     char *message, time_t retry_after)
@@ -1449,6 +1479,7 @@ ngx_http_llama_session_cleanup(void *data)
 
     ngx_http_llama_session_dequeue(ctx);
 
+    ngx_http_llama_session_route_end(ctx);
     ngx_http_llama_session_finish(ctx);
 
     if (ctx->old_len) {

@@ -31,12 +31,16 @@ typedef struct {
 } ngx_http_llama_session_idle_t;
 
 
+static ngx_msec_t ngx_http_llama_session_idle_step(
+    ngx_http_llama_session_zone_t *zone);
 static void ngx_http_llama_session_idle_tick(ngx_event_t *ev);
 static ngx_int_t ngx_http_llama_session_idle_send(
     ngx_http_llama_session_idle_t *job, ngx_uint_t call);
 static void ngx_http_llama_session_idle_write(ngx_event_t *wev);
 static void ngx_http_llama_session_idle_read(ngx_event_t *rev);
 static ngx_uint_t ngx_http_llama_session_idle_complete(ngx_buf_t *b);
+static u_char *ngx_http_llama_session_idle_chunks(u_char *p, u_char *last,
+    ngx_uint_t decode);
 static void ngx_http_llama_session_idle_reply(
     ngx_http_llama_session_idle_t *job);
 static void ngx_http_llama_session_idle_done(
@@ -70,7 +74,8 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
     for (i = 0; i < lmcf->zones.nelts; i++) {
         zone = zp[i];
 
-        if (zone->save_idle == 0) {
+        if (zone->save_idle == 0 && zone->model.len == 0) {
+            /* a router's model zone saves before an unload, see router.c */
             continue;
         }
 
@@ -79,12 +84,33 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
         zone->idle_ev.log = cycle->log;
         zone->idle_ev.cancelable = 1;
 
-        step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
+        step = ngx_http_llama_session_idle_step(zone);
 
         ngx_add_timer(&zone->idle_ev, step + ngx_random() % step);
     }
 
     return NGX_OK;
+}
+
+
+/*
+ * How often a worker looks: a quarter of save_idle, 50 ms to 1 s; a
+ * router's model zone at least every 100 ms, as a switch waits for its
+ * saves before the unload.
+ */
+
+static ngx_msec_t
+ngx_http_llama_session_idle_step(ngx_http_llama_session_zone_t *zone)
+{
+    ngx_msec_t  step;
+
+    step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
+
+    if (zone->model.len) {
+        step = ngx_min(step, 100);
+    }
+
+    return step;
 }
 
 
@@ -102,7 +128,7 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
         return;
     }
 
-    step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
+    step = ngx_http_llama_session_idle_step(zone);
     ngx_add_timer(ev, step);
 
     if (zone->idle_busy
@@ -173,6 +199,7 @@ ngx_http_llama_session_idle_send(ngx_http_llama_session_idle_t *job,
     ngx_uint_t call)
 {
     u_char                         *p, body[NGX_HTTP_LLAMA_SESSION_NAME_MAX
+                                            + NGX_HTTP_LLAMA_SESSION_MODEL_SHOW
                                             + 64];
     size_t                          blen;
     ngx_int_t                       rc;
@@ -190,15 +217,23 @@ ngx_http_llama_session_idle_send(ngx_http_llama_session_idle_t *job,
     blen = 0;
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
-        p = ngx_sprintf(body, "{\"filename\":\"%*s.%*s.bin%s\"}",
+        p = ngx_sprintf(body, "{\"filename\":\"%*s.%*s.bin%s\"",
                         ctx->out_len, ctx->out_key,
                         (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp,
                         zone->store.len ? ".tmp" : "");
+
+        if (zone->model.len) {
+            /* router mode: the model's slot, never loading the model */
+            p = ngx_sprintf(p, ",\"model\":\"%V\"", &zone->model);
+        }
+
+        *p++ = '}';
         blen = p - body;
     }
 
     job->out = ngx_create_temp_buf(job->pool, 512 + zone->backend_name.len
-                                              + zone->api_key.len + blen);
+                                              + zone->api_key.len
+                                              + zone->model_arg.len + blen);
     if (job->out == NULL) {
         return NGX_ERROR;
     }
@@ -206,12 +241,14 @@ ngx_http_llama_session_idle_send(ngx_http_llama_session_idle_t *job,
     p = job->out->last;
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
-        p = ngx_sprintf(p, "GET /slots HTTP/1.1" CRLF);
+        p = ngx_sprintf(p, "GET /slots%s%V HTTP/1.1" CRLF,
+                        zone->model.len ? "?" : "", &zone->model_arg);
 
     } else {
-        p = ngx_sprintf(p, "POST /slots/%ui?action=save HTTP/1.1" CRLF
+        p = ngx_sprintf(p, "POST /slots/%ui?action=save%s HTTP/1.1" CRLF
                         "Content-Type: application/json" CRLF
-                        "Content-Length: %uz" CRLF, ctx->slot, blen);
+                        "Content-Length: %uz" CRLF, ctx->slot,
+                        zone->model.len ? "&autoload=false" : "", blen);
     }
 
     p = ngx_sprintf(p, "Host: %V" CRLF "Connection: close" CRLF
@@ -425,6 +462,15 @@ ngx_http_llama_session_idle_complete(ngx_buf_t *b)
         return 0;
     }
 
+    if (ngx_strlcasestrn(b->pos, end,
+                         (u_char *) CRLF "transfer-encoding: chunked",
+                         sizeof(CRLF "transfer-encoding: chunked") - 2))
+    {
+        /* llama-server's router passes its children's replies chunked */
+        return ngx_http_llama_session_idle_chunks(end + 4, b->last, 0)
+               != NULL;
+    }
+
     p = ngx_strlcasestrn(b->pos, end, (u_char *) CRLF "content-length:",
                          sizeof(CRLF "content-length:") - 2);
     if (p == NULL) {
@@ -448,6 +494,66 @@ ngx_http_llama_session_idle_complete(ngx_buf_t *b)
     }
 
     return b->last - (end + 4) >= len;
+}
+
+
+/*
+ * A chunked body from p: NULL while it is not whole; else its end.  With
+ * decode, the chunks' data is moved together in place (it only shrinks)
+ * and the end of the data is returned.
+ */
+
+static u_char *
+ngx_http_llama_session_idle_chunks(u_char *p, u_char *last, ngx_uint_t decode)
+{
+    u_char  *out;
+    size_t   size;
+
+    out = p;
+
+    for ( ;; ) {
+        size = 0;
+
+        while (p < last && ((*p >= '0' && *p <= '9')
+                            || (*p >= 'a' && *p <= 'f')
+                            || (*p >= 'A' && *p <= 'F')))
+        {
+            if (size > NGX_HTTP_LLAMA_SESSION_IDLE_REPLY_MAX) {
+                return NULL;
+            }
+
+            size = size * 16 + ((*p <= '9') ? (size_t) (*p - '0')
+                                : (size_t) ((*p | 0x20) - 'a' + 10));
+            p++;
+        }
+
+        /* chunk extensions up to the line's end */
+
+        while (p < last && *p != LF) {
+            p++;
+        }
+
+        if (p == last) {
+            return NULL;
+        }
+
+        p++;
+
+        if (size == 0) {
+            return decode ? out : p;
+        }
+
+        if ((size_t) (last - p) < size + 2) {
+            return NULL;
+        }
+
+        if (decode) {
+            ngx_memmove(out, p, size);
+            out += size;
+        }
+
+        p += size + 2;
+    }
 }
 
 
@@ -484,6 +590,22 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
 
     p = body + 4;
 
+    if (ngx_strlcasestrn(b->pos, body,
+                         (u_char *) CRLF "transfer-encoding: chunked",
+                         sizeof(CRLF "transfer-encoding: chunked") - 2))
+    {
+        b->last = ngx_http_llama_session_idle_chunks(p, b->last, 1);
+
+        if (b->last == NULL) {
+            ngx_log_error(NGX_LOG_ERR, job->log, 0,
+                          "llama_session: idle save: a chunked reply from "
+                          "\"%V\" ended early", &ctx->zone->backend_name);
+            ngx_http_llama_session_idle_done(job,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            return;
+        }
+    }
+
     ctx->call_status = status;
     ctx->call_reply = ngx_calloc_buf(job->pool);
     if (ctx->call_reply == NULL) {
@@ -503,7 +625,26 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
             || ngx_http_llama_session_parse_slots(job->log, ctx, &processing)
                != NGX_OK)
         {
-            if (status == NGX_HTTP_NOT_IMPLEMENTED) {
+            if (status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len) {
+                /*
+                 * router mode: the model is not running (unloaded or
+                 * failed behind the module's back), its slots are empty
+                 */
+                ngx_log_error(NGX_LOG_WARN, job->log, 0,
+                              "llama_session: idle save: the router's model "
+                              "\"%V\" is not running, \"%*s\" lost its "
+                              "turns since its last save",
+                              &ctx->zone->model, ctx->out_len, ctx->out_key);
+
+                ngx_http_llama_session_release(ctx,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+                (void) ngx_http_llama_session_model_reset(ctx->zone, NULL,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+                ngx_http_llama_session_stat(ctx,
+                                          &ctx->zone->sh->model_lost);
+                job->failed = 0;
+
+            } else if (status == NGX_HTTP_NOT_IMPLEMENTED) {
                 /* --no-slots: nothing is saved until a request changes it */
                 ngx_log_error(NGX_LOG_WARN, job->log, 0,
                               "llama_session: idle save: GET /slots answered "

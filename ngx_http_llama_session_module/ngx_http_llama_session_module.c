@@ -19,6 +19,11 @@ static char *ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf,
     void *parent, void *child);
 static char *ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
+static ngx_int_t ngx_http_llama_session_model_name(ngx_conf_t *cf,
+    ngx_str_t *model);
+static ngx_int_t ngx_http_llama_session_model_zone(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_t *zone, ngx_str_t *model);
 static char *ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 static char *ngx_http_llama_session_slots_uri(ngx_conf_t *cf,
@@ -28,7 +33,7 @@ static char *ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd,
 static char *ngx_http_llama_session_endpoints(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
 static ngx_int_t ngx_http_llama_session_old_zone(ngx_conf_t *cf,
-    ngx_str_t *name, size_t size, ngx_str_t *store);
+    ngx_str_t *name, size_t size, ngx_str_t *store, ngx_str_t *model);
 static char *ngx_http_llama_session_warm_conf(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
 
@@ -50,7 +55,7 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       NULL },
 
     { ngx_string("llama_session"),
-      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_1MORE,
       ngx_http_llama_session,
       NGX_HTTP_LOC_CONF_OFFSET,
       0,
@@ -239,6 +244,7 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
      * set by ngx_pcalloc():
      *
      *     conf->zone = NULL;
+     *     conf->zones = NULL;
      *     conf->slots_uri = { 0, NULL };
      *     conf->namespace = NULL;
      */
@@ -291,6 +297,7 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
     if (conf->enable == NGX_CONF_UNSET) {
         conf->enable = prev->enable;
         conf->zone = prev->zone;
+        conf->zones = prev->zones;
     }
 
     if (conf->enable == NGX_CONF_UNSET) {
@@ -356,7 +363,8 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
- *     [max_size=size] [save_idle=time backend=host:port [api_key=key]];
+ *     [max_size=size] [save_idle=time backend=host:port [api_key=key]]
+ *     [model=name];
  */
 
 static char *
@@ -369,7 +377,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ssize_t                          size;
     ngx_int_t                        n;
     ngx_str_t                       *value, name, s, store, api_key;
-    ngx_str_t                        backend_name;
+    ngx_str_t                        backend_name, model;
     ngx_url_t                        u;
     ngx_uint_t                       i, nslots, max_files, max_waiting;
     ngx_msec_t                       save_idle;
@@ -390,6 +398,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_str_null(&store);
     ngx_str_null(&api_key);
     ngx_str_null(&backend_name);
+    ngx_str_null(&model);
 
     for (i = 1; i < cf->args->nelts; i++) {
 
@@ -573,6 +582,19 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
+        if (ngx_strncmp(value[i].data, "model=", 6) == 0) {
+            /* llama-server's router mode: the one model the zone drives */
+
+            model.data = value[i].data + 6;
+            model.len = value[i].len - 6;
+
+            if (ngx_http_llama_session_model_name(cf, &model) != NGX_OK) {
+                return NGX_CONF_ERROR;
+            }
+
+            continue;
+        }
+
         if (ngx_strncmp(value[i].data, "api_key=", 8) == 0) {
             api_key.data = value[i].data + 8;
             api_key.len = value[i].len - 8;
@@ -603,7 +625,8 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         }
 
         if (store.len && zp[i]->store.len == store.len
-            && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0)
+            && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0
+            && (model.len == 0 || zp[i]->model.len == 0))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zones \"%V\" and \"%V\" have "
@@ -631,7 +654,9 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_ERROR;
     }
 
-    if (ngx_http_llama_session_old_zone(cf, &name, size, &store) != NGX_OK) {
+    if (ngx_http_llama_session_old_zone(cf, &name, size, &store, &model)
+        != NGX_OK)
+    {
         return NGX_CONF_ERROR;
     }
 
@@ -661,6 +686,54 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_ERROR;
     }
 
+    if (model.len) {
+        /* its sessions' keys start with "<zone>@" in a shared folder */
+
+        for (i = 0; i < name.len; i++) {
+            if (!((name.data[i] >= 'a' && name.data[i] <= 'z')
+                  || (name.data[i] >= 'A' && name.data[i] <= 'Z')
+                  || (name.data[i] >= '0' && name.data[i] <= '9')
+                  || name.data[i] == '-' || name.data[i] == '_'))
+            {
+                break;
+            }
+        }
+
+        if (i < name.len || name.len > NGX_HTTP_LLAMA_SESSION_PREFIX_MAX) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "zone \"%V\" with \"model=\" needs a name of "
+                               "1 to %d letters, digits, \"-\" or \"_\": its "
+                               "sessions' file names start with it", &name,
+                               NGX_HTTP_LLAMA_SESSION_PREFIX_MAX);
+            return NGX_CONF_ERROR;
+        }
+
+        if (backend == NULL || store.len == 0) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "zone \"%V\" with \"model=\" needs "
+                               "\"backend=host:port\" and \"store=\": the "
+                               "sessions of a model that llama-server's "
+                               "router unloads are saved first, as idle "
+                               "saves are", &name);
+            return NGX_CONF_ERROR;
+        }
+
+        for (i = 0; i < lmcf->zones.nelts; i++) {
+            if (zp[i]->model.len == model.len
+                && ngx_strncmp(zp[i]->model.data, model.data, model.len) == 0
+                && zp[i]->store.len == store.len
+                && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0)
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "llama_session zones \"%V\" and \"%V\" "
+                                   "drive the same model \"%V\" of one "
+                                   "router: one zone per model", &zp[i]->name,
+                                   &name, &model);
+                return NGX_CONF_ERROR;
+            }
+        }
+    }
+
     if ((max_files || max_size) && store.len == 0) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "\"max_files=\" and \"max_size=\" need "
@@ -680,6 +753,15 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     zone->api_key = api_key;
     zone->shm_zone = shm_zone;
     zone->cycle = cf->cycle;
+    zone->group = zone;
+
+    if (model.len) {
+        if (ngx_http_llama_session_model_zone(cf, lmcf, zone, &model)
+            != NGX_OK)
+        {
+            return NGX_CONF_ERROR;
+        }
+    }
 
     shm_zone->init = ngx_http_llama_session_init_zone;
     shm_zone->data = zone;
@@ -696,7 +778,133 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
 
 /*
- * llama_session <zone> | off;
+ * A model's name as the router knows it goes into slot calls' JSON bodies
+ * and queries: letters, digits and "._:/+@-" only.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_model_name(ngx_conf_t *cf, ngx_str_t *model)
+{
+    u_char      c;
+    ngx_uint_t  i;
+
+    for (i = 0; i < model->len; i++) {
+        c = model->data[i];
+
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+              || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == ':'
+              || c == '/' || c == '+' || c == '@' || c == '-'))
+        {
+            break;
+        }
+    }
+
+    if (model->len == 0 || model->len > NGX_HTTP_LLAMA_SESSION_MODEL_SHOW
+        || i < model->len)
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid model \"%V\": 1 to %d letters, digits "
+                           "or \"._:/+@-\", as llama-server's router names "
+                           "it in GET /models", model,
+                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * A zone of a router's model: its query for GET calls, the prefix of its
+ * sessions' keys, and its group: the zones with the same store folder
+ * (one router), led by the first one declared.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_model_zone(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_t *zone, ngx_str_t *model)
+{
+    u_char                          *p;
+    ngx_uint_t                       i;
+    ngx_http_llama_session_zone_t  **zp, *last;
+
+    zone->model = *model;
+
+    zone->model_arg.data = ngx_pnalloc(cf->pool, sizeof("model=&autoload=false")
+                                                 + 3 * model->len);
+    if (zone->model_arg.data == NULL) {
+        return NGX_ERROR;
+    }
+
+    p = ngx_cpymem(zone->model_arg.data, "model=", sizeof("model=") - 1);
+    p = (u_char *) ngx_escape_uri(p, model->data, model->len,
+                                  NGX_ESCAPE_ARGS);
+
+    for (i = 0; i < model->len; i++) {
+        /* what NGX_ESCAPE_ARGS keeps and a query decodes otherwise */
+        if (model->data[i] == '+' || model->data[i] == '/'
+            || model->data[i] == ':' || model->data[i] == '@')
+        {
+            break;
+        }
+    }
+
+    if (i < model->len) {
+        p = zone->model_arg.data + sizeof("model=") - 1;
+
+        for (i = 0; i < model->len; i++) {
+            if ((model->data[i] >= 'a' && model->data[i] <= 'z')
+                || (model->data[i] >= 'A' && model->data[i] <= 'Z')
+                || (model->data[i] >= '0' && model->data[i] <= '9')
+                || model->data[i] == '.' || model->data[i] == '_'
+                || model->data[i] == '-')
+            {
+                *p++ = model->data[i];
+
+            } else {
+                p = ngx_sprintf(p, "%%%02XD", (ngx_uint_t) model->data[i]);
+            }
+        }
+    }
+
+    p = ngx_cpymem(p, "&autoload=false", sizeof("&autoload=false") - 1);
+    zone->model_arg.len = p - zone->model_arg.data;
+
+    zone->prefix.data = ngx_pnalloc(cf->pool, zone->name.len + 1);
+    if (zone->prefix.data == NULL) {
+        return NGX_ERROR;
+    }
+
+    p = ngx_cpymem(zone->prefix.data, zone->name.data, zone->name.len);
+    *p++ = '@';
+    zone->prefix.len = p - zone->prefix.data;
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->model.len && zp[i]->store.len == zone->store.len
+            && ngx_strncmp(zp[i]->store.data, zone->store.data,
+                           zone->store.len) == 0)
+        {
+            zone->group = zp[i]->group;
+
+            for (last = zone->group; last->group_next; last = last->group_next)
+            {
+                /* void */
+            }
+
+            last->group_next = zone;
+            break;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * llama_session <zone> ... | identity | off;
  */
 
 static char *
@@ -704,7 +912,9 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_llama_session_loc_conf_t *llcf = conf;
 
-    ngx_str_t  *value;
+    ngx_str_t                       *value;
+    ngx_uint_t                       i, j;
+    ngx_http_llama_session_zone_t   *zone, **zp;
 
     if (llcf->enable != NGX_CONF_UNSET) {
         return "is duplicate";
@@ -731,6 +941,56 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     }
 
     llcf->enable = 1;
+
+    if (cf->args->nelts == 2 && llcf->zone->model.len == 0) {
+        return NGX_CONF_OK;
+    }
+
+    /* router mode: a zone per model, the request's "model" chooses */
+
+    llcf->zones = ngx_array_create(cf->pool, cf->args->nelts - 1,
+                                   sizeof(ngx_http_llama_session_zone_t *));
+    if (llcf->zones == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    for (i = 1; i < cf->args->nelts; i++) {
+        zone = ngx_http_llama_session_find_zone(cf, &value[i]);
+        if (zone == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        if (zone->model.len == 0) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "zone \"%V\" has no \"model=\": several "
+                               "zones in \"llama_session\" are the models of "
+                               "llama-server's router, chosen by the "
+                               "request's \"model\"", &value[i]);
+            return NGX_CONF_ERROR;
+        }
+
+        zp = llcf->zones->elts;
+
+        for (j = 0; j < llcf->zones->nelts; j++) {
+            if (zp[j]->model.len == zone->model.len
+                && ngx_strncmp(zp[j]->model.data, zone->model.data,
+                               zone->model.len) == 0)
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "zones \"%V\" and \"%V\" both drive the "
+                                   "model \"%V\"", &zp[j]->name, &zone->name,
+                                   &zone->model);
+                return NGX_CONF_ERROR;
+            }
+        }
+
+        zp = ngx_array_push(llcf->zones);
+        if (zp == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        *zp = zone;
+    }
 
     return NGX_CONF_OK;
 }
@@ -926,7 +1186,7 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
 
 static ngx_int_t
 ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
-    ngx_str_t *store)
+    ngx_str_t *store, ngx_str_t *model)
 {
     ngx_uint_t                      i;
     ngx_list_part_t                *part;
@@ -976,8 +1236,11 @@ ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
             continue;
         }
 
+        /* the zones of a router share a folder, each with its prefix */
+
         if (ozone && store->len && ozone->store.len == store->len
-            && ngx_strncmp(ozone->store.data, store->data, store->len) == 0)
+            && ngx_strncmp(ozone->store.data, store->data, store->len) == 0
+            && (model->len == 0 || ozone->model.len == 0))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zone \"%V\" would take the "

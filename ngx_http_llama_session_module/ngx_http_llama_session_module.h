@@ -14,7 +14,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     4
+#define NGX_HTTP_LLAMA_SESSION_VERSION     5
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -27,6 +27,7 @@
 #define NGX_HTTP_LLAMA_SESSION_PATH_SHOW   200
 #define NGX_HTTP_LLAMA_SESSION_FIELDS_MAX  16
 #define NGX_HTTP_LLAMA_SESSION_ID_MAX      256    /* a client's id, bytes */
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_MAX  16     /* a model zone's name */
 
 /*
  * After a request that llama-server may have received but not answered
@@ -81,6 +82,7 @@ typedef enum {
 typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_BODY = 0,
     NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE,
+    NGX_HTTP_LLAMA_SESSION_ST_ROUTER,   /* router mode: the model is up */
     NGX_HTTP_LLAMA_SESSION_ST_PROPS,
     NGX_HTTP_LLAMA_SESSION_ST_CHECK,
     NGX_HTTP_LLAMA_SESSION_ST_PAUSE,    /* until GET /slots again */
@@ -102,7 +104,11 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
     NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
     NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
-    NGX_HTTP_LLAMA_SESSION_CALL_PRIME
+    NGX_HTTP_LLAMA_SESSION_CALL_PRIME,
+    NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,         /* the router's GET /models */
+    NGX_HTTP_LLAMA_SESSION_CALL_RPROPS,         /* the router's GET /props */
+    NGX_HTTP_LLAMA_SESSION_CALL_LOAD,           /* POST /models/load */
+    NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD          /* POST /models/unload */
 } ngx_http_llama_session_call_e;
 
 
@@ -236,11 +242,30 @@ typedef struct {
     u_char                          model_path[
                                         NGX_HTTP_LLAMA_SESSION_PATH_SHOW];
     ngx_http_llama_session_stats_t  stats;
+
+    /* router mode: this zone's model */
+    ngx_msec_t                      model_used; /* its last request */
+    ngx_pid_t                       unloading;  /* a request unloads it */
+    uint64_t                        unloading_start;
+    ngx_uint_t                      unloading_seq;
+    ngx_atomic_uint_t               unloads;    /* by the module */
+    ngx_atomic_uint_t               model_lost; /* behind its back */
+
+    /* router mode, in the group's first zone: one model switch at a time */
+    ngx_pid_t                       switch_pid;
+    uint64_t                        switch_start;
+    ngx_uint_t                      switch_seq;
+    ngx_uint_t                      switch_next;
+    ngx_uint_t                      router_max; /* max_instances, 0: none */
+    u_char                          router_known;
+
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
 
 
-typedef struct {
+typedef struct ngx_http_llama_session_zone_s  ngx_http_llama_session_zone_t;
+
+struct ngx_http_llama_session_zone_s {
     ngx_str_t                       name;
     ngx_uint_t                      nslots;
     ngx_uint_t                      waiters_max;
@@ -259,7 +284,19 @@ typedef struct {
     ngx_cycle_t                    *cycle;      /* of the configuration */
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
-} ngx_http_llama_session_zone_t;
+
+    /*
+     * router mode (model=): the model every slot call names, its name
+     * percent-encoded for a query, the prefix of its sessions' keys
+     * ("<zone>@") in the store folder its group shares, and the group:
+     * the zones of one router (one store), the first one leading
+     */
+    ngx_str_t                       model;
+    ngx_str_t                       model_arg;
+    ngx_str_t                       prefix;
+    ngx_http_llama_session_zone_t  *group;
+    ngx_http_llama_session_zone_t  *group_next;
+};
 
 
 /* a file the zone gave up, to delete outside the lock */
@@ -280,6 +317,7 @@ typedef struct {
 
 typedef struct {
     ngx_http_llama_session_zone_t  *zone;       /* NULL: off */
+    ngx_array_t                    *zones;      /* router mode: by model */
     ngx_http_llama_session_zone_t  *api_zone;   /* llama_session_api */
     ngx_str_t                       slots_uri;
     ngx_array_t                    *id_headers; /* ngx_str_t, lowercase */
@@ -431,6 +469,19 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        base_built:1;
     unsigned                        base_file:1;
 
+    /* router mode: the model's switch, see router.c */
+    ngx_http_llama_session_zone_t  *victim;
+    ngx_uint_t                      switch_seq;
+    ngx_uint_t                      router_polls;
+    ngx_uint_t                      lost;       /* changed sessions lost */
+
+    unsigned                        routed:1;
+    unsigned                        switching:1; /* holds the group's turn */
+    unsigned                        load_sent:1;
+    unsigned                        unload_sent:1;
+    unsigned                        model_reset:1;
+    unsigned                        rerouted:1;
+
     void                           *api;        /* the management API's */
 };
 
@@ -454,6 +505,13 @@ ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, const char *what);
+ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
+    char *message, time_t retry_after);
+ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 
 /* pin.c: the request runs on the module's slot */
 ngx_int_t ngx_http_llama_session_pin(ngx_http_request_t *r,
@@ -466,6 +524,15 @@ ngx_int_t ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
+
+/* router.c: llama-server's router mode, a zone per model */
+ngx_int_t ngx_http_llama_session_route(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_routed(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 
 /* module.c */
 ngx_http_llama_session_zone_t *ngx_http_llama_session_find_zone(
@@ -529,6 +596,17 @@ ngx_uint_t ngx_http_llama_session_fingerprint(
 void ngx_http_llama_session_set_fingerprint(
     ngx_http_llama_session_ctx_t *ctx, u_char *fp, ngx_uint_t n_ctx,
     ngx_uint_t total_slots, ngx_str_t *model_path);
+ngx_uint_t ngx_http_llama_session_unloading_locked(
+    ngx_http_llama_session_zone_t *zone);
+ngx_uint_t ngx_http_llama_session_model_reset(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state);
+ngx_int_t ngx_http_llama_session_switch_take(
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_switch_end(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_victim_end(ngx_http_llama_session_ctx_t *ctx);
+ngx_uint_t ngx_http_llama_session_victim_clean(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_zone_t *zone);
 ngx_uint_t ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_int_t task);
 ngx_int_t ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,

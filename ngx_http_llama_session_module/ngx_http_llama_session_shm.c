@@ -228,7 +228,16 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
     grant = 0;
     member = 0;
 
-    if (!ctx->queued) {
+    if (ngx_http_llama_session_unloading_locked(zone)) {
+        /* router mode: the model is being unloaded; wait in the queue */
+
+        if (!ctx->queued
+            && ngx_http_llama_session_enqueue_locked(ctx) != NGX_OK)
+        {
+            return NGX_DECLINED;
+        }
+
+    } else if (!ctx->queued) {
 
         if (!slot->busy && ngx_queue_empty(&sh->waiters)) {
             grant = 1;
@@ -357,6 +366,12 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
         /* dropped as a dead worker's: this process is alive, queue again */
         ctx->queued = 0;
         ctx->waiter = NULL;
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return NGX_AGAIN;
+    }
+
+    if (ngx_http_llama_session_unloading_locked(zone)) {
+        /* router mode: the model is being unloaded; wait in the queue */
         ngx_shmtx_unlock(&zone->shpool->mutex);
         return NGX_AGAIN;
     }
@@ -810,6 +825,7 @@ ngx_int_t
 ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
     ngx_msec_t save_idle)
 {
+    ngx_uint_t                      urgent;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_slot_t  *slot;
     ngx_http_llama_session_zone_t  *zone;
@@ -820,11 +836,17 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (slot->busy || ngx_http_llama_session_wanted_locked(sh, slot)
+    /* router mode: the model is about to be unloaded, save it now */
+    urgent = ngx_http_llama_session_unloading_locked(zone);
+
+    if (slot->busy
+        || (!urgent && ngx_http_llama_session_wanted_locked(sh, slot))
         || slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
         || !slot->dirty || !slot->saveable || !sh->fp_known
-        || (ngx_msec_int_t) (ngx_current_msec - slot->last_used)
-           < (ngx_msec_int_t) save_idle)
+        || (!urgent
+            && (save_idle == 0
+                || (ngx_msec_int_t) (ngx_current_msec - slot->last_used)
+                   < (ngx_msec_int_t) save_idle)))
     {
         ngx_shmtx_unlock(&zone->shpool->mutex);
         return NGX_DECLINED;
@@ -1328,6 +1350,240 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     return restarted;
+}
+
+
+/*
+ * Router mode.  Is a request unloading the zone's model (its sessions
+ * being saved, or the router told to unload it)?  No slot of the zone is
+ * granted then.  A flag of a dead worker is dropped.  Under the zone's
+ * lock.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_unloading_locked(ngx_http_llama_session_zone_t *zone)
+{
+    ngx_http_llama_session_sh_t  *sh;
+
+    sh = zone->sh;
+
+    if (sh->unloading == 0) {
+        return 0;
+    }
+
+    if (sh->unloading == ngx_pid
+        || ngx_http_llama_session_alive(sh->unloading, sh->unloading_start))
+    {
+        return 1;
+    }
+
+    sh->unloading = 0;
+    sh->unloading_start = 0;
+
+    return 0;
+}
+
+
+/*
+ * The zone's model is not running (or sleeps): its slots are empty (or
+ * unknown) whatever the zone thought.  Every slot no request holds, and
+ * the request's own, is set so; returns how many held a session changed
+ * since its last save (lost).
+ */
+
+ngx_uint_t
+ngx_http_llama_session_model_reset(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t state)
+{
+    ngx_uint_t                      i, lost;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+
+    sh = zone->sh;
+    lost = 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->busy
+            && !(ctx && ctx->zone == zone && ctx->acquired
+                 && !ctx->released && ctx->slot == i))
+        {
+            continue;
+        }
+
+        if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+            && slot->dirty && slot->saveable)
+        {
+            lost++;
+        }
+
+        slot->state = (u_char) state;
+        slot->key_len = 0;
+        slot->dirty = 0;
+        slot->saveable = 0;
+        slot->has_base = 0;
+        slot->task = -1;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return lost;
+}
+
+
+/*
+ * One model switch at a time in a router's group of zones: the turn is
+ * kept in the group's first zone.  NGX_OK: the request has it;
+ * NGX_AGAIN: another request's switch runs.
+ */
+
+ngx_int_t
+ngx_http_llama_session_switch_take(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                       rc;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *lead;
+
+    if (ctx->switching) {
+        return NGX_OK;
+    }
+
+    lead = ctx->zone->group;
+    sh = lead->sh;
+
+    ngx_shmtx_lock(&lead->shpool->mutex);
+
+    if (sh->switch_pid
+        && ngx_http_llama_session_alive(sh->switch_pid, sh->switch_start))
+    {
+        rc = NGX_AGAIN;
+
+    } else {
+        if (sh->switch_pid) {
+            ngx_log_error(NGX_LOG_ALERT, ctx->request->connection->log, 0,
+                          "llama_session: worker %P died switching the "
+                          "router's models", sh->switch_pid);
+        }
+
+        sh->switch_pid = ngx_pid;
+        sh->switch_start = ngx_http_llama_session_self_start;
+        sh->switch_seq = ++sh->switch_next;
+
+        ctx->switch_seq = sh->switch_seq;
+        ctx->switching = 1;
+
+        rc = NGX_OK;
+    }
+
+    ngx_shmtx_unlock(&lead->shpool->mutex);
+
+    return rc;
+}
+
+
+/* the victim of the switch is gone (or the switch ends): its zone goes on */
+
+void
+ngx_http_llama_session_victim_end(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *victim;
+
+    victim = ctx->victim;
+
+    if (victim == NULL) {
+        return;
+    }
+
+    ctx->victim = NULL;
+    ctx->unload_sent = 0;
+    sh = victim->sh;
+
+    ngx_shmtx_lock(&victim->shpool->mutex);
+
+    if (sh->unloading == ngx_pid && sh->unloading_seq == ctx->switch_seq) {
+        sh->unloading = 0;
+        sh->unloading_start = 0;
+    }
+
+    ngx_shmtx_unlock(&victim->shpool->mutex);
+}
+
+
+/* the switch ends: the group's turn and the victim's flag are given back */
+
+void
+ngx_http_llama_session_switch_end(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *lead;
+
+    ngx_http_llama_session_victim_end(ctx);
+
+    if (!ctx->switching) {
+        return;
+    }
+
+    ctx->switching = 0;
+
+    lead = ctx->zone->group;
+    sh = lead->sh;
+
+    ngx_shmtx_lock(&lead->shpool->mutex);
+
+    if (sh->switch_pid == ngx_pid && sh->switch_seq == ctx->switch_seq) {
+        sh->switch_pid = 0;
+        sh->switch_start = 0;
+    }
+
+    ngx_shmtx_unlock(&lead->shpool->mutex);
+}
+
+
+/*
+ * The victim of a switch: flags it as unloading (its slots are granted to
+ * nobody, its idle saver saves what changed now), and tells whether it is
+ * ready to go: no slot held, nothing changed since its last save.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_victim_clean(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_zone_t *zone)
+{
+    ngx_uint_t                      i, clean;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+
+    sh = zone->sh;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (!(sh->unloading == ngx_pid && sh->unloading_seq == ctx->switch_seq)) {
+        sh->unloading = ngx_pid;
+        sh->unloading_start = ngx_http_llama_session_self_start;
+        sh->unloading_seq = ctx->switch_seq;
+    }
+
+    clean = 1;
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->busy
+            || (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                && slot->dirty && slot->saveable))
+        {
+            clean = 0;
+            break;
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return clean;
 }
 
 

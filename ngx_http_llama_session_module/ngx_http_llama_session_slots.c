@@ -39,6 +39,32 @@ static ngx_str_t  ngx_http_llama_session_actions[] = {
     ngx_string("action=erase"),
     ngx_null_string,
     ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string
+};
+
+
+/*
+ * Router mode: a call that looks or saves never loads a model (the
+ * router would unload another for it); a restore does, as the request
+ * needs the model anyway.
+ */
+
+static ngx_str_t  ngx_http_llama_session_router_actions[] = {
+    ngx_null_string,
+    ngx_null_string,
+    ngx_string("action=save&autoload=false"),
+    ngx_string("action=restore"),
+    ngx_string("action=erase&autoload=false"),
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
     ngx_null_string
 };
 
@@ -65,7 +91,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 {
     u_char                             *p;
     size_t                              blen;
-    ngx_str_t                           uri, *args;
+    ngx_str_t                           uri, *args, *model;
     ngx_buf_t                          *b;
     ngx_chain_t                        *cl;
     ngx_table_elt_t                    *h;
@@ -98,6 +124,18 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
                                   : "%V/v1/chat/completions",
                         &llcf->slots_uri);
 
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
+        p = ngx_sprintf(uri.data, "%V/models", &llcf->slots_uri);
+
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_RPROPS) {
+        p = ngx_sprintf(uri.data, "%V/props", &llcf->slots_uri);
+
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_LOAD) {
+        p = ngx_sprintf(uri.data, "%V/models/load", &llcf->slots_uri);
+
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD) {
+        p = ngx_sprintf(uri.data, "%V/models/unload", &llcf->slots_uri);
+
     } else {
         p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
                         ctx->slot);
@@ -105,6 +143,21 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     uri.len = p - uri.data;
     args = &ngx_http_llama_session_actions[call];
+
+    /* router mode: every call names the zone's model */
+
+    model = ctx->zone->model.len ? &ctx->zone->model : NULL;
+
+    if (model) {
+        args = (call == NGX_HTTP_LLAMA_SESSION_CALL_GET
+                || call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS)
+               ? &ctx->zone->model_arg
+               : &ngx_http_llama_session_router_actions[call];
+
+        if (call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD) {
+            model = &ctx->victim->model;
+        }
+    }
 
     ctx->call_uri = uri;
 
@@ -155,7 +208,9 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET
         || call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
-        || call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_ROUTER
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_RPROPS)
     {
         sr->method = NGX_HTTP_GET;
         ngx_str_set(&sr->method_name, "GET");
@@ -165,7 +220,8 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         ngx_str_set(&sr->method_name, "POST");
 
         blen = sizeof("{\"filename\":\"..bin\"}") - 1 + len
-               + NGX_HTTP_LLAMA_SESSION_FP_LEN;
+               + NGX_HTTP_LLAMA_SESSION_FP_LEN
+               + sizeof(",\"model\":\"\"") + NGX_HTTP_LLAMA_SESSION_MODEL_SHOW;
 
         if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && ctx->zone->store.len) {
             blen += sizeof(".tmp") - 1;
@@ -176,7 +232,15 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
 
-        if (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE) {
+        if (model
+            && (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE
+                || call == NGX_HTTP_LLAMA_SESSION_CALL_LOAD
+                || call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD))
+        {
+            /* the model's name has no character to escape (module.c) */
+            b->last = ngx_sprintf(b->last, "{\"model\":\"%V\"}", model);
+
+        } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE) {
             b->last = ngx_cpymem(b->last, "{}", 2);
 
         } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
@@ -185,16 +249,22 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
             }
 
         } else {
-            /* the key has only [A-Za-z0-9_-] in it */
+            /* the key has only [A-Za-z0-9_-] in it (and "@" in router mode) */
 
             b->last = ngx_sprintf(b->last,
-                                  "{\"filename\":\"%*s.%*s.bin%s\"}",
+                                  "{\"filename\":\"%*s.%*s.bin%s\"",
                                   len, key,
                                   (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN,
                                   ctx->fp,
                                   (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
                                    && ctx->zone->store.len)
                                   ? ".tmp" : "");
+
+            if (model) {
+                b->last = ngx_sprintf(b->last, ",\"model\":\"%V\"", model);
+            }
+
+            *b->last++ = '}';
         }
 
         b->last_buf = 1;
@@ -714,9 +784,9 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
         cJSON_Delete(json);
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: zone \"%V\" faces llama-server's "
-                      "router mode, which this version does not drive: "
-                      "run each model's llama-server with -m, a zone each "
-                      "(docs/scaling.md)", &ctx->zone->name);
+                      "router mode: give each of the router's models a "
+                      "zone with \"model=\" (docs/scaling.md)",
+                      &ctx->zone->name);
         return NGX_ERROR;
     }
 
@@ -802,7 +872,7 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 {
     u_char        fp[NGX_HTTP_LLAMA_SESSION_FP_LEN], text[2048], *p, *last;
     u_char        hash[32];
-    cJSON        *json, *data, *model, *meta, *item;
+    cJSON        *json, *data, *model, *meta, *item, *id;
     ngx_uint_t    i;
     unsigned int  hlen;
 
@@ -824,7 +894,28 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
            : NULL;
 
     data = cJSON_GetObjectItemCaseSensitive(json, "data");
-    model = cJSON_IsArray(data) ? cJSON_GetArrayItem(data, 0) : NULL;
+    model = NULL;
+
+    if (cJSON_IsArray(data) && ctx->zone->model.len) {
+        /* the router lists every model: this zone's by its id */
+
+        cJSON_ArrayForEach(item, data) {
+            id = cJSON_GetObjectItemCaseSensitive(item, "id");
+
+            if (cJSON_IsString(id)
+                && ngx_strlen(id->valuestring) == ctx->zone->model.len
+                && ngx_strncmp(id->valuestring, ctx->zone->model.data,
+                               ctx->zone->model.len) == 0)
+            {
+                model = item;
+                break;
+            }
+        }
+
+    } else if (cJSON_IsArray(data)) {
+        model = cJSON_GetArrayItem(data, 0);
+    }
+
     meta = cJSON_GetObjectItemCaseSensitive(model, "meta");
 
     if (cJSON_IsObject(meta)) {

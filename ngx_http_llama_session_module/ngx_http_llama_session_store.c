@@ -36,7 +36,8 @@ typedef struct {
 } ngx_http_llama_session_found_t;
 
 
-static ngx_int_t ngx_http_llama_session_store_name(u_char *name, size_t len,
+static ngx_int_t ngx_http_llama_session_store_name(
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
     size_t *base);
 static void ngx_http_llama_session_store_read_meta(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_found_t *f,
@@ -80,15 +81,18 @@ static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
 
 
 /*
- * Is "name" a session file, "<key>.<8 hex>.bin" (or ".bin.tmp", ".bin.old")?
+ * Is "name" a session file of the zone, "<key>.<8 hex>.bin" (or ".bin.tmp",
+ * ".bin.old")?  A zone of a router's model knows its own by their prefix
+ * ("<zone>@"); the others have no "@" in their keys.
  * Returns NGX_OK for .bin, NGX_AGAIN for .bin.tmp, NGX_DONE for .bin.old,
  * NGX_DECLINED otherwise; *base is the length of "<key>.<fp>".
  */
 
 static ngx_int_t
-ngx_http_llama_session_store_name(u_char *name, size_t len, size_t *base)
+ngx_http_llama_session_store_name(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, size_t *base)
 {
-    size_t      i, b;
+    size_t      i, b, start;
     ngx_int_t   rc;
 
     if (len > 8 && ngx_strncmp(name + len - 8, ".bin.tmp", 8) == 0) {
@@ -114,7 +118,17 @@ ngx_http_llama_session_store_name(u_char *name, size_t len, size_t *base)
         return NGX_DECLINED;
     }
 
-    for (i = 0; i < b - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN; i++) {
+    start = zone->prefix.len;
+
+    if (start) {
+        if (b < start + 2 + NGX_HTTP_LLAMA_SESSION_FP_LEN
+            || ngx_strncmp(name, zone->prefix.data, start) != 0)
+        {
+            return NGX_DECLINED;
+        }
+    }
+
+    for (i = start; i < b - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN; i++) {
         if (!((name[i] >= 'a' && name[i] <= 'z')
               || (name[i] >= 'A' && name[i] <= 'Z')
               || (name[i] >= '0' && name[i] <= '9')
@@ -181,6 +195,9 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
 
         if (clean && len > 8
             && ngx_strncmp(ngx_de_name(&dir) + len - 4, ".del", 4) == 0
+            && len > zone->prefix.len
+            && ngx_strncmp(ngx_de_name(&dir), zone->prefix.data,
+                           zone->prefix.len) == 0
             && ngx_strlcasestrn(ngx_de_name(&dir), ngx_de_name(&dir) + len,
                                 (u_char *) ".bin", 4 - 1))
         {
@@ -191,7 +208,8 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
             continue;
         }
 
-        rc = ngx_http_llama_session_store_name(ngx_de_name(&dir), len, &base);
+        rc = ngx_http_llama_session_store_name(zone, ngx_de_name(&dir), len,
+                                               &base);
 
         if (rc == NGX_DECLINED) {
             continue;

@@ -16,13 +16,15 @@ import sys
 import numpy as np
 
 src, out = sys.argv[1], sys.argv[2]
+# a third argument: the number of layers (a second model of another size)
+n_layer = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 sys.path.insert(0, os.path.join(src, "gguf-py"))
 import gguf  # noqa: E402
 
 N_EMBD = 256
 N_HEAD = 4
 N_HEAD_KV = 4
-N_LAYER = 8
+N_LAYER = n_layer
 N_FF = 1024
 N_CTX_TRAIN = 32768
 

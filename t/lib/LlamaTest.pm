@@ -170,6 +170,63 @@ sub llama {
     return $port;
 }
 
+# a model of the rig with another number of layers (router mode): its path
+sub llama_model_layers {
+    my ($layers) = @_;
+    return llama_model() if $layers == 8;
+    return rig_path("make-model.sh $layers");
+}
+
+# llama-server in router mode: models => { name => layers, ... } (the rig's
+# model with that many layers, so each model's files have their own size),
+# max => --models-max; every model's child gets -np, -c and the slot flags
+sub router {
+    my ($self, %o) = @_;
+
+    my $name = $o{name} // 'llama';
+    my $port = $o{port} // port();
+    my ($uid, $gid) = (getpwnam($LLAMA_USER))[2, 3];
+    my $slots = slots_dir($o{slots} // "$self->{dir}/slots", $uid);
+    my $models = "$self->{dir}/$name.models";
+
+    mkdir $models;
+    for my $m (sort keys %{ $o{models} }) {
+        symlink llama_model_layers($o{models}{$m}), "$models/$m.gguf"
+            or die "symlink: $!";
+    }
+
+    my @cmd = (llama_binary(), '--models-dir', $models,
+               '--models-max', $o{max} // 1,
+               '--host', '127.0.0.1', '--port', $port,
+               '-np', $o{np} // 1, '-c', $o{ctx} // 8192,
+               '--slot-save-path', $slots,
+               '--no-kv-unified', '--no-cache-idle-slots', '-sps', 0,
+               '--cache-ram', 0, '-t', 2, '--no-webui',
+               @{ $o{args} // [] });
+
+    # the router looks into the Hugging Face cache of its home
+    local $ENV{HOME} = $models;
+    local $ENV{XDG_CACHE_HOME} = "$models/.cache";
+
+    $self->spawn($name, "$self->{dir}/$name.log", @cmd,
+                 { uid => $uid, gid => $gid });
+    $self->wait_port($port, 60, $name);
+
+    $self->{llama_port}{$name} = $port;
+    $self->{slots} = $slots;
+    return $port;
+}
+
+# the router's models and their status: { name => 'loaded', ... }
+sub router_models {
+    my ($self, $name) = @_;
+    my $port = $self->{llama_port}{$name // 'llama'};
+    my $r = $self->{http}->get("http://127.0.0.1:$port/models");
+    return {} unless $r->{success};
+    my $j = $JSON->decode($r->{content});
+    return { map { $_->{id} => $_->{status}{value} } @{ $j->{data} } };
+}
+
 # the scriptable fake llama-server (t/fake-llama-server.pl): returns its port
 sub fake {
     my ($self, %o) = @_;

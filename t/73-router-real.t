@@ -1,0 +1,197 @@
+#!/usr/bin/perl
+
+# llama-server's router mode with the real llama-server: three models of
+# different sizes (the rig's model with 4, 8 and 12 layers), a zone each
+# over the router's one --slot-save-path, the zone chosen by the request's
+# "model".  With --models-max 1 every other request makes the router unload
+# a model: the module saves that model's changed sessions first, unloads
+# it, loads the request's, and every returning session finds its cache.
+# With --models-max 2 the least recently used of the loaded models goes.
+# A model unloaded behind the module's back loses only its latest turns.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my %layers = (small => 4, mid => 8, big => 12);
+
+sub config {
+    return <<'EOF2';
+    llama_session_zone zone=small:1m model=small store=%%SLOTS%%
+                       backend=127.0.0.1:%%LLAMA%%;
+    llama_session_zone zone=mid:1m model=mid store=%%SLOTS%%
+                       backend=127.0.0.1:%%LLAMA%%;
+    llama_session_zone zone=big:1m model=big store=%%SLOTS%%
+                       backend=127.0.0.1:%%LLAMA%%;
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session small mid big;
+            llama_session_wait_timeout 120s;
+            proxy_pass http://127.0.0.1:%%LLAMA%%;
+            proxy_read_timeout 300s;
+            add_header X-S-Action $llama_session_action always;
+            add_header X-S-Key $llama_session_key always;
+        }
+
+        location /api/small/ { llama_session_api small; }
+        location /api/big/ { llama_session_api big; }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA%%/;
+            proxy_read_timeout 300s;
+        }
+    }
+EOF2
+}
+
+my (%conv, $t);
+
+sub turn {
+    my ($sid, $model) = @_;
+    $conv{$sid} //= [ { role => 'system', content => "You answer for $sid." },
+                      { role => 'user', content => join ' ', map {
+                            "Session $sid on $model keeps note $_." } 1 .. 40 } ];
+    my $r = $t->post('/v1/chat/completions',
+                     { model => $model, messages => $conv{$sid},
+                       max_tokens => 2, temperature => 0 },
+                     headers => { 'X-Session-Id' => $sid });
+    die "$sid: $r->{status} $r->{content}\n" unless $r->{status} == 200;
+    push @{ $conv{$sid} },
+        { role => 'assistant',
+          content => $r->{json}{choices}[0]{message}{content} },
+        { role => 'user', content => "And then, $sid?" };
+    return { prompt => $r->{json}{usage}{prompt_tokens},
+             cached => $r->{json}{timings}{cache_n} // 0,
+             model => $r->{json}{model},
+             action => $r->{headers}{'x-s-action'},
+             key => $r->{headers}{'x-s-key'} };
+}
+
+sub files {
+    my ($prefix) = @_;
+    opendir my $d, $t->{slots} or die;
+    my %f = map { $_ => -s "$t->{slots}/$_" }
+            grep { /^\Q$prefix\E@.*\.bin$/ } readdir $d;
+    return \%f;
+}
+
+# --- --models-max 1: every switch unloads the other model ------------------
+
+$t = LlamaTest->new(workers => 2);
+$t->router(models => \%layers, max => 1);
+$t->nginx(config());
+
+my $a1 = turn('a', 'big');
+is($a1->{cached}, 0, 'max 1: a\'s first turn on big is a prefill');
+like($a1->{key}, qr/^big@/, 'its key starts with its zone');
+is($t->router_models->{big}, 'loaded', 'big is loaded');
+
+my $b1 = turn('b', 'small');
+is($b1->{cached}, 0, 'b on small: a prefill');
+my $m = $t->router_models;
+is($m->{small}, 'loaded', 'small is loaded');
+is($m->{big}, 'unloaded', 'big was unloaded for it');
+is(scalar keys %{ files('big') }, 1, 'a was saved before big went');
+ok($t->log_lines(qr/"big" \(zone "big"\) is saved and unloaded for "small"/),
+   'the error log says why big went');
+
+my $a2 = turn('a', 'big');
+ok($a2->{cached} >= $a1->{prompt} - 1,
+   "a returns on big after small had the router: $a2->{cached} of "
+   . "$a2->{prompt} tokens cached (its first turn had $a1->{prompt})");
+is($a2->{action}, 'restore', 'from its file');
+is($t->router_models->{small}, 'unloaded', 'small went for it');
+
+my $b2 = turn('b', 'small');
+ok($b2->{cached} >= $b1->{prompt} - 1,
+   "b returns on small: $b2->{cached} of $b2->{prompt} cached");
+
+# the same id and messages on another model: another session, another file
+
+my $c1 = turn('c', 'big');
+my $c1s = do { local $conv{c} = [ @{ $conv{c} }[0, 1] ]; turn('c', 'small') };
+isnt($c1->{key}, $c1s->{key}, 'one id on two models: two sessions');
+is($c1s->{cached}, 0, 'c on small starts fresh, never from big\'s file');
+
+my ($big) = values %{ files('big') };
+my ($small) = values %{ files('small') };
+ok($big > 2 * $small,
+   "a big file ($big bytes) is not a small one ($small bytes)");
+
+my %fp;
+for my $f (keys %{ files('big') }, keys %{ files('small') }) {
+    my ($z, $fp) = $f =~ /^(\w+)@.*\.([0-9a-f]{8})\.bin$/ or next;
+    $fp{$z}{$fp} = 1;
+}
+is(scalar keys %{ $fp{big} }, 1, 'big\'s files have one fingerprint');
+ok(!grep({ $fp{small}{$_} } keys %{ $fp{big} }),
+   'which is not small\'s: a file is never restored into the other model');
+
+my $a3 = turn('a', 'big');
+ok($a3->{cached} >= $a2->{prompt} - 1,
+   "a's third turn: $a3->{cached} of $a3->{prompt} cached");
+
+# behind the module's back: big unloaded by another client, a's last turn
+# not saved (nothing switched since): a comes back from its older file
+
+my $a4 = turn('a', 'big');
+my $u = $t->{http}->post("http://127.0.0.1:$t->{llama_port}{llama}/models/unload",
+                         { content => '{"model":"big"}' });
+is($u->{status}, 200, 'another client unloads big');
+$t->wait_for(sub { $t->router_models->{big} eq 'unloaded' }, 20);
+
+my $a5 = turn('a', 'big');
+is($a5->{action}, 'restore', 'a returns: restored from its last file');
+ok($a5->{cached} > 0 && $a5->{cached} < $a4->{prompt},
+   "which misses only the turns since it: $a5->{cached} of $a5->{prompt}");
+ok($t->log_lines(qr/model "big" \(zone "big"\) is not running behind the module's back: 1 sessions lost/),
+   'the error log says so');
+
+$t->stop;
+
+# --- --models-max 2, three models: the least recently used one goes -------
+
+%conv = ();
+$t = LlamaTest->new(workers => 2);
+$t->router(models => \%layers, max => 2);
+$t->nginx(config());
+
+my %first;
+$first{x} = turn('x', 'small');
+$first{y} = turn('y', 'mid');
+$m = $t->router_models;
+is_deeply([ $m->{small}, $m->{mid} ], [ 'loaded', 'loaded' ],
+          'max 2: small and mid are loaded');
+
+$first{z} = turn('z', 'big');
+$m = $t->router_models;
+is($m->{small}, 'unloaded', 'big takes the place of small, used longest ago');
+is($m->{mid}, 'loaded', 'mid stays');
+
+for my $round (1 .. 2) {
+    for my $s ([ 'x', 'small' ], [ 'y', 'mid' ], [ 'z', 'big' ]) {
+        my $r = turn(@$s);
+        ok($r->{cached} >= $first{ $s->[0] }{prompt} - 1,
+           "round $round: $s->[0] on $s->[1] finds its cache: "
+           . "$r->{cached} of $r->{prompt}");
+        $first{ $s->[0] } = $r;
+        my @running = grep { $t->router_models->{$_} ne 'unloaded' }
+                      keys %layers;
+        ok(@running <= 2, 'never more than 2 models run: ' . join ',', sort @running);
+    }
+}
+
+ok(!$t->log_lines(qr/lost their turns|\[(alert|crit|emerg)\]/),
+   'no session lost a turn');
+
+$t->stop;
+done_testing;
