@@ -504,6 +504,13 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
         goto failed;
     }
 
+    if (zone->model.len
+        && ngx_http_llama_session_api_str(backend, "model", zone->model.data,
+                                          zone->model.len) == NULL)
+    {
+        goto failed;
+    }
+
     if (copy.fp_known) {
         if (ngx_http_llama_session_api_str(backend, "fingerprint", copy.fp,
                                          NGX_HTTP_LLAMA_SESSION_FP_LEN)
@@ -544,6 +551,8 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     ngx_http_llama_session_api_stat(warm);
     ngx_http_llama_session_api_stat(bases);
     ngx_http_llama_session_api_stat(probes);
+    ngx_http_llama_session_api_stat(unloads);
+    ngx_http_llama_session_api_stat(model_lost);
 
 #undef ngx_http_llama_session_api_stat
 

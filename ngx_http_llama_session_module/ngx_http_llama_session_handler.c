@@ -457,7 +457,7 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->fail_status = NGX_HTTP_BAD_REQUEST;
             ctx->fail_type = "invalid_request_error";
-            ctx->fail_message = "the request's \"model\" is not one this "
+            ctx->fail_message = "the request's model is not one this "
                                 "server keeps sessions for";
 
         } else if (rc != NGX_OK) {

@@ -641,7 +641,7 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
                 (void) ngx_http_llama_session_model_reset(ctx->zone, NULL,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
                 ngx_http_llama_session_stat(ctx,
-                                          &ctx->zone->sh->model_lost);
+                                          &ctx->zone->sh->stats.model_lost);
                 job->failed = 0;
 
             } else if (status == NGX_HTTP_NOT_IMPLEMENTED) {

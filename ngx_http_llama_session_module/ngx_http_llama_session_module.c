@@ -708,6 +708,14 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             return NGX_CONF_ERROR;
         }
 
+        if (nslots == 0) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "zone \"%V\" with \"model=\" cannot have "
+                               "\"slots=auto\": the router's GET /props would "
+                               "load the model, give its -np", &name);
+            return NGX_CONF_ERROR;
+        }
+
         if (backend == NULL || store.len == 0) {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "zone \"%V\" with \"model=\" needs "

@@ -213,6 +213,8 @@ typedef struct {
     ngx_atomic_uint_t               warm;       /* started from a base */
     ngx_atomic_uint_t               bases;      /* bases saved */
     ngx_atomic_uint_t               probes;     /* run as "default" */
+    ngx_atomic_uint_t               unloads;    /* router: by the module */
+    ngx_atomic_uint_t               model_lost; /* router: behind its back */
 } ngx_http_llama_session_stats_t;
 
 
@@ -248,8 +250,6 @@ typedef struct {
     ngx_pid_t                       unloading;  /* a request unloads it */
     uint64_t                        unloading_start;
     ngx_uint_t                      unloading_seq;
-    ngx_atomic_uint_t               unloads;    /* by the module */
-    ngx_atomic_uint_t               model_lost; /* behind its back */
 
     /* router mode, in the group's first zone: one model switch at a time */
     ngx_pid_t                       switch_pid;
@@ -481,6 +481,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        unload_sent:1;
     unsigned                        model_reset:1;
     unsigned                        rerouted:1;
+    unsigned                        hit_dirty:1; /* before the hit took it */
 
     void                           *api;        /* the management API's */
 };

@@ -141,7 +141,11 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_CALL_LOAD:
 
-        if (ctx->call_status != NGX_HTTP_OK) {
+        /* 400: "model is already running" (another client's), as good */
+
+        if (ctx->call_status != NGX_HTTP_OK
+            && ctx->call_status != NGX_HTTP_BAD_REQUEST)
+        {
             return ngx_http_llama_session_router_fail(r, ctx,
                                                       "POST /models/load");
         }
@@ -162,7 +166,7 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
         (void) ngx_http_llama_session_model_reset(ctx->victim, NULL,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
 
-        ngx_atomic_fetch_add(&ctx->victim->sh->unloads, 1);
+        ngx_atomic_fetch_add(&ctx->victim->sh->stats.unloads, 1);
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the router's model \"%V\" of zone "
@@ -329,6 +333,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
     if (ctx->victim && !victim_running) {
         /* the model unloaded for this one is gone: its zone may go on */
         ngx_http_llama_session_victim_end(ctx);
+        ngx_http_llama_session_wake_local();
     }
 
     if (!ctx->zone->group->sh->router_known) {
@@ -563,7 +568,7 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
     lost = ngx_http_llama_session_model_reset(ctx->zone, ctx, state);
 
     if (lost) {
-        ngx_atomic_fetch_add(&ctx->zone->sh->model_lost, lost);
+        ngx_atomic_fetch_add(&ctx->zone->sh->stats.model_lost, lost);
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the router's model \"%V\" (zone "
@@ -584,7 +589,12 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
 void
 ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_http_llama_session_switch_end(ctx);
+    if (ctx->switching || ctx->victim) {
+        ngx_http_llama_session_switch_end(ctx);
+
+        /* this worker's requests of the victim, or of the group, go on */
+        ngx_http_llama_session_wake_local();
+    }
 }
 
 

@@ -43,6 +43,8 @@ static ngx_int_t ngx_http_llama_session_slot_of_locked(
 static ngx_uint_t ngx_http_llama_session_wanted_locked(
     ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_slot_t *slot);
 static uint64_t ngx_http_llama_session_proc_start(ngx_pid_t pid);
+static void ngx_http_llama_session_slot_forget(
+    ngx_http_llama_session_slot_t *slot, ngx_uint_t state);
 
 
 /* how long a free slot may see no grant before the queue is checked */
@@ -613,6 +615,7 @@ ngx_http_llama_session_granted_locked(ngx_http_llama_session_ctx_t *ctx,
         ctx->save_pending = 0;
         ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
                        >= NGX_HTTP_LLAMA_SESSION_VERIFY);
+        ctx->hit_dirty = slot->dirty;
         slot->dirty = 1;
         sh->stats.hits++;
 
@@ -779,7 +782,19 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
     slot->owner = 0;
     slot->owner_start = 0;
     slot->free_since = ngx_current_msec;
-    slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+
+    ngx_http_llama_session_slot_forget(slot,
+                                      NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+}
+
+
+/* the slot holds no session the module can name: empty or unknown */
+
+static void
+ngx_http_llama_session_slot_forget(ngx_http_llama_session_slot_t *slot,
+    ngx_uint_t state)
+{
+    slot->state = (u_char) state;
     slot->key_len = 0;
     slot->dirty = 0;
     slot->saveable = 0;
@@ -1051,10 +1066,7 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
         ngx_memcpy(slot->base, ctx->base_id, NGX_HTTP_LLAMA_SESSION_DIGEST);
 
     } else {
-        slot->key_len = 0;
-        slot->saveable = 0;
-        slot->dirty = 0;
-        slot->has_base = 0;
+        ngx_http_llama_session_slot_forget(slot, state);
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -1097,11 +1109,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     }
 
     if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN) {
-        slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        slot->key_len = 0;
-        slot->dirty = 0;
-        slot->saveable = 0;
-        slot->has_base = 0;
+        ngx_http_llama_session_slot_forget(slot, state);
     }
 
     slot->saving_base = 0;
@@ -1340,10 +1348,8 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     slot->task = task;
 
     if (restarted) {
-        slot->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        slot->key_len = 0;
-        slot->dirty = 0;
-        slot->saveable = 0;
+        ngx_http_llama_session_slot_forget(slot,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
         zone->sh->stats.restarts++;
     }
 
@@ -1395,7 +1401,7 @@ ngx_uint_t
 ngx_http_llama_session_model_reset(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t state)
 {
-    ngx_uint_t                      i, lost;
+    ngx_uint_t                      i, lost, own;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_slot_t  *slot;
 
@@ -1407,24 +1413,24 @@ ngx_http_llama_session_model_reset(ngx_http_llama_session_zone_t *zone,
     for (i = 0; i < sh->nslots; i++) {
         slot = &sh->slots[i];
 
-        if (slot->busy
-            && !(ctx && ctx->zone == zone && ctx->acquired
-                 && !ctx->released && ctx->slot == i))
-        {
+        own = (ctx && ctx->zone == zone && ctx->acquired && !ctx->released
+               && ctx->slot == i);
+
+        if (slot->busy && !own) {
             continue;
         }
 
+        /* a hit marks its slot changed when it takes it: not yet */
+
         if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-            && slot->dirty && slot->saveable)
+            && slot->saveable
+            && ((own && ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT)
+                ? ctx->hit_dirty : slot->dirty))
         {
             lost++;
         }
 
-        slot->state = (u_char) state;
-        slot->key_len = 0;
-        slot->dirty = 0;
-        slot->saveable = 0;
-        slot->has_base = 0;
+        ngx_http_llama_session_slot_forget(slot, state);
         slot->task = -1;
     }
 

@@ -47,6 +47,24 @@ static ngx_str_t  ngx_http_llama_session_actions[] = {
 };
 
 
+/* the backend's path of each call; none: "/slots/N" (or the prime's) */
+
+static ngx_str_t  ngx_http_llama_session_paths[] = {
+    ngx_null_string,
+    ngx_string("/slots"),
+    ngx_null_string,
+    ngx_null_string,
+    ngx_null_string,
+    ngx_string("/props"),
+    ngx_string("/v1/models"),
+    ngx_null_string,
+    ngx_string("/models"),
+    ngx_string("/props"),
+    ngx_string("/models/load"),
+    ngx_string("/models/unload")
+};
+
+
 /*
  * Router mode: a call that looks or saves never loads a model (the
  * router would unload another for it); a restore does, as the request
@@ -110,31 +128,14 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
-        p = ngx_sprintf(uri.data, "%V/slots", &llcf->slots_uri);
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
-        p = ngx_sprintf(uri.data, "%V/props", &llcf->slots_uri);
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS) {
-        p = ngx_sprintf(uri.data, "%V/v1/models", &llcf->slots_uri);
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
         p = ngx_sprintf(uri.data, ctx->anthropic ? "%V/v1/messages"
                                   : "%V/v1/chat/completions",
                         &llcf->slots_uri);
 
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
-        p = ngx_sprintf(uri.data, "%V/models", &llcf->slots_uri);
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_RPROPS) {
-        p = ngx_sprintf(uri.data, "%V/props", &llcf->slots_uri);
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_LOAD) {
-        p = ngx_sprintf(uri.data, "%V/models/load", &llcf->slots_uri);
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD) {
-        p = ngx_sprintf(uri.data, "%V/models/unload", &llcf->slots_uri);
+    } else if (ngx_http_llama_session_paths[call].len) {
+        p = ngx_sprintf(uri.data, "%V%V", &llcf->slots_uri,
+                        &ngx_http_llama_session_paths[call]);
 
     } else {
         p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,

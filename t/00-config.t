@@ -128,6 +128,35 @@ my @bad = (
       . "llama_session_zone zone=b:1m store=%%DIR%%;",
       qr/llama_session zones "a" and "b" have the same store/,
       'two zones, one store' ],
+    [ 'llama_session_zone zone=a:1m model=m store=%%DIR%%;',
+      qr/zone "a" with "model=" needs "backend=host:port" and "store="/,
+      'model= without backend=' ],
+    [ 'llama_session_zone zone=a.b:1m model=m store=%%DIR%% backend=127.0.0.1:1;',
+      qr/zone "a\.b" with "model=" needs a name of 1 to 16 letters/,
+      'model= zone with a dot in its name' ],
+    [ 'llama_session_zone zone=a:1m model=m"x store=%%DIR%% backend=127.0.0.1:1;',
+      qr/invalid model "m"x": 1 to 64 letters, digits or "\._:\/\+@-"/,
+      'a model name with a quote' ],
+    [ 'llama_session_zone zone=a:1m model=m slots=auto store=%%DIR%% backend=127.0.0.1:1;',
+      qr/zone "a" with "model=" cannot have "slots=auto"/,
+      'model= with slots=auto' ],
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
+      . "llama_session_zone zone=b:1m model=m store=%%DIR%% backend=127.0.0.1:1;",
+      qr/llama_session zones "a" and "b" drive the same model "m" of one router/,
+      'two zones, one model' ],
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
+      . "llama_session_zone zone=b:1m store=%%DIR%%;",
+      qr/llama_session zones "a" and "b" have the same store/,
+      'a router\'s store and a zone without model=' ],
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
+      . "llama_session_zone zone=b:1m;\nllama_session a b;",
+      qr/zone "b" has no "model=": several zones in "llama_session" are the models of llama-server's router/,
+      'several zones, one without model=' ],
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
+      . "llama_session_zone zone=b:1m model=m store=%%DIR%%/x backend=127.0.0.1:1;\n"
+      . "llama_session a b;",
+      qr/zones "a" and "b" both drive the model "m"/,
+      'two zones of one model in one location' ],
 );
 
 for my $case (@bad) {

@@ -1,8 +1,9 @@
 #!/usr/bin/perl
 
-# llama-server's router mode (no -m, many models) is not driven by this
-# version: a zone in front of a router says so in the error log and
-# answers 502 JSON, instead of taking one model's slots for another's.
+# llama-server's router mode (no -m, many models) needs a zone per model
+# (model=, t/73-router-real.t): a zone without model= in front of a router
+# says so in the error log and answers 502 JSON, instead of taking one
+# model's slots for another's.
 
 use strict;
 use warnings;

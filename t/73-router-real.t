@@ -136,6 +136,14 @@ is(scalar keys %{ $fp{big} }, 1, 'big\'s files have one fingerprint');
 ok(!grep({ $fp{small}{$_} } keys %{ $fp{big} }),
    'which is not small\'s: a file is never restored into the other model');
 
+my $api = $t->get('/api/big/sessions/current')->{json};
+is($api->{backend}{model}, 'big', 'the API names the zone\'s model');
+ok($api->{stats}{unloads} >= 2, "and counts its unloads: $api->{stats}{unloads}");
+my $list = $t->get('/api/big/sessions/a')->{json};
+ok(ref $list eq 'HASH' || ref $list eq 'ARRAY', 'the API finds a by its id');
+like($t->get('/api/big/sessions/a')->{content}, qr/big\@a-/,
+     'under its key in the zone');
+
 my $a3 = turn('a', 'big');
 ok($a3->{cached} >= $a2->{prompt} - 1,
    "a's third turn: $a3->{cached} of $a3->{prompt} cached");
@@ -187,6 +195,52 @@ for my $round (1 .. 2) {
         my @running = grep { $t->router_models->{$_} ne 'unloaded' }
                       keys %layers;
         ok(@running <= 2, 'never more than 2 models run: ' . join ',', sort @running);
+    }
+}
+
+ok(!$t->log_lines(qr/lost their turns|\[(alert|crit|emerg)\]/),
+   'no session lost a turn');
+
+$t->stop;
+
+# --- --models-max 1, clients of two models at once --------------------------
+
+%conv = ();
+$t = LlamaTest->new(workers => 2);
+$t->router(models => { small => 4, big => 12 }, max => 1);
+$t->nginx(config());
+
+my @clients = ([ 'p', 'small' ], [ 'q', 'big' ], [ 'r', 'small' ],
+               [ 's', 'big' ]);
+my %last;
+
+for my $c (@clients) {
+    $last{ $c->[0] } = turn(@$c);
+}
+
+for my $round (1 .. 3) {
+    my %h;
+    for my $c (@clients) {
+        my ($sid, $model) = @$c;
+        $h{$sid} = $t->async_post('/v1/chat/completions',
+                                  { model => $model, messages => $conv{$sid},
+                                    max_tokens => 2, temperature => 0 },
+                                  headers => { 'X-Session-Id' => $sid });
+    }
+    for my $c (@clients) {
+        my ($sid, $model) = @$c;
+        my $r = $t->async_wait($h{$sid}, 120);
+        is($r->{status}, 200, "round $round: $sid on $model at once: 200")
+            or diag $r->{content};
+        my $cached = $r->{json}{timings}{cache_n} // 0;
+        ok($cached >= $last{$sid}{prompt} - 1,
+           "and finds its cache: $cached of "
+           . ($r->{json}{usage}{prompt_tokens} // '?'));
+        $last{$sid} = { prompt => $r->{json}{usage}{prompt_tokens} // 0 };
+        push @{ $conv{$sid} },
+            { role => 'assistant',
+              content => $r->{json}{choices}[0]{message}{content} // '' },
+            { role => 'user', content => "And then, $sid?" };
     }
 }
 
