@@ -492,6 +492,8 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
         || cJSON_AddNumberToObject(json, "max_waiting", copy.waiters_max)
            == NULL
         || cJSON_AddNumberToObject(json, "sessions", copy.nsessions) == NULL
+        || cJSON_AddBoolToObject(json, "restores_disabled",
+                                 copy.restores_off) == NULL
         || cJSON_AddNumberToObject(json, "shm_bytes",
                                    zone->shm_zone->shm.size) == NULL
         || cJSON_AddNumberToObject(json, "shm_used_bytes",
@@ -1183,8 +1185,9 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 
     if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
 
-        if (ngx_http_llama_session_save_done(r->connection->log, ctx, "API",
-                                            ctx->out_key, ctx->out_len)
+        if (ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                             NGX_HTTP_LLAMA_SESSION_SAVE_API,
+                                             ctx->out_key, ctx->out_len)
             == NGX_OK)
         {
             if (ngx_http_llama_session_api_str(item, "key", ctx->out_key,

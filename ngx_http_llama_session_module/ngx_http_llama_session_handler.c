@@ -539,6 +539,9 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ctx->waiting = 0;
         ctx->wait_ms = now - ctx->start;
 
+        ngx_http_llama_session_observe(&ctx->zone->sh->metrics.wait,
+                                       (double) ctx->wait_ms);
+
         if (ctx->local.next) {
             ngx_queue_remove(&ctx->local);
             ctx->local.next = NULL;
@@ -741,6 +744,12 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
                                                          ctx->key_len);
     }
 
+    if (ngx_http_llama_session_restores_off(ctx->zone, ctx->fp)) {
+        /* restores bring nothing on this backend: neither save nor load */
+        ctx->load_file = 0;
+        ctx->save_pending = 0;
+    }
+
     if (ctx->restarted) {
         /* the slot was checked already: llama-server restarted */
         return ngx_http_llama_session_load(r, ctx);
@@ -931,8 +940,9 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
-    if (ngx_http_llama_session_save_done(r->connection->log, ctx, "swap",
-                                            ctx->out_key, ctx->out_len)
+    if (ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                         NGX_HTTP_LLAMA_SESSION_SAVE_SWAP,
+                                         ctx->out_key, ctx->out_len)
         != NGX_OK)
     {
         /* the session's previous file, if any, stays as it was */
@@ -1050,6 +1060,12 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
             ngx_http_llama_session_stat(ctx,
                                         &ctx->zone->sh->stats.restores);
 
+            (void) ngx_atomic_fetch_add(
+                                   &ctx->zone->sh->metrics.bytes_restored,
+                                   (ngx_atomic_uint_t) bytes);
+            ngx_http_llama_session_observe(&ctx->zone->sh->metrics.restore,
+                                           ms);
+
         } else {
             ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
         }
@@ -1126,6 +1142,7 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ctx->swap_ms = ngx_current_msec - ctx->swap_start;
 
     ngx_http_llama_session_stat(ctx, &sh->stats.swaps);
+    ngx_http_llama_session_observe(&sh->metrics.swap, (double) ctx->swap_ms);
 
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_FRESH) {
         ngx_http_llama_session_stat(ctx, &sh->stats.fresh);

@@ -564,7 +564,7 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
 {
     u_char                         *p, *body;
     ngx_int_t                       status;
-    ngx_uint_t                      processing;
+    ngx_uint_t                      processing, reason;
     ngx_buf_t                      *b;
     ngx_http_llama_session_ctx_t   *ctx;
 
@@ -703,8 +703,11 @@ ngx_http_llama_session_idle_reply(ngx_http_llama_session_idle_t *job)
 
     /* the save, with the checks and the commit of every other save */
 
-    if (ngx_http_llama_session_save_done(job->log, ctx, "idle save",
-                                            ctx->out_key, ctx->out_len)
+    reason = ctx->zone->sh->unloading ? NGX_HTTP_LLAMA_SESSION_SAVE_UNLOAD
+                                      : NGX_HTTP_LLAMA_SESSION_SAVE_IDLE;
+
+    if (ngx_http_llama_session_save_done(job->log, ctx, reason,
+                                         ctx->out_key, ctx->out_len)
         == NGX_OK)
     {
         job->failed = 0;

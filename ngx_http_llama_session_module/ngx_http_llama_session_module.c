@@ -103,6 +103,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       offsetof(ngx_http_llama_session_loc_conf_t, wait_timeout),
       NULL },
 
+    { ngx_string("llama_session_metrics"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_ANY,
+      ngx_http_llama_session_metrics,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
     { ngx_string("llama_session_api"),
       NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_http_llama_session_api,
@@ -253,6 +260,7 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
     conf->id_headers = NGX_CONF_UNSET_PTR;
     conf->id_fields = NGX_CONF_UNSET_PTR;
     conf->endpoints = NGX_CONF_UNSET_PTR;
+    conf->metrics = NGX_CONF_UNSET_PTR;
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->wait_timeout = NGX_CONF_UNSET_MSEC;
     conf->body_max = NGX_CONF_UNSET_SIZE;
@@ -1180,7 +1188,11 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
 
     *h = ngx_http_llama_session_handler;
 
-    return ngx_http_llama_session_capture_init(cf);
+    if (ngx_http_llama_session_capture_init(cf) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return ngx_http_llama_session_reply_init(cf);
 }
 
 

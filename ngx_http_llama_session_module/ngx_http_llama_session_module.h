@@ -55,6 +55,23 @@
 
 #define NGX_HTTP_LLAMA_SESSION_DIGEST           8     /* bytes kept */
 
+/* why a save ran, for the metrics */
+#define NGX_HTTP_LLAMA_SESSION_SAVE_SWAP        0
+#define NGX_HTTP_LLAMA_SESSION_SAVE_IDLE        1
+#define NGX_HTTP_LLAMA_SESSION_SAVE_API         2
+#define NGX_HTTP_LLAMA_SESSION_SAVE_UNLOAD      3     /* router mode */
+#define NGX_HTTP_LLAMA_SESSION_SAVE_BASE        4     /* a warm start's */
+#define NGX_HTTP_LLAMA_SESSION_SAVE_REASONS     5
+
+/* a histogram's buckets, the last one +Inf (metrics.c has the bounds) */
+#define NGX_HTTP_LLAMA_SESSION_BUCKETS          14
+
+/* bytes of a reply kept for a figure cut between two buffers */
+#define NGX_HTTP_LLAMA_SESSION_CARRY            48
+
+/* ineffective restores in a row that stop saves and restores */
+#define NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX  3
+
 
 /* what the request did to the slot, for $llama_session_action */
 
@@ -215,7 +232,33 @@ typedef struct {
     ngx_atomic_uint_t               probes;     /* run as "default" */
     ngx_atomic_uint_t               unloads;    /* router: by the module */
     ngx_atomic_uint_t               model_lost; /* router: behind its back */
+    ngx_atomic_uint_t               effective;  /* restores the reply used */
+    ngx_atomic_uint_t               ineffective; /* ... and did not */
 } ngx_http_llama_session_stats_t;
+
+
+typedef struct {
+    ngx_atomic_uint_t               bucket[NGX_HTTP_LLAMA_SESSION_BUCKETS];
+    ngx_atomic_uint_t               sum_us;
+} ngx_http_llama_session_hist_t;
+
+
+/* for the metrics (metrics.c), kept with the stats */
+
+typedef struct {
+    ngx_atomic_uint_t               saved[NGX_HTTP_LLAMA_SESSION_SAVE_REASONS];
+    ngx_atomic_uint_t               save_failed[
+                                        NGX_HTTP_LLAMA_SESSION_SAVE_REASONS];
+    ngx_atomic_uint_t               bytes_saved;
+    ngx_atomic_uint_t               bytes_restored;
+    ngx_atomic_uint_t               tokens_cached;    /* from the replies */
+    ngx_atomic_uint_t               tokens_evaluated;
+    ngx_atomic_uint_t               prefill_saved_us; /* an estimate */
+    ngx_http_llama_session_hist_t   wait;
+    ngx_http_llama_session_hist_t   swap;
+    ngx_http_llama_session_hist_t   save;
+    ngx_http_llama_session_hist_t   restore;
+} ngx_http_llama_session_metrics_t;
 
 
 typedef struct {
@@ -244,6 +287,17 @@ typedef struct {
     u_char                          model_path[
                                         NGX_HTTP_LLAMA_SESSION_PATH_SHOW];
     ngx_http_llama_session_stats_t  stats;
+    ngx_http_llama_session_metrics_t metrics;
+
+    /*
+     * restores that llama-server answers but the model does not use (the
+     * reply shows no cached tokens): after a few in a row, saves and
+     * restores stop for that backend configuration
+     */
+    ngx_uint_t                      ineffective_run;
+    u_char                          restores_off;
+    u_char                          restores_off_fp[
+                                        NGX_HTTP_LLAMA_SESSION_FP_LEN];
 
     /* router mode: this zone's model */
     ngx_msec_t                      model_used; /* its last request */
@@ -320,6 +374,8 @@ typedef struct {
     ngx_array_t                    *zones;      /* router mode: by model */
     ngx_http_llama_session_zone_t  *api_zone;   /* llama_session_api */
     ngx_str_t                       slots_uri;
+    ngx_array_t                    *metrics;    /* zone pointers, or none:
+                                                   all */
     ngx_array_t                    *id_headers; /* ngx_str_t, lowercase */
     ngx_array_t                    *id_fields;  /* ngx_str_t, a.b paths */
     ngx_array_t                    *endpoints;  /* ngx_str_t, "/a/b" */
@@ -469,6 +525,18 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        base_built:1;
     unsigned                        base_file:1;
 
+    /* what the reply says of the prompt's cache, see reply.c */
+    u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];
+    size_t                          carry_len;
+    ngx_int_t                       r_cache_n;  /* -1: not seen */
+    ngx_int_t                       r_prompt_n;
+    ngx_int_t                       r_cached_tokens;
+    ngx_int_t                       r_prompt_tokens;
+    ngx_int_t                       r_cache_read;
+    ngx_int_t                       r_input_tokens;
+    double                          r_prompt_ms;
+    ngx_int_t                       cached;     /* the result, -1: unknown */
+
     /* router mode: the model's switch, see router.c */
     ngx_http_llama_session_zone_t  *victim;
     ngx_uint_t                      switch_seq;
@@ -482,6 +550,8 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        model_reset:1;
     unsigned                        rerouted:1;
     unsigned                        hit_dirty:1; /* before the hit took it */
+    unsigned                        reply_scan:1;
+    unsigned                        reply_done:1;
 
     void                           *api;        /* the management API's */
 };
@@ -525,6 +595,17 @@ ngx_int_t ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
+
+/* reply.c: what the reply says of the cache */
+ngx_int_t ngx_http_llama_session_reply_init(ngx_conf_t *cf);
+
+/* metrics.c: the Prometheus text format */
+char *ngx_http_llama_session_metrics(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+void ngx_http_llama_session_observe(ngx_http_llama_session_hist_t *h,
+    double ms);
+void ngx_http_llama_session_save_stat(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t reason, ngx_uint_t ok, off_t bytes, double ms);
 
 /* router.c: llama-server's router mode, a zone per model */
 ngx_int_t ngx_http_llama_session_route(ngx_http_request_t *r,
@@ -597,6 +678,8 @@ ngx_uint_t ngx_http_llama_session_fingerprint(
 void ngx_http_llama_session_set_fingerprint(
     ngx_http_llama_session_ctx_t *ctx, u_char *fp, ngx_uint_t n_ctx,
     ngx_uint_t total_slots, ngx_str_t *model_path);
+ngx_uint_t ngx_http_llama_session_restores_off(
+    ngx_http_llama_session_zone_t *zone, u_char *fp);
 ngx_uint_t ngx_http_llama_session_unloading_locked(
     ngx_http_llama_session_zone_t *zone);
 ngx_uint_t ngx_http_llama_session_model_reset(
@@ -638,7 +721,7 @@ ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
     double *ms);
 ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, const char *what, u_char *key,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
     size_t len);
 ngx_uint_t ngx_http_llama_session_may_save(
     ngx_http_llama_session_ctx_t *ctx);

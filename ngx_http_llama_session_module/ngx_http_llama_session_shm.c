@@ -858,6 +858,9 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
         || (!urgent && ngx_http_llama_session_wanted_locked(sh, slot))
         || slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
         || !slot->dirty || !slot->saveable || !sh->fp_known
+        || (sh->restores_off
+            && ngx_memcmp(sh->restores_off_fp, sh->fp,
+                          NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
         || (!urgent
             && (save_idle == 0
                 || (ngx_msec_int_t) (ngx_current_msec - slot->last_used)
@@ -1356,6 +1359,18 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     return restarted;
+}
+
+
+/* did ineffective restores stop saves and restores for this backend? */
+
+ngx_uint_t
+ngx_http_llama_session_restores_off(ngx_http_llama_session_zone_t *zone,
+    u_char *fp)
+{
+    return zone->sh->restores_off
+           && ngx_memcmp(zone->sh->restores_off_fp, fp,
+                         NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0;
 }
 
 

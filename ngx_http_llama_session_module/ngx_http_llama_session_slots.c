@@ -671,13 +671,19 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
 
 ngx_int_t
 ngx_http_llama_session_save_done(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, const char *what, u_char *key,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
     size_t len)
 {
-    off_t       bytes;
-    double      ms;
-    ngx_uint_t  tokens;
+    off_t        bytes;
+    double       ms;
+    ngx_uint_t   tokens;
+    const char  *what;
 
+    static const char  *reasons[] = {
+        "swap", "idle save", "API", "save before an unload", "base"
+    };
+
+    what = reasons[reason];
     tokens = 0;
     bytes = 0;
     ms = 0;
@@ -709,6 +715,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
 
             ngx_http_llama_session_saved_ok(log, ctx, key, len, tokens,
                                             bytes);
+            ngx_http_llama_session_save_stat(ctx->zone, reason, 1, bytes, ms);
 
             return NGX_OK;
         }
@@ -722,6 +729,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
     ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
 
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
+    ngx_http_llama_session_save_stat(ctx->zone, reason, 0, 0, 0);
 
     ngx_log_error(NGX_LOG_ERR, log, 0,
                   "llama_session: %s: saving session \"%*s\" from slot %ui "

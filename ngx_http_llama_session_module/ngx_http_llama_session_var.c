@@ -3,7 +3,8 @@
  * Copyright (C) ngx_http_llama_session_module authors
  *
  * $llama_session_id, $llama_session_key, $llama_session_slot,
- * $llama_session_action, $llama_session_wait_ms, $llama_session_swap_ms.
+ * $llama_session_action, $llama_session_wait_ms, $llama_session_swap_ms,
+ * $llama_session_cached_tokens.
  */
 
 
@@ -22,7 +23,8 @@ enum {
     NGX_HTTP_LLAMA_SESSION_VAR_SLOT,
     NGX_HTTP_LLAMA_SESSION_VAR_ACTION,
     NGX_HTTP_LLAMA_SESSION_VAR_WAIT_MS,
-    NGX_HTTP_LLAMA_SESSION_VAR_SWAP_MS
+    NGX_HTTP_LLAMA_SESSION_VAR_SWAP_MS,
+    NGX_HTTP_LLAMA_SESSION_VAR_CACHED
 };
 
 
@@ -45,6 +47,10 @@ static ngx_http_variable_t  ngx_http_llama_session_vars[] = {
 
     { ngx_string("llama_session_swap_ms"), NULL, ngx_http_llama_session_var,
       NGX_HTTP_LLAMA_SESSION_VAR_SWAP_MS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("llama_session_cached_tokens"), NULL,
+      ngx_http_llama_session_var, NGX_HTTP_LLAMA_SESSION_VAR_CACHED,
+      NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
       ngx_http_null_variable
 };
@@ -134,9 +140,11 @@ ngx_http_llama_session_var(ngx_http_request_t *r,
         break;
     }
 
-    if (data == NGX_HTTP_LLAMA_SESSION_VAR_SLOT
-        && (!ctx->acquired
-            || ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS))
+    if ((data == NGX_HTTP_LLAMA_SESSION_VAR_SLOT
+         && (!ctx->acquired
+             || ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS))
+        || (data == NGX_HTTP_LLAMA_SESSION_VAR_CACHED
+            && (!ctx->reply_done || ctx->cached < 0)))
     {
         v->not_found = 1;
         return NGX_OK;
@@ -157,6 +165,10 @@ ngx_http_llama_session_var(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_VAR_WAIT_MS:
         p = ngx_sprintf(p, "%M", ctx->wait_ms);
+        break;
+
+    case NGX_HTTP_LLAMA_SESSION_VAR_CACHED:
+        p = ngx_sprintf(p, "%i", ctx->cached);
         break;
 
     default: /* NGX_HTTP_LLAMA_SESSION_VAR_SWAP_MS */

@@ -110,7 +110,9 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     ctx->base_file = (ngx_http_llama_session_has_file(r, ctx, ctx->base_key,
                                                       ctx->base_len)
-                      == 1);
+                      == 1
+                      && !ngx_http_llama_session_restores_off(ctx->zone,
+                                                              ctx->fp));
 
     if (ctx->base_file) {
         return ngx_http_llama_session_warm_call(r, ctx,
@@ -280,7 +282,10 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
         /* one slot at a time saves a base: its file has one name */
 
-        if (!ctx->base_file && ngx_http_llama_session_base_claim(ctx)) {
+        if (!ctx->base_file
+            && !ngx_http_llama_session_restores_off(ctx->zone, ctx->fp)
+            && ngx_http_llama_session_base_claim(ctx))
+        {
             return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_SAVE);
         }
@@ -293,7 +298,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     case NGX_HTTP_LLAMA_SESSION_WARM_SAVE:
 
         if (ngx_http_llama_session_save_done(r->connection->log, ctx,
-                                             "base", ctx->base_key,
+                                             NGX_HTTP_LLAMA_SESSION_SAVE_BASE,
+                                             ctx->base_key,
                                              ctx->base_len)
             == NGX_OK)
         {

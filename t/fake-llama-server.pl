@@ -30,7 +30,9 @@
 # left meanwhile, as llama-server does; match: a regular expression the
 # request's body must match for the fault to apply; until (completion): a file whose
 # creation ends the delay (at most 120 s), for tests that must not race a
-# clock.  Every request is appended to --calls as JSON.
+# clock; discard (restore): a 200 that leaves the slot empty, as models with
+# recurrent or sliding-window layers do.  Every request is appended to
+# --calls as JSON.
 
 use strict;
 use warnings;
@@ -324,8 +326,11 @@ sub handle {
                          . 'space in KV cache or invalid slot save file',
                          'invalid_request_error');
         }
+        # a model that discards a restored cache (recurrent or sliding-window
+        # layers): the restore answers 200, the slot stays empty
         with_state(sub { @{ $_[0]{slots}[$id] }{qw(text n)}
-                           = ($data->{text}, $data->{n}) });
+                           = $script->{restore}{discard} ? ('', 0)
+                             : ($data->{text}, $data->{n}) });
         return reply($c, 200, { id_slot => $id, filename => $name,
                                 n_restored => $data->{n},
                                 n_read => -s $file,
@@ -391,7 +396,8 @@ sub completion {
         }
     }
 
-    my %timings = (cache_n => $cache_n, prompt_n => length($text) - $cache_n);
+    my %timings = (cache_n => $cache_n, prompt_n => length($text) - $cache_n,
+                   prompt_ms => (length($text) - $cache_n) * 0.5);
     my $usage = { prompt_tokens => length $text, completion_tokens => 1,
                   prompt_tokens_details => { cached_tokens => $cache_n } };
     my %echo = (body_len => length $req->{body},

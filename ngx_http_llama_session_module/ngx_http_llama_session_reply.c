@@ -1,0 +1,384 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * What the reply says of the prompt's cache.  A restore that llama-server
+ * answers with 200 can still bring nothing: models with recurrent or
+ * sliding-window layers discard a restored cache and evaluate the whole
+ * prompt again.  The reply tells: llama-server's "timings" (cache_n,
+ * prompt_n, prompt_ms), OpenAI's usage.prompt_tokens_details.cached_tokens,
+ * Anthropic's usage.cache_read_input_tokens, in a JSON reply or in the last
+ * events of a stream.  A body filter reads those figures as the buffers
+ * pass, never holding or changing them, only for the replies of requests
+ * that used a slot.  A restore whose reply shows less than half of the
+ * restored tokens cached is ineffective; after a few in a row for one
+ * backend configuration, the zone stops saving and restoring for it.
+ */
+
+
+#include "ngx_http_llama_session_module.h"
+
+
+static ngx_int_t ngx_http_llama_session_reply_header(ngx_http_request_t *r);
+static ngx_int_t ngx_http_llama_session_reply_body(ngx_http_request_t *r,
+    ngx_chain_t *in);
+static void ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx,
+    u_char *p, u_char *last, ngx_uint_t whole);
+static void ngx_http_llama_session_reply_end(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+
+
+static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
+static ngx_http_output_body_filter_pt    ngx_http_next_body_filter;
+
+
+/* the figures read, by their JSON name; the longest is 27 bytes */
+
+typedef struct {
+    ngx_str_t                       name;       /* "\"name\":" */
+    size_t                          offset;     /* in the context */
+} ngx_http_llama_session_figure_t;
+
+
+static ngx_http_llama_session_figure_t  ngx_http_llama_session_figures[] = {
+    { ngx_string("\"cache_n\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_cache_n) },
+    { ngx_string("\"prompt_n\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_prompt_n) },
+    { ngx_string("\"cached_tokens\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_cached_tokens) },
+    { ngx_string("\"prompt_tokens\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_prompt_tokens) },
+    { ngx_string("\"cache_read_input_tokens\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_cache_read) },
+    { ngx_string("\"input_tokens\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_input_tokens) },
+    { ngx_null_string, 0 }
+};
+
+
+ngx_int_t
+ngx_http_llama_session_reply_init(ngx_conf_t *cf)
+{
+    ngx_http_next_header_filter = ngx_http_top_header_filter;
+    ngx_http_top_header_filter = ngx_http_llama_session_reply_header;
+
+    ngx_http_next_body_filter = ngx_http_top_body_filter;
+    ngx_http_top_body_filter = ngx_http_llama_session_reply_body;
+
+    return NGX_OK;
+}
+
+
+/* a reply of a request that used a slot, 200: its figures are read */
+
+static ngx_int_t
+ngx_http_llama_session_reply_header(ngx_http_request_t *r)
+{
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    if (r != r->main) {
+        return ngx_http_next_header_filter(r);
+    }
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    if (ctx && ctx->acquired && !ctx->identity && ctx->api == NULL
+        && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
+        && r->headers_out.status == NGX_HTTP_OK)
+    {
+        ctx->reply_scan = 1;
+        ctx->r_cache_n = -1;
+        ctx->r_prompt_n = -1;
+        ctx->r_cached_tokens = -1;
+        ctx->r_prompt_tokens = -1;
+        ctx->r_cache_read = -1;
+        ctx->r_input_tokens = -1;
+        ctx->r_prompt_ms = -1;
+    }
+
+    return ngx_http_next_header_filter(r);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
+{
+    u_char                        *p;
+    u_char                         joined[2 * NGX_HTTP_LLAMA_SESSION_CARRY];
+    size_t                         n, head;
+    ngx_buf_t                     *b;
+    ngx_chain_t                   *cl;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    if (r != r->main || in == NULL) {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    if (ctx == NULL || !ctx->reply_scan || ctx->reply_done) {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    for (cl = in; cl; cl = cl->next) {
+        b = cl->buf;
+
+        if (ngx_buf_in_memory(b) && b->last > b->pos) {
+
+            /* a name or number cut between two buffers: the seam first */
+
+            n = b->last - b->pos;
+            head = ngx_min(n, NGX_HTTP_LLAMA_SESSION_CARRY);
+
+            if (ctx->carry_len) {
+                p = ngx_cpymem(joined, ctx->carry, ctx->carry_len);
+                p = ngx_cpymem(p, b->pos, head);
+                ngx_http_llama_session_scan(ctx, joined, p, 0);
+            }
+
+            ngx_http_llama_session_scan(ctx, b->pos, b->last, 0);
+
+            /* the tail, for the seam with the next buffer */
+
+            if (n >= NGX_HTTP_LLAMA_SESSION_CARRY) {
+                ngx_memcpy(ctx->carry, b->last - NGX_HTTP_LLAMA_SESSION_CARRY,
+                           NGX_HTTP_LLAMA_SESSION_CARRY);
+                ctx->carry_len = NGX_HTTP_LLAMA_SESSION_CARRY;
+
+            } else if (ctx->carry_len + n <= NGX_HTTP_LLAMA_SESSION_CARRY) {
+                ngx_memcpy(ctx->carry + ctx->carry_len, b->pos, n);
+                ctx->carry_len += n;
+
+            } else {
+                ngx_memmove(ctx->carry,
+                            ctx->carry + ctx->carry_len
+                            - (NGX_HTTP_LLAMA_SESSION_CARRY - n),
+                            NGX_HTTP_LLAMA_SESSION_CARRY - n);
+                ngx_memcpy(ctx->carry + NGX_HTTP_LLAMA_SESSION_CARRY - n, b->pos, n);
+                ctx->carry_len = NGX_HTTP_LLAMA_SESSION_CARRY;
+            }
+        }
+
+        if (b->last_buf) {
+            /* a number at the very end has no byte after it */
+            ngx_http_llama_session_scan(ctx, ctx->carry,
+                                        ctx->carry + ctx->carry_len, 1);
+            ngx_http_llama_session_reply_end(r, ctx);
+            break;
+        }
+    }
+
+    return ngx_http_next_body_filter(r, in);
+}
+
+
+/*
+ * Looks for the figures' names in p..last and keeps the last value of
+ * each.  Inside a JSON string a quote is escaped, so "name": only matches
+ * a member.  A number that reaches last is left for the seam, unless the
+ * data is whole.
+ */
+
+static void
+ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
+    u_char *last, ngx_uint_t whole)
+{
+    u_char                           *q;
+    double                            ms, frac;
+    ngx_int_t                         v, *field;
+    ngx_http_llama_session_figure_t  *f;
+
+    static ngx_str_t  prompt_ms = ngx_string("\"prompt_ms\":");
+
+    for ( ;; ) {
+        p = ngx_strlchr(p, last, '"');
+        if (p == NULL) {
+            return;
+        }
+
+        if (last - p >= (ssize_t) prompt_ms.len
+            && ngx_strncmp(p, prompt_ms.data, prompt_ms.len) == 0)
+        {
+            q = p + prompt_ms.len;
+
+            while (q < last && *q == ' ') {
+                q++;
+            }
+
+            ms = 0;
+
+            while (q < last && *q >= '0' && *q <= '9' && ms < 1e12) {
+                ms = ms * 10 + (*q++ - '0');
+            }
+
+            if (q < last && *q == '.') {
+                q++;
+
+                for (frac = 0.1; q < last && *q >= '0' && *q <= '9';
+                     frac /= 10)
+                {
+                    ms += (*q++ - '0') * frac;
+                }
+            }
+
+            if (q < last || whole) {
+                ctx->r_prompt_ms = ms;
+            }
+
+            p++;
+            continue;
+        }
+
+        for (f = ngx_http_llama_session_figures; f->name.len; f++) {
+            if (last - p < (ssize_t) f->name.len
+                || ngx_strncmp(p, f->name.data, f->name.len) != 0)
+            {
+                continue;
+            }
+
+            q = p + f->name.len;
+
+            while (q < last && *q == ' ') {
+                q++;
+            }
+
+            if (q == last || *q < '0' || *q > '9') {
+                break;
+            }
+
+            v = 0;
+
+            while (q < last && *q >= '0' && *q <= '9') {
+                if (v > 100000000) {
+                    break;
+                }
+
+                v = v * 10 + (*q++ - '0');
+            }
+
+            if (q < last || whole) {
+                field = (ngx_int_t *) ((u_char *) ctx + f->offset);
+                *field = v;
+            }
+
+            break;
+        }
+
+        p++;
+    }
+}
+
+
+/*
+ * The reply is over: how much of the prompt came from the cache, what it
+ * saved, and whether a restore helped.
+ */
+
+static void
+ngx_http_llama_session_reply_end(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                          cached, evaluated, expected;
+    ngx_http_llama_session_sh_t       *sh;
+    ngx_http_llama_session_zone_t     *zone;
+    ngx_http_llama_session_metrics_t  *m;
+
+    ctx->reply_done = 1;
+
+    /* llama-server's own figures first, then OpenAI's, then Anthropic's */
+
+    if (ctx->r_cache_n >= 0) {
+        cached = ctx->r_cache_n;
+        evaluated = ctx->r_prompt_n;
+
+    } else if (ctx->r_cached_tokens >= 0) {
+        cached = ctx->r_cached_tokens;
+        evaluated = (ctx->r_prompt_tokens >= cached)
+                    ? ctx->r_prompt_tokens - cached : -1;
+
+    } else if (ctx->r_cache_read >= 0) {
+        cached = ctx->r_cache_read;
+        evaluated = ctx->r_input_tokens;
+
+    } else {
+        /* a reply without figures (a stream without usage): unknown */
+        ctx->cached = -1;
+        return;
+    }
+
+    ctx->cached = cached;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+    m = &sh->metrics;
+
+    (void) ngx_atomic_fetch_add(&m->tokens_cached, cached);
+
+    if (evaluated >= 0) {
+        (void) ngx_atomic_fetch_add(&m->tokens_evaluated, evaluated);
+
+        if (ctx->r_prompt_n > 0 && ctx->r_prompt_ms > 0 && cached > 0) {
+            /* what the cached tokens would have cost at this prompt speed */
+            (void) ngx_atomic_fetch_add(&m->prefill_saved_us,
+                                        (ngx_atomic_uint_t)
+                                        (ctx->r_prompt_ms * 1000 * cached
+                                         / ctx->r_prompt_n));
+        }
+    }
+
+    if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
+        || ctx->loaded_tokens < 8)
+    {
+        return;
+    }
+
+    /* the prompt may be shorter than what was restored (a cut history) */
+
+    expected = ctx->loaded_tokens;
+
+    if (evaluated >= 0 && cached + evaluated - 1 < expected) {
+        expected = cached + evaluated - 1;
+    }
+
+    if (cached * 2 >= expected) {
+        (void) ngx_atomic_fetch_add(&sh->stats.effective, 1);
+
+        ngx_shmtx_lock(&zone->shpool->mutex);
+        sh->ineffective_run = 0;
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        return;
+    }
+
+    (void) ngx_atomic_fetch_add(&sh->stats.ineffective, 1);
+
+    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                  "llama_session: the restore of \"%*s\" (%ui tokens) was "
+                  "ineffective: the reply shows %i tokens from the cache",
+                  ctx->key_len, ctx->key, ctx->loaded_tokens, cached);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (++sh->ineffective_run >= NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX
+        && !sh->restores_off)
+    {
+        sh->restores_off = 1;
+        ngx_memcpy(sh->restores_off_fp, ctx->fp,
+                   NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: %d restores in a row in zone \"%V\" "
+                      "brought nothing (the model discards a restored cache: "
+                      "recurrent or sliding-window layers?): the zone stops "
+                      "saving and restoring for backend %*s until the model "
+                      "or its configuration changes",
+                      NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX, &zone->name,
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
+        return;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
