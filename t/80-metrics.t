@@ -209,6 +209,16 @@ ok(!grep({ ($_->{query} // '') =~ /action=(save|restore)/ }
 ok($t->get('/api/sessions/current')->{json}{restores_disabled},
    'the API says so');
 
+# the example Grafana dashboard asks only for names the module has
+
+my $dash = $LlamaTest::JSON->decode(do { local $/; open my $fh, "<", "$FindBin::Bin/../examples/grafana-dashboard.json" or die; <$fh> });
+my %have = map { /^(nginx_llama_session_\w+?)(_bucket)?\{/ ? ($1 => 1) : () } keys %$v;
+my @asked = map { $_->{expr} =~ /(nginx_llama_session_\w+)/g }
+            map { @{ $_->{targets} } } @{ $dash->{panels} };
+ok(@asked > 20, scalar(@asked) . ' names in the dashboard\'s queries');
+my @missing = grep { (my $n = $_) =~ s/_bucket$//; !$have{$n} } @asked;
+is_deeply(\@missing, [], 'each of them is in the exposition');
+
 # only GET and HEAD
 
 is($t->request('POST', '/metrics')->{status}, 405, 'POST /metrics: 405');
