@@ -658,7 +658,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     size_t                              klen, skip;
     cJSON                              *json, *list, *item;
     ngx_str_t                           ns, model;
-    ngx_uint_t                          i, k, n, is_key;
+    ngx_uint_t                          i, k, n, is_key, narrow;
     ngx_queue_t                        *q, *queue;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_node_t      *nodes, *node;
@@ -682,6 +682,8 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
             && ngx_strncmp(id->data, zone->prefix.data, zone->prefix.len)
                == 0)
            ? zone->prefix.len : 0;
+
+    narrow = 0;
 
     is_key = (id->len - skip > NGX_HTTP_LLAMA_SESSION_HASH_HEX + 1
               && id->len - skip <= NGX_HTTP_LLAMA_SESSION_SAFE_MAX + 1
@@ -716,6 +718,8 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
         }
 
         if (ngx_http_arg(r, (u_char *) "model", 5, &model) == NGX_OK) {
+            /* ?model= narrows the id's sessions to one model's */
+            narrow = 1;
             ctx->model.data = ngx_pnalloc(r->pool, model.len);
             if (ctx->model.data == NULL) {
                 return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -771,7 +775,13 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
                           || ngx_memcmp(node->name, ctx->key, klen) != 0)
                        : (!node->has_idk
                           || ngx_memcmp(node->idk, ctx->idk,
-                                        NGX_HTTP_LLAMA_SESSION_DIGEST) != 0))
+                                        NGX_HTTP_LLAMA_SESSION_DIGEST) != 0
+                          || (narrow
+                              && (node->model_len
+                                  != ngx_min(ctx->model.len,
+                                        NGX_HTTP_LLAMA_SESSION_MODEL_SHOW)
+                                  || ngx_memcmp(node->model, ctx->model.data,
+                                                node->model_len) != 0))))
             {
                 continue;
             }

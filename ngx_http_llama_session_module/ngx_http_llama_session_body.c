@@ -1156,7 +1156,7 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     u_char       sys[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char       head[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t       i, n, len;
-    ngx_str_t    parts[7];
+    ngx_str_t    parts[7], idn[3];
     ngx_uint_t   nparts;
 
     sys[0] = '\0';
@@ -1240,9 +1240,16 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    /* what the API finds the client's id by, whatever the prefix */
+    /*
+     * what the API finds the client's id by, whatever the model and the
+     * prefix: SHA-256(namespace \0 id)
+     */
 
-    if (ngx_http_llama_session_sha256(r, parts, 5, hash) != NGX_OK) {
+    idn[0] = parts[0];
+    idn[1] = parts[1];
+    idn[2] = parts[4];
+
+    if (ngx_http_llama_session_sha256(r, idn, 3, hash) != NGX_OK) {
         return NGX_ERROR;
     }
 

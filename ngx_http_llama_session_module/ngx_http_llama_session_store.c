@@ -687,7 +687,8 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->tokens = (ngx_uint_t) item->valuedouble;
     }
 
-    item = cJSON_GetObjectItemCaseSensitive(json, "idk");
+    /* "idn": the id's digest without the model ("idk" had it, earlier) */
+    item = cJSON_GetObjectItemCaseSensitive(json, "idn");
     if (cJSON_IsString(item)
         && ngx_http_llama_session_store_hex(item->valuestring, f->idk)
            == NGX_OK)
@@ -826,7 +827,7 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     if (node.has_idk) {
         *ngx_hex_dump(hex, node.idk, NGX_HTTP_LLAMA_SESSION_DIGEST) = '\0';
 
-        if (cJSON_AddStringToObject(json, "idk", (char *) hex) == NULL) {
+        if (cJSON_AddStringToObject(json, "idn", (char *) hex) == NULL) {
             cJSON_Delete(json);
             return NGX_ERROR;
         }
