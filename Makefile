@@ -6,13 +6,15 @@ SHELL := /bin/bash
 #                   distro nginx (Debian nginx-dev, /usr/share/nginx/src)
 #   make deps       install what the build and the tests need (apt-get)
 #   make rig        build llama-server and the test model (cached)
-#   make test       build + rig + prove
+#   make test       build + rig + prove (NGINX_VERSION=1.26.3: against
+#                   that nginx, built from Debian's source)
 #   make demo       run llama-server + nginx with the module and show it
 #   make bench      the benchmarks (docs/benchmarks.md)
 #   make soak       t/40-soak.t with SOAK_REQUESTS (10000) requests
 #   make asan       nginx 1.22.1 from Debian's source with AddressSanitizer
 #   make test-asan  the suite under that nginx
 #   make test-valgrind  the suite with nginx under valgrind
+#   make deb        the Debian package, in build/deb/
 #   make clean
 
 NGINX_SRC   ?= /usr/share/nginx/src
@@ -21,6 +23,7 @@ MODULE      := objs/ngx_http_llama_session_module.so
 SOURCES     := config $(wildcard ngx_http_llama_session_module/*.[ch])
 CFLAGS_EXTRA := -Wall -Wextra -Wno-unused-parameter -Werror
 DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev python3-numpy perl prometheus \
+                debhelper lintian \
                 dpkg-dev
 # command:package, installed when the command is missing (npm may come
 # with a nodejs of another origin)
@@ -28,7 +31,7 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 g++:g++ make:make valgrind:valgrind prove:perl
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps rig test demo bench soak asan test-asan test-valgrind clean
+.PHONY: all deps rig test demo bench soak asan test-asan test-valgrind deb clean
 
 all: $(MODULE)
 
@@ -68,7 +71,14 @@ rig: deps
 	rig/make-model.sh 4
 	rig/make-model.sh 12
 
+# NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's
+# source package with the module (rig/build-nginx.sh, cached)
 test: deps $(MODULE) rig
+	@if [ -n "$(NGINX_VERSION)" ]; then \
+	    eval "$$(rig/build-nginx.sh $(NGINX_VERSION))"; \
+	    export NGINX_BINARY NGINX_MODULE; \
+	    echo "testing against $$NGINX_BINARY"; \
+	fi; \
 	prove $(PROVE_FLAGS) t/
 
 demo: deps $(MODULE) rig
@@ -99,5 +109,17 @@ test-asan: asan rig
 test-valgrind: deps $(MODULE) rig
 	TEST_NGINX_VALGRIND=1 prove $(PROVE_FLAGS) t/
 
+# the Debian package libnginx-mod-http-llama-session (debian/, dh_nginx),
+# built from a copy of the tree into build/deb/, then lintian's report
+deb: deps
+	rm -rf build/deb && mkdir -p build/deb/src
+	tar -cf - --exclude=./objs --exclude=./objs.configure.log \
+	    --exclude=./build --exclude=./.git --exclude=./bench/results . \
+	    | tar -xf - -C build/deb/src
+	cd build/deb/src && dpkg-buildpackage -us -uc -b > ../build.log 2>&1 \
+	    || { tail -n 40 ../build.log; exit 1; }
+	lintian --info build/deb/*.changes | tee build/deb/lintian.log
+	@ls build/deb/*.deb
+
 clean:
-	rm -rf objs objs.configure.log
+	rm -rf objs objs.configure.log build

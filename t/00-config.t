@@ -42,6 +42,13 @@ $out = `$nginx -t -p $dir/ -c $dir/example.conf -e $dir/t.log 2>&1`;
 is($?, 0, 'nginx -t accepts examples/nginx.conf') or diag $out;
 like($out, qr/syntax is ok/, 'nginx -t says the syntax is ok');
 
+# the tenants' example, in an http block of its own
+my $tenants = $t->read_file("$LlamaTest::ROOT/examples/tenants.conf");
+$tenants =~ s{/var/lib/llama-session}{$dir/slots}g;
+$tenants =~ s{listen 8081;}{listen 127.0.0.1:%%PORT%%;};
+my ($trc, $tmsg) = $t->nginx_test($tenants);
+is($trc, 0, 'nginx -t accepts examples/tenants.conf') or diag $tmsg;
+
 # a minimal configuration: the zone, llama_session and the slots location
 my $minimal = <<'EOF';
     llama_session_zone zone=llama:1m;

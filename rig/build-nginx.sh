@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# make test NGINX_VERSION=1.26.3: nginx of another version from Debian's
+# source package (1.26.3: Debian 13 "trixie"; 1.22.1: Debian 12, the
+# machine's own), built with the modules the suite uses, and this module
+# built against it.  Cached; prints the two paths for the suite:
+#
+#   NGINX_BINARY=.../objs/nginx NGINX_MODULE=.../ngx_http_llama_session_module.so
+set -euo pipefail
+
+version=${1:?usage: build-nginx.sh VERSION}
+here=$(cd "$(dirname "$0")/.." && pwd)
+cache=${LLAMA_RIG_CACHE:-/var/cache/llama-session-rig}
+dir=$cache/nginx-$version
+log() { echo "build-nginx: $*" >&2; }
+
+case "$version" in
+    1.26.*) suite=trixie ;;
+    1.22.*) suite=bookworm ;;
+    *) log "no Debian source package known for nginx $version"; exit 1 ;;
+esac
+
+mkdir -p "$dir"
+cd "$dir"
+
+if ! ls nginx_"$version".orig.tar.gz >/dev/null 2>&1; then
+    list=/etc/apt/sources.list.d/llama-session-$suite-src.sources
+    if [ "$suite" != bookworm ] && [ ! -e "$list" ]; then
+        # sources only: nothing of the other release gets installed
+        log "adding Debian $suite's source packages to apt"
+        cat >"$list" <<EOS
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: $suite
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOS
+    fi
+    apt-get update -qq
+    log "fetching nginx $version's source package"
+    apt-get source --download-only "nginx=$version-*" >/dev/null 2>&1 \
+        || apt-get source --download-only "nginx/$suite" >/dev/null 2>&1 \
+        || true
+    ls nginx_"$version".orig.tar.gz >/dev/null 2>&1 \
+        || { log "nginx $version's source could not be fetched"; exit 1; }
+fi
+
+src=nginx-$version
+[ -d "$src" ] || tar xzf nginx_"$version".orig.tar.gz
+
+# rebuilt when the module's sources are newer than the last build
+stamp=$dir/$src/objs/ngx_http_llama_session_module.so
+if [ ! -e "$stamp" ] \
+    || [ -n "$(find "$here/config" "$here/ngx_http_llama_session_module" \
+                    -newer "$stamp" -print -quit)" ]
+then
+    cd "$src"
+    log "building nginx $version and the module"
+    ./configure --prefix="$dir/prefix" --with-compat --with-threads \
+        --with-http_auth_request_module --with-http_realip_module \
+        --with-http_ssl_module --with-http_v2_module \
+        --with-cc-opt="-O2 -g -Wall -Wextra -Wno-unused-parameter -Werror" \
+        --add-dynamic-module="$here" >"$dir/configure.log" 2>&1 \
+        || { tail -n 30 "$dir/configure.log" >&2; exit 1; }
+    make -j"$(nproc)" >"$dir/make.log" 2>&1 \
+        || { tail -n 30 "$dir/make.log" >&2; exit 1; }
+fi
+
+echo "NGINX_BINARY=$dir/$src/objs/nginx"
+echo "NGINX_MODULE=$dir/$src/objs/ngx_http_llama_session_module.so"
