@@ -70,6 +70,7 @@ rig: deps
 	rig/make-model.sh
 	rig/make-model.sh 4
 	rig/make-model.sh 12
+	rig/npm-clients.sh
 
 # NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's
 # source package with the module (rig/build-nginx.sh, cached)

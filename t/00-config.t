@@ -49,6 +49,13 @@ $tenants =~ s{listen 8081;}{listen 127.0.0.1:%%PORT%%;};
 my ($trc, $tmsg) = $t->nginx_test($tenants);
 is($trc, 0, 'nginx -t accepts examples/tenants.conf') or diag $tmsg;
 
+# Open WebUI's site
+my $owui = $t->read_file("$LlamaTest::ROOT/examples/openwebui.conf");
+$owui =~ s{/var/lib/llama-session}{$dir/slots}g;
+$owui =~ s{listen 8081;}{listen 127.0.0.1:%%PORT%%;};
+($trc, $tmsg) = $t->nginx_test($owui);
+is($trc, 0, 'nginx -t accepts examples/openwebui.conf') or diag $tmsg;
+
 # a minimal configuration: the zone, llama_session and the slots location
 my $minimal = <<'EOF';
     llama_session_zone zone=llama:1m;
