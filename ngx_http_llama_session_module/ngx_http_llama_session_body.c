@@ -332,6 +332,15 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
+    if (!ctx->identity
+        && ngx_http_llama_session_msgs(r, ctx,
+                                       &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM],
+                                       &spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES])
+           != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
     if (ngx_http_llama_session_probe(spans)) {
         /*
          * a probe (max_tokens 0 or 1: a model or key check, a token

@@ -973,7 +973,8 @@ ngx_http_llama_session_saved_ok(ngx_log_t *log,
 
     if (ctx->zone->store.len) {
         n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
-        (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n);
+        (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n,
+                                                 ctx->slot);
     }
 
     ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, key, len);
@@ -1065,6 +1066,9 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
                                    (ngx_atomic_uint_t) bytes);
             ngx_http_llama_session_observe(&ctx->zone->sh->metrics.restore,
                                            ms);
+
+            /* the session's last prompt, to explain a miss (miss.c) */
+            (void) ngx_http_llama_session_store_prev(r, ctx);
 
         } else {
             ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;

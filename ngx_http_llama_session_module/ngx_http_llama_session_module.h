@@ -141,6 +141,24 @@ typedef enum {
 } ngx_http_llama_session_warm_e;
 
 
+/*
+ * A message of a prompt, in a few bytes: what tells where a prompt first
+ * differs from the session's previous one (miss.c)
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_MSGS_MAX         128
+#define NGX_HTTP_LLAMA_SESSION_PREFIXES         3     /* 64, 512, 4096 */
+#define NGX_HTTP_LLAMA_SESSION_META_MAX         8192  /* a .json, bytes */
+
+typedef struct {
+    uint32_t                        hash;       /* the whole message */
+    uint32_t                        len;        /* its content's bytes */
+    uint32_t                        prefix[NGX_HTTP_LLAMA_SESSION_PREFIXES];
+    u_char                          role;       /* its first letter */
+    u_char                          pad[3];
+} ngx_http_llama_session_msg_t;
+
+
 /* shared memory */
 
 typedef struct {
@@ -170,6 +188,11 @@ typedef struct {
     u_char                          base[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving_base; /* a base's save runs */
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
+
+    /* the last prompt of the session in it, and its tokens (miss.c) */
+    ngx_http_llama_session_msg_t   *msgs;       /* slab, NULL: none */
+    ngx_uint_t                      nmsgs;
+    ngx_uint_t                      prompt_tokens;
 } ngx_http_llama_session_slot_t;
 
 
@@ -537,6 +560,13 @@ struct ngx_http_llama_session_ctx_s {
     double                          r_prompt_ms;
     ngx_int_t                       cached;     /* the result, -1: unknown */
 
+    /* the prompt's messages, and the session's previous prompt (miss.c) */
+    ngx_http_llama_session_msg_t   *msgs;
+    ngx_uint_t                      nmsgs;
+    ngx_http_llama_session_msg_t   *prev;
+    ngx_uint_t                      nprev;
+    ngx_uint_t                      prev_tokens;
+
     /* router mode: the model's switch, see router.c */
     ngx_http_llama_session_zone_t  *victim;
     ngx_uint_t                      switch_seq;
@@ -595,6 +625,17 @@ ngx_int_t ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
+
+/* miss.c: why a prompt missed the cache */
+ngx_int_t ngx_http_llama_session_msgs(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *system,
+    ngx_http_llama_session_span_t *messages);
+void ngx_http_llama_session_miss(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached, ngx_int_t evaluated);
+ngx_int_t ngx_http_llama_session_msgs_encode(u_char *dst, size_t size,
+    ngx_http_llama_session_msg_t *msgs, ngx_uint_t n);
+ngx_int_t ngx_http_llama_session_msgs_decode(ngx_pool_t *pool, u_char *text,
+    size_t len, ngx_http_llama_session_msg_t **msgs, ngx_uint_t *n);
 
 /* reply.c: what the reply says of the cache */
 ngx_int_t ngx_http_llama_session_reply_init(ngx_conf_t *cf);
@@ -678,6 +719,11 @@ ngx_uint_t ngx_http_llama_session_fingerprint(
 void ngx_http_llama_session_set_fingerprint(
     ngx_http_llama_session_ctx_t *ctx, u_char *fp, ngx_uint_t n_ctx,
     ngx_uint_t total_slots, ngx_str_t *model_path);
+void ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t prompt_tokens);
+size_t ngx_http_llama_session_slot_msgs_text(
+    ngx_http_llama_session_zone_t *zone, ngx_uint_t n, u_char *key,
+    size_t len, u_char *dst, size_t size, ngx_uint_t *tokens);
 ngx_uint_t ngx_http_llama_session_restores_off(
     ngx_http_llama_session_zone_t *zone, u_char *fp);
 ngx_uint_t ngx_http_llama_session_unloading_locked(
@@ -749,7 +795,10 @@ ngx_int_t ngx_http_llama_session_store_check(
 ngx_int_t ngx_http_llama_session_store_index(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
-    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
+    ngx_uint_t slot);
+ngx_int_t ngx_http_llama_session_store_prev(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
 ngx_int_t ngx_http_llama_session_store_unlink(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,

@@ -327,6 +327,8 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
         }
     }
 
+    ngx_http_llama_session_miss(r, ctx, cached, evaluated);
+
     if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
         || ctx->loaded_tokens < 8)
     {

@@ -44,7 +44,8 @@ static ngx_uint_t ngx_http_llama_session_wanted_locked(
     ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_slot_t *slot);
 static uint64_t ngx_http_llama_session_proc_start(ngx_pid_t pid);
 static void ngx_http_llama_session_slot_forget(
-    ngx_http_llama_session_slot_t *slot, ngx_uint_t state);
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slot,
+    ngx_uint_t state);
 
 
 /* how long a free slot may see no grant before the queue is checked */
@@ -617,6 +618,18 @@ ngx_http_llama_session_granted_locked(ngx_http_llama_session_ctx_t *ctx,
                        >= NGX_HTTP_LLAMA_SESSION_VERIFY);
         ctx->hit_dirty = slot->dirty;
         slot->dirty = 1;
+
+        if (slot->msgs && ctx->request && ctx->api == NULL) {
+            /* the session's last prompt, to explain a miss (miss.c) */
+            ctx->prev = ngx_palloc(ctx->request->pool, slot->nmsgs
+                                   * sizeof(ngx_http_llama_session_msg_t));
+            if (ctx->prev) {
+                ngx_memcpy(ctx->prev, slot->msgs, slot->nmsgs
+                           * sizeof(ngx_http_llama_session_msg_t));
+                ctx->nprev = slot->nmsgs;
+                ctx->prev_tokens = slot->prompt_tokens;
+            }
+        }
         sh->stats.hits++;
 
     } else {
@@ -783,7 +796,7 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
     slot->owner_start = 0;
     slot->free_since = ngx_current_msec;
 
-    ngx_http_llama_session_slot_forget(slot,
+    ngx_http_llama_session_slot_forget(ctx->zone, slot,
                                       NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
 }
 
@@ -791,9 +804,16 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_ctx_t *ctx,
 /* the slot holds no session the module can name: empty or unknown */
 
 static void
-ngx_http_llama_session_slot_forget(ngx_http_llama_session_slot_t *slot,
-    ngx_uint_t state)
+ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_slot_t *slot, ngx_uint_t state)
 {
+    if (slot->msgs) {
+        ngx_slab_free_locked(zone->shpool, slot->msgs);
+        slot->msgs = NULL;
+    }
+
+    slot->nmsgs = 0;
+    slot->prompt_tokens = 0;
     slot->state = (u_char) state;
     slot->key_len = 0;
     slot->dirty = 0;
@@ -1059,6 +1079,17 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
     slot->state = (u_char) state;
 
     if (state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
+
+        if (slot->msgs
+            && (slot->key_len != len || ngx_memcmp(slot->key, key, len) != 0))
+        {
+            /* the prompt of the session that left */
+            ngx_slab_free_locked(zone->shpool, slot->msgs);
+            slot->msgs = NULL;
+            slot->nmsgs = 0;
+            slot->prompt_tokens = 0;
+        }
+
         ngx_memcpy(slot->key, key, len);
         slot->key_len = (u_short) len;
         slot->saveable = !ctx->default_session;
@@ -1069,7 +1100,7 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
         ngx_memcpy(slot->base, ctx->base_id, NGX_HTTP_LLAMA_SESSION_DIGEST);
 
     } else {
-        ngx_http_llama_session_slot_forget(slot, state);
+        ngx_http_llama_session_slot_forget(zone, slot, state);
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -1112,7 +1143,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     }
 
     if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN) {
-        ngx_http_llama_session_slot_forget(slot, state);
+        ngx_http_llama_session_slot_forget(zone, slot, state);
     }
 
     slot->saving_base = 0;
@@ -1351,7 +1382,7 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     slot->task = task;
 
     if (restarted) {
-        ngx_http_llama_session_slot_forget(slot,
+        ngx_http_llama_session_slot_forget(zone, slot,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
         zone->sh->stats.restarts++;
     }
@@ -1359,6 +1390,87 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     return restarted;
+}
+
+
+/*
+ * The request's prompt becomes the slot's last one, with the tokens its
+ * reply counted, for the next request's comparison (miss.c).
+ */
+
+void
+ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t prompt_tokens)
+{
+    size_t                          size;
+    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    slot = &zone->sh->slots[ctx->slot];
+    size = ctx->nmsgs * sizeof(ngx_http_llama_session_msg_t);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (!slot->busy || slot->owner != ngx_pid
+        || slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        || slot->key_len != ctx->key_len
+        || ngx_memcmp(slot->key, ctx->key, ctx->key_len) != 0)
+    {
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return;
+    }
+
+    if (slot->msgs && slot->nmsgs != ctx->nmsgs) {
+        ngx_slab_free_locked(zone->shpool, slot->msgs);
+        slot->msgs = NULL;
+    }
+
+    if (slot->msgs == NULL && size) {
+        /* a full zone keeps no prompt: the next miss is not explained */
+        slot->msgs = ngx_slab_alloc_locked(zone->shpool, size);
+    }
+
+    if (slot->msgs) {
+        ngx_memcpy(slot->msgs, ctx->msgs, size);
+    }
+
+    slot->nmsgs = slot->msgs ? ctx->nmsgs : 0;
+    slot->prompt_tokens = prompt_tokens;
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/*
+ * The slot's last prompt as text for a session's .json (base64), when the
+ * slot holds that session; 0: none.
+ */
+
+size_t
+ngx_http_llama_session_slot_msgs_text(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t n, u_char *key, size_t len, u_char *dst, size_t size,
+    ngx_uint_t *tokens)
+{
+    ngx_int_t                       rc;
+    ngx_http_llama_session_slot_t  *slot;
+
+    slot = &zone->sh->slots[n];
+    rc = 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->msgs && slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        && slot->key_len == len && ngx_memcmp(slot->key, key, len) == 0)
+    {
+        rc = ngx_http_llama_session_msgs_encode(dst, size, slot->msgs,
+                                                slot->nmsgs);
+        *tokens = slot->prompt_tokens;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return (rc > 0) ? (size_t) rc : 0;
 }
 
 
@@ -1445,7 +1557,7 @@ ngx_http_llama_session_model_reset(ngx_http_llama_session_zone_t *zone,
             lost++;
         }
 
-        ngx_http_llama_session_slot_forget(slot, state);
+        ngx_http_llama_session_slot_forget(zone, slot, state);
         slot->task = -1;
     }
 

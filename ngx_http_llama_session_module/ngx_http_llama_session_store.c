@@ -632,13 +632,75 @@ ngx_http_llama_session_found_cmp(const void *one, const void *two)
 }
 
 
+/*
+ * The session's previous prompt from its .json, for a restored session
+ * (miss.c).  A small read in the store folder; nothing when absent.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_prev(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char    file[NGX_MAX_PATH], *buf;
+    cJSON    *json, *msgs, *tokens;
+    ssize_t   n;
+    ngx_fd_t  fd;
+
+    if (ctx->zone->store.len == 0 || ctx->msgs == NULL) {
+        return NGX_DECLINED;
+    }
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.%*s.json%Z", &ctx->zone->store,
+                 ctx->key_len, ctx->key,
+                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
+
+    fd = ngx_open_file(file, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW|NGX_FILE_NONBLOCK,
+                       NGX_FILE_OPEN, 0);
+    if (fd == NGX_INVALID_FILE) {
+        return NGX_DECLINED;
+    }
+
+    buf = ngx_pnalloc(r->pool, NGX_HTTP_LLAMA_SESSION_META_MAX);
+    if (buf == NULL) {
+        ngx_close_file(fd);
+        return NGX_ERROR;
+    }
+
+    n = ngx_read_fd(fd, buf, NGX_HTTP_LLAMA_SESSION_META_MAX);
+    ngx_close_file(fd);
+
+    if (n <= 0) {
+        return NGX_DECLINED;
+    }
+
+    json = cJSON_ParseWithLength((const char *) buf, n);
+    msgs = cJSON_GetObjectItemCaseSensitive(json, "msgs");
+    tokens = cJSON_GetObjectItemCaseSensitive(json, "prompt_tokens");
+
+    if (cJSON_IsString(msgs) && cJSON_IsNumber(tokens)
+        && tokens->valuedouble > 0 && tokens->valuedouble < 1e9
+        && ngx_http_llama_session_msgs_decode(r->pool,
+                                      (u_char *) msgs->valuestring,
+                                      ngx_strlen(msgs->valuestring),
+                                      &ctx->prev, &ctx->nprev)
+           == NGX_OK)
+    {
+        ctx->prev_tokens = (ngx_uint_t) tokens->valuedouble;
+    }
+
+    cJSON_Delete(json);
+
+    return NGX_OK;
+}
+
+
 /* what "<name>.json" says, read without following a symbolic link */
 
 static void
 ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_found_t *f, ngx_log_t *log)
 {
-    u_char           file[NGX_MAX_PATH], buf[4096];
+    u_char           file[NGX_MAX_PATH], buf[NGX_HTTP_LLAMA_SESSION_META_MAX];
     cJSON           *json, *item;
     ssize_t          n;
     ngx_fd_t         fd;
@@ -785,8 +847,15 @@ ngx_http_llama_session_file_info(u_char *file, ngx_file_info_t *fi)
 
 ngx_int_t
 ngx_http_llama_session_store_meta(ngx_log_t *log,
-    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len)
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
+    ngx_uint_t slot)
 {
+    u_char                         msgs[ngx_base64_encoded_length(
+                                        NGX_HTTP_LLAMA_SESSION_MSGS_MAX
+                                        * sizeof(ngx_http_llama_session_msg_t))
+                                        + 1];
+    size_t                         mlen;
+    ngx_uint_t                     tokens;
     u_char                         file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
     u_char                         id[NGX_HTTP_LLAMA_SESSION_ID_SHOW + 1];
     u_char                         model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
@@ -840,6 +909,22 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
             cJSON_Delete(json);
             return NGX_ERROR;
         }
+    }
+
+    /* the prompt of the session in the slot, to explain a later miss */
+
+    tokens = 0;
+    mlen = ngx_http_llama_session_slot_msgs_text(zone, slot, name,
+                                   len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN,
+                                   msgs, sizeof(msgs), &tokens);
+
+    if (mlen
+        && (cJSON_AddStringToObject(json, "msgs", (char *) msgs) == NULL
+            || cJSON_AddNumberToObject(json, "prompt_tokens", tokens)
+               == NULL))
+    {
+        cJSON_Delete(json);
+        return NGX_ERROR;
     }
 
     text = cJSON_PrintUnformatted(json);
