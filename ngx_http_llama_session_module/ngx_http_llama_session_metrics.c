@@ -46,6 +46,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_WAITING,
     NGX_HTTP_LLAMA_SESSION_M_SLOTS,
     NGX_HTTP_LLAMA_SESSION_M_SLOTS_BUSY,
+    NGX_HTTP_LLAMA_SESSION_M_SLOT_BUSY,
     NGX_HTTP_LLAMA_SESSION_M_SESSIONS,
     NGX_HTTP_LLAMA_SESSION_M_FILES,
     NGX_HTTP_LLAMA_SESSION_M_BYTES,
@@ -105,6 +106,8 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "Slots of the zone." },
     { "slots_busy", "gauge",
       "Slots a request holds now." },
+    { "slot_busy", "gauge",
+      "1 while a request holds the slot." },
     { "sessions", "gauge",
       "Sessions the zone knows." },
     { "store_files", "gauge",
@@ -136,6 +139,7 @@ typedef struct {
     ngx_uint_t                      waiting;
     ngx_uint_t                      busy;
     size_t                          used;
+    u_char                          slot_busy[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_snap_t;
 
 
@@ -361,6 +365,7 @@ ngx_http_llama_session_snap(ngx_http_request_t *r,
     snap->busy = 0;
 
     for (i = 0; i < sh->nslots; i++) {
+        snap->slot_busy[i] = sh->slots[i].busy;
         snap->busy += sh->slots[i].busy;
     }
 
@@ -522,6 +527,20 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
 
     case NGX_HTTP_LLAMA_SESSION_M_SLOTS_BUSY:
         return ngx_http_llama_session_sample("slots_busy", "", snap->busy);
+
+    case NGX_HTTP_LLAMA_SESSION_M_SLOT_BUSY:
+
+        for (i = 0; i < sh->nslots; i++) {
+            if (ngx_http_llama_session_print(out,
+                    "nginx_llama_session_slot_busy{%V,slot=\"%ui\"} %d\n",
+                    &snap->labels, i, (int) snap->slot_busy[i])
+                != NGX_OK)
+            {
+                return NGX_ERROR;
+            }
+        }
+
+        return NGX_OK;
 
     case NGX_HTTP_LLAMA_SESSION_M_SESSIONS:
         return ngx_http_llama_session_sample("sessions", "", sh->nsessions);

@@ -159,6 +159,7 @@ ok(metric($v, 'prefill_saved_seconds_total{zone="llama"}') > 0,
    'prefill time saved, estimated');
 is(metric($v, 'slots{zone="llama"}'), 1, 'slots: 1');
 is(metric($v, 'slots_busy{zone="llama"}'), 0, 'none busy');
+is(metric($v, 'slot_busy{zone="llama",slot="0"}'), 0, 'slot 0 is not busy');
 is(metric($v, 'store_files{zone="llama"}'), 2, 'store_files: 2');
 is(metric($v, 'restores_disabled{zone="llama"}'), 0, 'restores are on');
 ok(exists $v->{'nginx_llama_session_requests_total{zone="other",outcome="hit"}'},
