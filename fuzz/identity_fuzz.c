@@ -92,6 +92,43 @@ static fuzz_config_t  fuzz_configs[] = {
 static ngx_http_complex_value_t  fuzz_namespace;
 
 
+/*
+ * The rest of the module that identify() calls: router mode's zone choice
+ * (no zone list here: the request keeps its zone), the messages' digests
+ * of miss.c (compiled in, fuzzed with the rest) with a stand-in for
+ * nginx's MurmurHash2 that reads every byte it is given, and the slot's
+ * copy of them, which identify() never makes.
+ */
+
+ngx_int_t
+ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    return NGX_OK;
+}
+
+
+uint32_t
+ngx_murmur_hash2(u_char *data, size_t len)
+{
+    uint32_t  h;
+
+    for (h = (uint32_t) len; len--; data++) {
+        h = h * 31 + *data;
+    }
+
+    return h;
+}
+
+
+void
+ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t prompt_tokens)
+{
+    fuzz_unexpected("ngx_http_llama_session_slot_msgs");
+}
+
+
 /* the only complex value the harness configures: llama_session_namespace */
 
 ngx_int_t
@@ -121,6 +158,13 @@ fuzz_check(ngx_int_t rc, ngx_http_llama_session_ctx_t *ctx)
 
     if (rc != NGX_OK) {
         fprintf(stderr, "fuzz: identify returned %d\n", (int) rc);
+        __builtin_trap();
+    }
+
+    if (ctx->nmsgs > NGX_HTTP_LLAMA_SESSION_MSGS_MAX
+        || (ctx->nmsgs && ctx->msgs == NULL))
+    {
+        fprintf(stderr, "fuzz: %u messages\n", (unsigned) ctx->nmsgs);
         __builtin_trap();
     }
 

@@ -132,6 +132,14 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+void
+ngx_http_llama_session_save_stat(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t reason, ngx_uint_t ok, off_t bytes, double ms)
+{
+    fuzz_unexpected("ngx_http_llama_session_save_stat");
+}
+
+
 ngx_int_t
 ngx_http_llama_session_store_delete(u_char *file)
 {

@@ -5,7 +5,8 @@
 # Targets:
 #   json      the body scanner alone (ngx_http_llama_session_json.c)
 #   identity  ngx_http_llama_session_identify() on any body (body.c):
-#             field paths, types, id cap, system-prompt digest, key
+#             field paths, types, id cap, system-prompt digest, key, the
+#             messages' digests (miss.c)
 #   replies   the slot reply parsers (slots.c): GET /slots, save, restore,
 #             erase, GET /props, GET /v1/models
 # identity and replies take ngx_sprintf() and its kin from nginx's own
@@ -57,7 +58,8 @@ build() {
     json)     files="$here/fuzz/json_fuzz.c $mod/ngx_http_llama_session_json.c"
               libs= ;;
     identity) files="$here/fuzz/identity_fuzz.c $here/fuzz/fuzz_ngx.c
-                     $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
+                     $mod/ngx_http_llama_session_json.c
+                     $mod/ngx_http_llama_session_miss.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     replies)  files="$here/fuzz/replies_fuzz.c $here/fuzz/fuzz_ngx.c
                      $(ngx_string_c)"
