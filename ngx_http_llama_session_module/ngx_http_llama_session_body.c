@@ -22,8 +22,6 @@
 #include <openssl/evp.h>
 
 
-static ngx_int_t ngx_http_llama_session_read_body(ngx_http_request_t *r,
-    size_t max, ngx_str_t *body);
 static ngx_int_t ngx_http_llama_session_from_headers(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_array_t *names);
 static ngx_int_t ngx_http_llama_session_from_json(ngx_http_request_t *r,
@@ -118,6 +116,7 @@ static ngx_str_t  ngx_http_llama_session_no_session[] = {
     ngx_string("/embeddings"),
     ngx_string("/rerank"),
     ngx_string("/reranking"),
+    ngx_string("/api/embed"),
     ngx_null_string
 };
 
@@ -406,7 +405,7 @@ fallback:
 
 /* NGX_OK: the whole body in one piece; NGX_DECLINED: none or too large */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
     ngx_str_t *body)
 {

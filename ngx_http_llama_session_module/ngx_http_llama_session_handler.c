@@ -172,6 +172,20 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
     case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
         return NGX_DECLINED;
 
+    case NGX_HTTP_LLAMA_SESSION_ST_OLLAMA:
+        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+            /* the body is in */
+            return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
+                                           NULL, 0);
+        }
+
+        if (!ctx->call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_ollama_info(r, ctx);
+
     default: /* NGX_HTTP_LLAMA_SESSION_ST_DONE */
 
         if (ctx->fail_status) {
@@ -354,6 +368,40 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
+    if (llcf->ollama == 1) {
+        /* Ollama's API: its inference requests go the session's way */
+
+        rc = ngx_http_llama_session_ollama_start(r, ctx);
+
+        if (rc == NGX_AGAIN) {
+            /*
+             * what llama-server serves: GET /v1/models, once the body is
+             * read whole (a discard still running would take the
+             * client's events into the slot call)
+             */
+
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_OLLAMA;
+
+            rc = ngx_http_read_client_request_body(r,
+                                       ngx_http_llama_session_body_handler);
+
+            if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
+                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+                return rc;
+            }
+
+            ngx_http_finalize_request(r, NGX_DONE);
+
+            return NGX_DONE;
+        }
+
+        if (rc != NGX_DECLINED) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->status = NGX_DONE;
+            return rc;
+        }
+    }
+
     if (llcf->zone == NULL) {
         /*
          * identity only (an edge node): the key for "hash
@@ -461,6 +509,19 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
                                 "server keeps sessions for";
 
         } else if (rc != NGX_OK) {
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
+
+        } else if (ctx->ollama
+                   && ctx->ollama <= NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED
+                   && (rc = ngx_http_llama_session_ollama_request(r, ctx))
+                      != NGX_OK)
+        {
+            if (rc == NGX_DONE) {
+                /* an Ollama error was sent */
+                return;
+            }
+
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
@@ -1377,6 +1438,11 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
     ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
     ctx->status = NGX_DONE;
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    if (ctx->ollama && ctx->ollama <= NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED) {
+        /* an Ollama client reads {"error": "..."} */
+        return ngx_http_llama_session_ollama_error(r, ctx, status, message);
+    }
 
     len = sizeof("{\"error\":{\"code\":,\"message\":\"\",\"type\":\"\"}}\n")
           - 1 + NGX_INT_T_LEN + ngx_strlen(message) + ngx_strlen(type);

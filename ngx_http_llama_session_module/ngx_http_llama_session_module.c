@@ -103,6 +103,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       offsetof(ngx_http_llama_session_loc_conf_t, wait_timeout),
       NULL },
 
+    { ngx_string("llama_session_ollama"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, ollama),
+      NULL },
+
     { ngx_string("llama_session_metrics"),
       NGX_HTTP_LOC_CONF|NGX_CONF_ANY,
       ngx_http_llama_session_metrics,
@@ -202,6 +209,7 @@ static ngx_str_t  ngx_http_llama_session_default_endpoints[] = {
     ngx_string("/reranking"),
     ngx_string("/api/chat"),
     ngx_string("/api/generate"),
+    ngx_string("/api/embed"),
     ngx_null_string
 };
 
@@ -261,6 +269,7 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
     conf->id_fields = NGX_CONF_UNSET_PTR;
     conf->endpoints = NGX_CONF_UNSET_PTR;
     conf->metrics = NGX_CONF_UNSET_PTR;
+    conf->ollama = NGX_CONF_UNSET;
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->wait_timeout = NGX_CONF_UNSET_MSEC;
     conf->body_max = NGX_CONF_UNSET_SIZE;
@@ -310,6 +319,16 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
     if (conf->enable == NGX_CONF_UNSET) {
         conf->enable = 0;
+    }
+
+    ngx_conf_merge_value(conf->ollama, prev->ollama, 0);
+
+    if (conf->ollama && (!conf->enable || conf->zone == NULL)) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"llama_session_ollama\" needs \"llama_session "
+                           "zone\" in the same location: Ollama's requests "
+                           "are sessions of a zone");
+        return NGX_CONF_ERROR;
     }
 
     ngx_conf_merge_str_value(conf->slots_uri, prev->slots_uri,
@@ -1188,7 +1207,9 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
 
     *h = ngx_http_llama_session_handler;
 
-    if (ngx_http_llama_session_capture_init(cf) != NGX_OK) {
+    if (ngx_http_llama_session_capture_init(cf) != NGX_OK
+        || ngx_http_llama_session_ollama_init(cf) != NGX_OK)
+    {
         return NGX_ERROR;
     }
 

@@ -107,8 +107,19 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_LOAD,
     NGX_HTTP_LLAMA_SESSION_ST_WARM,
     NGX_HTTP_LLAMA_SESSION_ST_PROXY,
-    NGX_HTTP_LLAMA_SESSION_ST_DONE
+    NGX_HTTP_LLAMA_SESSION_ST_DONE,
+    NGX_HTTP_LLAMA_SESSION_ST_OLLAMA    /* GET /v1/models for Ollama's */
 } ngx_http_llama_session_state_e;
+
+
+/* Ollama's requests (ollama.c) */
+
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT      1
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE  2
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED     3
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_TAGS      4
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_PS        5
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_SHOW      6
 
 
 /* slot calls */
@@ -409,6 +420,7 @@ typedef struct {
     ngx_uint_t                      warm;
     size_t                          warm_min;   /* system prompt, bytes */
     ngx_flag_t                      enable;
+    ngx_flag_t                      ollama;
 } ngx_http_llama_session_loc_conf_t;
 
 
@@ -567,6 +579,10 @@ struct ngx_http_llama_session_ctx_s {
     ngx_uint_t                      nprev;
     ngx_uint_t                      prev_tokens;
 
+    /* Ollama's API (ollama.c): the kind of request, the reply's state */
+    ngx_uint_t                      ollama;
+    void                           *ollama_reply;
+
     /* router mode: the model's switch, see router.c */
     ngx_http_llama_session_zone_t  *victim;
     ngx_uint_t                      switch_seq;
@@ -626,6 +642,17 @@ ngx_int_t ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
 
+/* ollama.c: Ollama's API */
+ngx_int_t ngx_http_llama_session_ollama_init(ngx_conf_t *cf);
+ngx_int_t ngx_http_llama_session_ollama_start(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_ollama_error(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *message);
+
 /* miss.c: why a prompt missed the cache */
 ngx_int_t ngx_http_llama_session_msgs(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *system,
@@ -671,6 +698,8 @@ char *ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd,
 /* body.c: identity */
 ngx_int_t ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
+    ngx_str_t *body);
 ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
