@@ -9,6 +9,8 @@
 #             messages' digests (miss.c)
 #   replies   the slot reply parsers (slots.c): GET /slots, save, restore,
 #             erase, GET /props, GET /v1/models
+#   ollama    Ollama's translation (ollama.c): requests, SSE events, whole
+#             replies
 # identity and replies take ngx_sprintf() and its kin from nginx's own
 # src/core/ngx_string.c: $NGX_STRING_C, else the nginx source tree, else
 # the one fetched once into objs/nginx-src by `apt-get source` (Debian's
@@ -20,7 +22,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 src=/usr/share/nginx/src
 mod=$here/ngx_http_llama_session_module
 secs=${1:-60}
-targets=${2:-json identity replies}
+targets=${2:-json identity replies ollama}
 inc="-I $src/src/core -I $src/src/event -I $src/src/event/modules
      -I $src/src/os/unix -I $src/src/http -I $src/src/http/modules
      -I $src/src/http/v2 -I $here/objs -I $mod -I $here/fuzz"
@@ -64,6 +66,9 @@ build() {
     replies)  files="$here/fuzz/replies_fuzz.c $here/fuzz/fuzz_ngx.c
                      $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
+    ollama)   files="$here/fuzz/ollama_fuzz.c $here/fuzz/fuzz_ngx.c
+                     $(ngx_string_c)"
+              libs="-lcjson -lcrypto" ;;
     *)        echo "fuzz/run.sh: unknown target \"$t\"" >&2; exit 1 ;;
     esac
     # shellcheck disable=SC2086
@@ -76,6 +81,8 @@ seeds() {
     mkdir -p "$here/objs/${t}_corpus"
     if [ "$t" = replies ]; then
         cp "$here"/fuzz/seeds/replies/* "$here/objs/${t}_corpus/"
+    elif [ "$t" = ollama ]; then
+        cp "$here"/fuzz/seeds/ollama/* "$here/objs/${t}_corpus/"
     else
         find "$here/fuzz/seeds" -maxdepth 1 -type f \
             -exec cp {} "$here/objs/${t}_corpus/" \;

@@ -307,6 +307,16 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
 
     stream = 0;
 
+    item = cJSON_GetObjectItemCaseSensitive(
+                        cJSON_GetObjectItemCaseSensitive(in, "options"),
+                        "num_ctx");
+
+    if (item) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: Ollama's options.num_ctx is ignored: "
+                      "llama-server's context is its -c");
+    }
+
     switch (ctx->ollama) {
 
     case NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED:
@@ -625,9 +635,10 @@ ngx_http_llama_session_ollama_messages(cJSON *messages)
                 cJSON_AddStringToObject(part, "type", "image_url");
                 url = cJSON_AddObjectToObject(part, "image_url");
 
-                args = ngx_alloc(ngx_strlen((char *) data)
-                                 + ngx_strlen(image->valuestring) + 1,
-                                 ngx_cycle->log);
+                /* cJSON's allocator: the strings end up in its objects */
+
+                args = cJSON_malloc(ngx_strlen((char *) data)
+                                    + ngx_strlen(image->valuestring) + 1);
                 if (args == NULL) {
                     goto failed;
                 }
@@ -635,7 +646,7 @@ ngx_http_llama_session_ollama_messages(cJSON *messages)
                 ngx_sprintf((u_char *) args, "%s%s%Z", data,
                             image->valuestring);
                 cJSON_AddStringToObject(url, "url", args);
-                ngx_free(args);
+                cJSON_free(args);
             }
 
         } else {
@@ -1051,13 +1062,13 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
             n = ngx_strlen(marg->valuestring);
             m = ngx_strlen(args->valuestring);
 
-            joined = ngx_alloc(n + m + 1, ngx_cycle->log);
+            joined = cJSON_malloc(n + m + 1);
             if (joined) {
                 ngx_memcpy(joined, marg->valuestring, n);
                 ngx_memcpy(joined + n, args->valuestring, m + 1);
                 cJSON_ReplaceItemInObjectCaseSensitive(mf, "arguments",
                                                  cJSON_CreateString(joined));
-                ngx_free(joined);
+                cJSON_free(joined);
             }
         }
     }

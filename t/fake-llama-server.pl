@@ -30,7 +30,9 @@
 # left meanwhile, as llama-server does; match: a regular expression the
 # request's body must match for the fault to apply; until (completion): a file whose
 # creation ends the delay (at most 120 s), for tests that must not race a
-# clock; discard (restore): a 200 that leaves the slot empty, as models with
+# clock; reply (completion): the JSON a non-streamed request gets, events
+# (completion): the SSE events a streamed one gets, then [DONE];
+# discard (restore): a 200 that leaves the slot empty, as models with
 # recurrent or sliding-window layers do.  Every request is appended to
 # --calls as JSON.
 
@@ -403,6 +405,33 @@ sub completion {
     my %echo = (body_len => length $req->{body},
                 slot => $id,
                 session => $req->{headers}{'x-session-id'});
+
+    if ($req->{path} =~ m{/embeddings$}) {
+        $done->();
+        return reply($c, 200, { data => [ { index => 0,
+                                            embedding => [ 0.25, -0.5 ] } ],
+                                usage => { prompt_tokens => length $text } });
+    }
+
+    # scripted replies (completion.reply, completion.events): a tool call,
+    # reasoning, a finish reason, as a model would give them
+    if ($f && $f->{events} && $body->{stream}) {
+        print $c "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+               . "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        for my $e (@{ $f->{events} }, '[DONE]') {
+            my $ev = 'data: ' . (ref $e ? $json->encode($e) : $e) . "\n\n";
+            printf $c "%x\r\n%s\r\n", length $ev, $ev or last;
+        }
+        print $c "0\r\n\r\n";
+        $done->();
+        return 0;
+    }
+
+    if ($f && $f->{reply} && !$body->{stream}) {
+        $done->();
+        return reply($c, 200, { %{ $f->{reply} }, timings => \%timings,
+                                usage => $usage });
+    }
 
     if ($body->{stream}) {
         print $c "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
