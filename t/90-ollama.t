@@ -58,7 +58,7 @@ my $res = eval { $LlamaTest::JSON->decode((split /\n/, $out)[-1]) };
 ok($res, 'the ollama client ran') or diag $out;
 $res //= { turns => [] };
 
-my ($a1, $b1, $a2, $b2) = @{ $res->{turns} };
+my ($a1, $b1, $a2, $b2, $c1, $a3, $c2) = @{ $res->{turns} };
 ok($a1 && $a1->{done} && $a1->{stream}, 'a streamed chat ends with done');
 ok($b1 && $b1->{done} && !$b1->{stream}, 'a chat with stream false');
 is($a1->{done_reason}, 'length', 'done_reason from finish_reason') if $a1;
@@ -68,7 +68,15 @@ ok($a2 && $a2->{evaluated} < 60,
    "a returns after b took the slot: only $a2->{evaluated} tokens evaluated") if $a2;
 ok($b2 && $b2->{evaluated} < 60,
    "b returns: $b2->{evaluated} evaluated") if $b2;
+ok($c2 && $c1->{evaluated} > 300 && $c2->{evaluated} < 60,
+   "a conversation without a header, known by its start, returns after a "
+   . "took the slot: $c2->{evaluated} evaluated") if $c2;
 ok($res->{generate}{done}, 'generate, not streamed');
+ok($res->{generate_stream}{parts} >= 2 && $res->{generate_stream}{done},
+   "generate streamed: $res->{generate_stream}{parts} parts, the last done");
+is($res->{generate_stream}{eval_count}, 3, 'its eval_count');
+is($res->{ps}, 1, 'ps through the client');
+is($res->{show}, 'gguf', 'show through the client');
 is($res->{version}, '0.12.0', 'version');
 is(scalar @{ $res->{tags} // [] }, 1, 'tags: the model llama-server serves');
 

@@ -17,8 +17,11 @@ const host = process.env.OLLAMA_HOST ?? 'http://127.0.0.1:11434';
 const notes = (who) => Array.from({ length: 40 },
     (_, i) => `${who} keeps note ${i + 1}.`).join(' ');
 
-function conversation(id, stream) {
-    const ollama = new Ollama({ host, headers: { 'X-Session-Id': id } });
+function conversation(id, stream, header = true) {
+    // without a header, the module knows the conversation by its system
+    // prompt and its first message
+    const ollama = new Ollama({ host,
+        ...(header ? { headers: { 'X-Session-Id': id } } : {}) });
     const messages = [{ role: 'system', content: 'You answer briefly.' },
                       { role: 'user', content: notes(id) }];
 
@@ -46,14 +49,28 @@ function conversation(id, stream) {
 
 const a = conversation('ollama-a', true);
 const b = conversation('ollama-b', false);
-const turns = [await a(), await b(), await a(), await b()];
+const c = conversation('ollama-c', true, false);
+const turns = [await a(), await b(), await a(), await b(), await c(),
+               await a(), await c()];
 
 const ollama = new Ollama({ host });
 const gen = await ollama.generate({ model: 'any', prompt: 'Say hi.',
                                     system: 'You are terse.', stream: false,
                                     options: { num_predict: 2 } });
+let streamed = '', parts = 0, lastPart;
+for await (const part of await ollama.generate({ model: 'any',
+        prompt: 'Say hello.', stream: true, options: { num_predict: 3 } })) {
+    streamed += part.response;
+    parts++;
+    lastPart = part;
+}
 const version = await ollama.version();
 const tags = await ollama.list();
+const ps = await ollama.ps();
+const show = await ollama.show({ model: tags.models[0].name });
 console.log(JSON.stringify({ turns, generate: { done: gen.done,
     response: gen.response, eval_count: gen.eval_count },
-    version: version.version, tags: tags.models.map((m) => m.name) }));
+    generate_stream: { parts, done: lastPart.done,
+                       eval_count: lastPart.eval_count },
+    version: version.version, tags: tags.models.map((m) => m.name),
+    ps: ps.models.length, show: show.details.format }));
