@@ -74,6 +74,7 @@ static void ngx_http_llama_session_ollama_stats(
     ngx_http_llama_session_ollama_t *o, cJSON *reply);
 static ngx_int_t ngx_http_llama_session_ollama_emit(ngx_http_request_t *r,
     cJSON *json, ngx_uint_t nl, ngx_chain_t ***ll);
+static void ngx_http_llama_session_ollama_cleanup(void *data);
 
 
 static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
@@ -256,6 +257,7 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     ngx_buf_t                          *b;
     ngx_uint_t                          stream;
     ngx_chain_t                        *cl;
+    ngx_pool_cleanup_t                 *cln;
     ngx_http_llama_session_ollama_t    *o;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
@@ -406,6 +408,16 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
 
     o->stream = stream;
     ctx->ollama_reply = o;
+
+    /* tool calls put together from a stream are cJSON's: freed at the end */
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cln->handler = ngx_http_llama_session_ollama_cleanup;
+    cln->data = o;
 
     return NGX_OK;
 }
@@ -784,6 +796,15 @@ ngx_http_llama_session_ollama_header(ngx_http_request_t *r)
 
     r->filter_need_in_memory = 1;
 
+    if (r->upstream) {
+        /*
+         * the reply is translated from memory as it comes: never spooled
+         * to a temporary file (this filter runs before nginx's copy
+         * filter would read one back)
+         */
+        r->upstream->buffering = 0;
+    }
+
     o->in = ngx_create_temp_buf(r->pool, 4096);
     if (o->in == NULL) {
         return NGX_ERROR;
@@ -827,6 +848,13 @@ ngx_http_llama_session_ollama_body(ngx_http_request_t *r, ngx_chain_t *in)
 
     for (cl = in; cl; cl = cl->next) {
         b = cl->buf;
+
+        if (!ngx_buf_in_memory(b) && ngx_buf_size(b)) {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: a reply in a file cannot be "
+                          "translated for Ollama");
+            return NGX_ERROR;
+        }
 
         if (ngx_buf_in_memory(b) && b->last > b->pos) {
             len = b->last - b->pos;
@@ -1582,4 +1610,16 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
                                         "application/json; charset=utf-8",
                                         p, len));
     return NGX_DONE;
+}
+
+
+static void
+ngx_http_llama_session_ollama_cleanup(void *data)
+{
+    ngx_http_llama_session_ollama_t *o = data;
+
+    if (o->tool_calls) {
+        cJSON_Delete(o->tool_calls);
+        o->tool_calls = NULL;
+    }
 }

@@ -30,6 +30,16 @@ $t->nginx(<<'EOF2');
             proxy_buffering off;
         }
 
+        location /buffered/ {
+            llama_session llama;
+            llama_session_ollama on;
+            proxy_pass http://127.0.0.1:%%LLAMA%%;
+            proxy_buffering on;
+            proxy_buffers 2 4k;
+            proxy_busy_buffers_size 4k;
+            proxy_max_temp_file_size 10m;
+        }
+
         location /_llama_slots/ {
             internal;
             proxy_pass http://127.0.0.1:%%LLAMA%%/;
@@ -169,6 +179,18 @@ $r = $t->post('/api/embed', { model => 'm', input => 'some text' });
 is($r->{status}, 200, 'embed');
 is_deeply($r->{json}{embeddings}, [ [ 0.25, -0.5 ] ], 'the embeddings');
 is(sent('/v1/embeddings')->{input}, 'some text', 'sent as input');
+
+# a reply larger than the proxy buffers where proxy_buffering is on: it is
+# translated from memory as it comes, never spooled to a file
+
+my $big = 'word ' x 40000;
+$t->fake_script({ completion => { reply => { choices => [ { index => 0,
+    finish_reason => 'stop', message => { role => 'assistant', content => $big } } ] } } });
+$r = $t->post('/buffered/api/chat', { model => 'm', stream => \0,
+                                      messages => [ { role => 'user', content => 'x' } ] });
+is($r->{status}, 200, 'a 200 KB reply with proxy_buffering on');
+is(length($r->{json}{message}{content} // ''), length $big, 'translated whole');
+$t->fake_script({});
 
 # an error of llama-server, and the module's own
 
