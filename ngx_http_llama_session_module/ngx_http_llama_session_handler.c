@@ -369,9 +369,21 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
     if (llcf->ollama == 1) {
-        /* Ollama's API: its inference requests go the session's way */
+        /*
+         * Ollama's API: its inference requests go the session's way; what
+         * it answers itself ends the request (ctx is not touched after)
+         */
+
+        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+        ctx->status = NGX_DONE;
 
         rc = ngx_http_llama_session_ollama_start(r, ctx);
+
+        if (rc == NGX_DONE) {
+            return NGX_DONE;
+        }
+
+        ctx->status = 0;
 
         if (rc == NGX_AGAIN) {
             /*
@@ -396,8 +408,6 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
         }
 
         if (rc != NGX_DECLINED) {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
-            ctx->status = NGX_DONE;
             return rc;
         }
     }
