@@ -31,6 +31,8 @@
 
 static ngx_int_t ngx_http_llama_session_start(ngx_http_request_t *r,
     ngx_http_llama_session_loc_conf_t *llcf);
+static ngx_int_t ngx_http_llama_session_read(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t state);
 static void ngx_http_llama_session_body_handler(ngx_http_request_t *r);
 static ngx_int_t ngx_http_llama_session_wait(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
@@ -392,19 +394,8 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
              * client's events into the slot call)
              */
 
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_OLLAMA;
-
-            rc = ngx_http_read_client_request_body(r,
-                                       ngx_http_llama_session_body_handler);
-
-            if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
-                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
-                return rc;
-            }
-
-            ngx_http_finalize_request(r, NGX_DONE);
-
-            return NGX_DONE;
+            return ngx_http_llama_session_read(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_ST_OLLAMA);
         }
 
         if (rc != NGX_DECLINED) {
@@ -458,7 +449,20 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_BODY;
+    return ngx_http_llama_session_read(r, ctx,
+                                       NGX_HTTP_LLAMA_SESSION_ST_BODY);
+}
+
+
+/* reads the body whole, in the given state; the body handler goes on */
+
+static ngx_int_t
+ngx_http_llama_session_read(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t state)
+{
+    ngx_int_t  rc;
+
+    ctx->state = state;
 
     rc = ngx_http_read_client_request_body(r,
                                          ngx_http_llama_session_body_handler);

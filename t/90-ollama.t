@@ -38,6 +38,10 @@ $t->nginx(<<'EOF2');
             add_header X-S-Action $llama_session_action always;
         }
 
+        location = /metrics {
+            llama_session_metrics;
+        }
+
         location /_llama_slots/ {
             internal;
             proxy_pass http://127.0.0.1:%%LLAMA%%/;
@@ -82,6 +86,15 @@ is(scalar @{ $res->{tags} // [] }, 1, 'tags: the model llama-server serves');
 
 ok($t->log_lines(qr/in "ollama-a-[0-9a-f]{24}" restored/),
    'the conversations were swapped and restored by their ids');
+
+# what llama-server's replies said of the cache is read before the
+# translation: the restores were effective, the cached tokens counted
+
+my $m = $t->get('/metrics')->{content};
+my ($eff) = $m =~ /^nginx_llama_session_restores_total\{zone="llama",result="effective"\} (\d+)$/m;
+my ($cached) = $m =~ /^nginx_llama_session_prompt_tokens_total\{zone="llama",source="cache"\} (\d+)$/m;
+ok(($eff // 0) >= 4, "the restores behind Ollama's requests were effective: $eff");
+ok(($cached // 0) > 1000, "their cached tokens counted: $cached");
 
 # plain HTTP: the stream's lines
 
