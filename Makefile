@@ -28,7 +28,8 @@ DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev python3-numpy perl prome
 # command:package, installed when the command is missing (npm may come
 # with a nodejs of another origin)
 DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
-                g++:g++ make:make valgrind:valgrind prove:perl
+                g++:g++ make:make valgrind:valgrind prove:perl \
+                systemd-analyze:systemd
 PROVE_FLAGS ?= -v
 
 .PHONY: all deps rig test demo bench soak asan test-asan test-valgrind deb clean
