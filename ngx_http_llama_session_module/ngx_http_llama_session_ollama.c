@@ -33,6 +33,13 @@
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY    (8 * 1024 * 1024)
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT    (1024 * 1024)
 
+/*
+ * JSON values a request may have: cJSON spends some 64 bytes on each, so
+ * a body of empty arrays would cost twenty times its size; 100,000 values
+ * are more than a long conversation with tools has
+ */
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES   100000
+
 
 /* the reply's translation, kept in the request's pool */
 
@@ -54,6 +61,7 @@ typedef struct {
 } ngx_http_llama_session_ollama_t;
 
 
+static ngx_uint_t ngx_http_llama_session_ollama_values(ngx_str_t *body);
 static ngx_int_t ngx_http_llama_session_ollama_answer(ngx_http_request_t *r,
     ngx_uint_t status, char *type, u_char *data, size_t len);
 static cJSON *ngx_http_llama_session_ollama_chat(cJSON *in,
@@ -271,6 +279,19 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
                                   "than the server takes");
     }
 
+    if (ngx_http_llama_session_ollama_values(&body)
+        > NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES)
+    {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: an Ollama request with more than %d "
+                      "JSON values, refused",
+                      NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES);
+
+        return ngx_http_llama_session_ollama_error(r, ctx,
+                                  NGX_HTTP_BAD_REQUEST,
+                                  "the request has too many JSON values");
+    }
+
     in = cJSON_ParseWithLength((char *) body.data, body.len);
 
     if (!cJSON_IsObject(in)) {
@@ -420,6 +441,53 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     cln->data = o;
 
     return NGX_OK;
+}
+
+
+/*
+ * How many JSON values the body has, counted before cJSON builds a tree of
+ * them: one per array or object and per member or element after the
+ * first (commas), strings skipped.  Stops counting past the limit.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_ollama_values(ngx_str_t *body)
+{
+    u_char      *p, *last;
+    ngx_uint_t   n;
+
+    n = 1;
+    p = body->data;
+    last = p + body->len;
+
+    while (p < last && n <= NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES) {
+
+        switch (*p++) {
+
+        case '"':
+            while (p < last && *p != '"') {
+                if (*p == '\\') {
+                    p++;
+                }
+
+                p++;
+            }
+
+            p++;
+            break;
+
+        case '[':
+        case '{':
+        case ',':
+            n++;
+            break;
+
+        default:
+            break;
+        }
+    }
+
+    return n;
 }
 
 
@@ -994,6 +1062,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
     cJSON      *json, *choices, *choice, *delta, *content, *reasoning;
     cJSON      *finish, *calls, *call, *index, *f, *name, *args, *mine, *mf;
     cJSON      *line, *msg, *marg;
+    ngx_str_t   text;
     char       *joined;
     size_t      n, m;
     ngx_int_t   rc;
@@ -1009,7 +1078,13 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                              1, ll);
     }
 
-    json = cJSON_ParseWithLength((char *) data, len);
+    text.data = data;
+    text.len = len;
+
+    json = (ngx_http_llama_session_ollama_values(&text)
+            <= NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES)
+           ? cJSON_ParseWithLength((char *) data, len) : NULL;
+
     if (json == NULL) {
         return NGX_OK;
     }
@@ -1147,13 +1222,20 @@ static ngx_int_t
 ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
     ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll)
 {
-    u_char  *p;
-    cJSON   *json, *err, *message, *choice, *msg, *content, *reasoning;
-    cJSON   *line, *calls, *data, *item, *emb, *out, *finish;
-    size_t   len;
+    u_char     *p;
+    cJSON      *json, *err, *message, *choice, *msg, *content, *reasoning;
+    cJSON      *line, *calls, *data, *item, *emb, *out, *finish;
+    size_t      len;
+    ngx_str_t   text;
 
-    json = cJSON_ParseWithLength((char *) o->in->pos,
-                                 o->in->last - o->in->pos);
+    text.data = o->in->pos;
+    text.len = o->in->last - o->in->pos;
+
+    /* the backend's reply too is counted before cJSON builds its tree */
+
+    json = (ngx_http_llama_session_ollama_values(&text)
+            <= NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES)
+           ? cJSON_ParseWithLength((char *) text.data, text.len) : NULL;
 
     if (o->status != NGX_HTTP_OK) {
         err = cJSON_GetObjectItemCaseSensitive(json, "error");

@@ -28,6 +28,7 @@ $t->nginx(<<'EOF2');
             llama_session_ollama on;
             proxy_pass http://127.0.0.1:%%LLAMA%%;
             proxy_buffering off;
+            client_max_body_size 16m;
         }
 
         location /buffered/ {
@@ -191,6 +192,21 @@ $r = $t->post('/buffered/api/chat', { model => 'm', stream => \0,
 is($r->{status}, 200, 'a 200 KB reply with proxy_buffering on');
 is(length($r->{json}{message}{content} // ''), length $big, 'translated whole');
 $t->fake_script({});
+
+# a hostile body: three million empty arrays (9 MB) would cost cJSON some
+# 200 MB; refused before any tree is built
+
+my $rss = sub { my ($pid) = @_; my $s = `ps -o rss= -p $pid`; $s =~ s/\s//g; $s || 0 };
+my @workers = split ' ', `pgrep -P \$(cat ${\ $t->dir}/nginx.pid)`;
+my $before = 0; $before += $rss->($_) for @workers;
+$r = $t->post('/api/chat', '{"model":"m","messages":[' . join(',', ('[]') x 3_000_000) . ']}');
+is($r->{status}, 400, 'a body of three million empty arrays: 400');
+is($r->{json}{error}, 'the request has too many JSON values', 'as Ollama\'s error');
+my $after = 0; $after += $rss->($_) for @workers;
+ok($after - $before < 64 * 1024, 'the workers grew by ' . int(($after - $before) / 1024) . ' MB (< 64)');
+is($t->post('/api/chat', { model => 'm', stream => \0,
+                           messages => [ { role => 'user', content => 'x' } ] })->{status},
+   200, 'the next request is served');
 
 # an error of llama-server, and the module's own
 
