@@ -268,6 +268,11 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
+    if (rc == NGX_OK) {
+        /* Ollama's translation reads it again (ollama.c) */
+        ctx->body = body;
+    }
+
     if (rc == NGX_DECLINED || body.len == 0) {
         goto fallback;
     }

@@ -724,6 +724,28 @@ ngx_http_llama_session_has_file(ngx_http_request_t *r,
 }
 
 
+/*
+ * The slot no longer holds what the zone thought (llama-server restarted,
+ * the router's model went): no hit after all, nothing to save, and the
+ * session comes back from its file.
+ */
+
+void
+ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
+        ctx->verify = 0;
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
+        ctx->swapped = 1;
+        ctx->swap_start = ngx_current_msec;
+    }
+
+    ctx->restarted = 1;
+    ctx->save_pending = 0;
+    ctx->out_len = 0;
+}
+
+
 /* the request holds the slot: decide what the swap needs */
 
 ngx_int_t
@@ -920,17 +942,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                       ctx->out_len ? ctx->out_len : 1,
                       ctx->out_len ? ctx->out_key : (u_char *) "-");
 
-        if (ctx->verify) {
-            /* no hit after all: the session comes back from its file */
-            ctx->verify = 0;
-            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
-            ctx->swapped = 1;
-            ctx->swap_start = ngx_current_msec;
-        }
-
-        ctx->restarted = 1;
-        ctx->save_pending = 0;
-        ctx->out_len = 0;
+        ngx_http_llama_session_slot_lost(ctx);
 
         ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
         return ngx_http_llama_session_call(r, ctx,

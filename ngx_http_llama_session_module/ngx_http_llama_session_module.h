@@ -572,6 +572,9 @@ struct ngx_http_llama_session_ctx_s {
     double                          r_prompt_ms;
     ngx_int_t                       cached;     /* the result, -1: unknown */
 
+    /* the body in one piece, as identify read it (NULL data: none) */
+    ngx_str_t                       body;
+
     /* the prompt's messages, and the session's previous prompt (miss.c) */
     ngx_http_llama_session_msg_t   *msgs;
     ngx_uint_t                      nmsgs;
@@ -627,6 +630,7 @@ ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
     char *message, time_t retry_after);
 ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 

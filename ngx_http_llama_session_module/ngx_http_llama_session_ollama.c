@@ -269,9 +269,15 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     ngx_http_llama_session_ollama_t    *o;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
+    /* the body identify read whole, or, for an embed, read now */
+
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    if (ngx_http_llama_session_read_body(r, llcf->body_max, &body) != NGX_OK)
+    body = ctx->body;
+
+    if (body.data == NULL
+        && ngx_http_llama_session_read_body(r, llcf->body_max, &body)
+           != NGX_OK)
     {
         return ngx_http_llama_session_ollama_error(r, ctx,
                                   NGX_HTTP_BAD_REQUEST,

@@ -513,19 +513,11 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
          * model may be another file under its name: the fingerprint again
          */
 
-        if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
-            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
-            ctx->verify = 0;
-            ctx->swapped = 1;
-            ctx->swap_start = ngx_current_msec;
-        }
+        ngx_http_llama_session_slot_lost(ctx);
 
         ctx->slot_state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
         ctx->slot_tokens = 0;
         ctx->slot_has_base = 0;
-        ctx->save_pending = 0;
-        ctx->out_len = 0;
-        ctx->restarted = 1;
     }
 
     return ngx_http_llama_session_plan(r, ctx);
