@@ -79,6 +79,14 @@ ngx_http_discard_request_body(ngx_http_request_t *r)
 }
 
 
+ngx_pool_cleanup_t *
+ngx_pool_cleanup_add(ngx_pool_t *p, size_t size)
+{
+    fuzz_unexpected("ngx_pool_cleanup_add");
+    return NULL;
+}
+
+
 void
 ngx_http_weak_etag(ngx_http_request_t *r)
 {
