@@ -22,7 +22,7 @@ NGINX       ?= /usr/sbin/nginx
 MODULE      := objs/ngx_http_llama_session_module.so
 SOURCES     := config $(wildcard ngx_http_llama_session_module/*.[ch])
 CFLAGS_EXTRA := -Wall -Wextra -Wno-unused-parameter -Werror
-DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev python3-numpy perl prometheus \
+DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev openssl python3-numpy perl prometheus \
                 debhelper lintian \
                 dpkg-dev
 # command:package, installed when the command is missing (npm may come

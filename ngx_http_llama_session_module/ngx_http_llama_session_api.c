@@ -60,6 +60,9 @@ static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
 static cJSON *ngx_http_llama_session_api_node(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
     ngx_uint_t in_slot);
+static ngx_uint_t ngx_http_llama_session_api_in_slot(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slots,
+    ngx_http_llama_session_node_t *node);
 static ngx_int_t ngx_http_llama_session_api_send(ngx_http_request_t *r,
     ngx_uint_t status, cJSON *json);
 static ngx_int_t ngx_http_llama_session_api_error(ngx_http_request_t *r,
@@ -174,6 +177,35 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
             return rc;
         }
 
+        if (ngx_http_arg(r, (u_char *) "id", 2, &arg) == NGX_OK) {
+            /*
+             * .../sessions?id=ID: an id that the path cannot carry (nginx
+             * resolves "/" and ".." in a path before the location is
+             * chosen); the argument is decoded once
+             */
+
+            if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE))) {
+                return ngx_http_llama_session_api_error(r,
+                                  NGX_HTTP_NOT_ALLOWED,
+                                  "a session is read with GET and "
+                                  "deleted with DELETE",
+                                  "GET, HEAD, DELETE");
+            }
+
+            id.data = ngx_pnalloc(r->pool, arg.len);
+            if (id.data == NULL) {
+                return NGX_HTTP_INTERNAL_SERVER_ERROR;
+            }
+
+            p = id.data;
+            ngx_unescape_uri(&p, &arg.data, arg.len, 0);
+            id.len = p - id.data;
+
+            return ngx_http_llama_session_api_one(r, zone, &id,
+                                                  r->method
+                                                  == NGX_HTTP_DELETE);
+        }
+
         if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
             return ngx_http_llama_session_api_error(r,
                                   NGX_HTTP_NOT_ALLOWED,
@@ -238,14 +270,14 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
-        api->last = zone->sh->nslots;
+        api->last = ngx_http_llama_session_slots_usable(zone->sh);
 
         /* ?slot=k: that slot alone */
 
         if (ngx_http_arg(r, (u_char *) "slot", 4, &arg) == NGX_OK) {
             n = ngx_atoi(arg.data, arg.len);
 
-            if (n == NGX_ERROR || (ngx_uint_t) n >= zone->sh->nslots) {
+            if (n == NGX_ERROR || (ngx_uint_t) n >= api->last) {
                 rc = ngx_http_discard_request_body(r);
                 if (rc != NGX_OK) {
                     return rc;
@@ -283,14 +315,9 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
 
     if (r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE)) {
 
-        id.data = ngx_pnalloc(r->pool, rest.len);
-        if (id.data == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
+        /* nginx decoded the path already: the id is taken as it is */
 
-        p = id.data;
-        ngx_unescape_uri(&p, &rest.data, rest.len, 0);
-        id.len = p - id.data;
+        id = rest;
 
         return ngx_http_llama_session_api_one(r, zone, &id,
                                               r->method == NGX_HTTP_DELETE);
@@ -309,9 +336,8 @@ static ngx_int_t
 ngx_http_llama_session_api_list(ngx_http_request_t *r,
     ngx_http_llama_session_zone_t *zone)
 {
-    size_t                          klen;
     cJSON                          *json, *list, *item;
-    ngx_uint_t                      i, j, n, in_slot;
+    ngx_uint_t                      i, n;
     ngx_queue_t                    *q;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *nodes, *node;
@@ -375,19 +401,9 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
     }
 
     for (i = 0; i < n; i++) {
-        klen = nodes[i].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
-        in_slot = 0;
-
-        for (j = 0; j < zone->sh->nslots; j++) {
-            if (slots[j].state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-                && slots[j].key_len == klen
-                && ngx_memcmp(slots[j].key, nodes[i].name, klen) == 0)
-            {
-                in_slot = 1;
-            }
-        }
-
-        item = ngx_http_llama_session_api_node(zone, &nodes[i], in_slot);
+        item = ngx_http_llama_session_api_node(zone, &nodes[i],
+                   ngx_http_llama_session_api_in_slot(zone, slots,
+                                                      &nodes[i]));
         if (item == NULL) {
             cJSON_Delete(json);
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -663,6 +679,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_node_t      *nodes, *node;
     ngx_http_llama_session_loc_conf_t  *llcf;
+    ngx_http_llama_session_slot_t       slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 
     if (id->len == 0) {
         return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
@@ -790,6 +807,8 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
         }
     }
 
+    ngx_memcpy(slots, zone->sh->slots, zone->sh->nslots * sizeof(slots[0]));
+
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     /* a session in a slot may have no file yet: it is in use all the same */
@@ -873,7 +892,10 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
                                                        r->connection->log);
         }
 
-        item = ngx_http_llama_session_api_node(zone, &nodes[i], 0);
+        item = ngx_http_llama_session_api_node(zone, &nodes[i],
+                   !delete
+                   && ngx_http_llama_session_api_in_slot(zone, slots,
+                                                         &nodes[i]));
         if (item == NULL) {
             cJSON_Delete(json);
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -883,6 +905,30 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     }
 
     return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+}
+
+
+/* is the record's session in one of the slots (a snapshot of them)? */
+
+static ngx_uint_t
+ngx_http_llama_session_api_in_slot(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_slot_t *slots, ngx_http_llama_session_node_t *node)
+{
+    size_t      klen;
+    ngx_uint_t  j;
+
+    klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+    for (j = 0; j < zone->sh->nslots; j++) {
+        if (slots[j].state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+            && slots[j].key_len == klen
+            && ngx_memcmp(slots[j].key, node->name, klen) == 0)
+        {
+            return 1;
+        }
+    }
+
+    return 0;
 }
 
 

@@ -572,8 +572,14 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
     ngx_int_t   rc;
     ngx_msec_t  now, delay;
 
-    if (ctx->zone->sh->nslots == 0) {
-        /* slots=auto: the backend's slot count first (GET /props) */
+    if (ctx->zone->sh->nslots == 0
+        || (ctx->zone->sh->total_slots == 0 && ctx->zone->model.len == 0))
+    {
+        /*
+         * the backend's slot count first (GET /props): slots=auto takes
+         * it, and a zone with more slots than llama-server has uses only
+         * those it has
+         */
 
         ctx->learn_slots = 1;
         ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
@@ -816,12 +822,34 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
         ctx->learn_slots = 0;
         ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
 
-        if (ctx->zone->sh->nslots == 0) {
+        if (ctx->zone->sh->nslots == 0 || ctx->zone->sh->total_slots == 0) {
             return ngx_http_llama_session_backend_error(r, ctx,
                                                         "GET /props");
         }
 
         return ngx_http_llama_session_wait(r, ctx);
+    }
+
+    if (ctx->slot >= ngx_http_llama_session_slots_usable(ctx->zone->sh)) {
+        /*
+         * llama-server came back with fewer slots than this request's:
+         * it would run the request on another slot (it wraps the id)
+         */
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: llama-server no longer has slot %ui "
+                      "of zone \"%V\", session \"%*s\" is not sent there",
+                      ctx->slot, &ctx->zone->name, ctx->key_len, ctx->key);
+
+        ngx_http_llama_session_release(ctx,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+        ngx_http_llama_session_wake_local();
+
+        return ngx_http_llama_session_error(r, ctx,
+                                  NGX_HTTP_SERVICE_UNAVAILABLE,
+                                  "unavailable_error",
+                                  "the model server has fewer slots now, "
+                                  "retry", 1);
     }
 
     return ngx_http_llama_session_files(r, ctx);
@@ -902,6 +930,16 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     if (ctx->call_status == NGX_HTTP_OK) {
         rc = ngx_http_llama_session_parse_slots(r->connection->log, ctx,
                                                 &processing);
+
+        if (rc == NGX_DECLINED) {
+            /* no such slot now: llama-server restarted with fewer */
+            ngx_http_llama_session_slot_lost(ctx);
+            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+            return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+                                           NULL, 0);
+        }
 
         if (rc != NGX_OK) {
             return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
@@ -1408,9 +1446,22 @@ ngx_int_t
 ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, const char *what)
 {
+    u_char  *message;
+
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
 
-    if (ctx->call_status == 0) {
+    if (ctx->call_timed_out
+        || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+    {
+        /* a prime, save or restore of a large state can take minutes */
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: slot call \"%s\" for session \"%*s\" "
+                      "timed out in the location of \"%V\": raise "
+                      "proxy_read_timeout there (like the inference "
+                      "location's)", what, ctx->key_len, ctx->key,
+                      &ctx->call_uri);
+
+    } else if (ctx->call_status == 0) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: slot call \"%s\" for session \"%*s\" "
                       "got no answer from the backend through \"%V\"",
@@ -1443,10 +1494,22 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
                                         "retry later", 1);
     }
 
+    message = ngx_pnalloc(r->pool, ngx_strlen(what) + 64);
+    if (message == NULL) {
+        ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
+        return NGX_DONE;
+    }
+
+    /* what: the module's own names of its calls, no client text */
+
+    ngx_sprintf(message, "the model server did not answer a slot call "
+                "(%s)%s%Z", what,
+                (ctx->call_timed_out
+                 || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+                ? " in time" : "");
+
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
-                                        "server_error",
-                                        "the model server did not answer "
-                                        "a slot call", 0);
+                                        "server_error", (char *) message, 0);
 }
 
 

@@ -81,7 +81,13 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
 
         zone->idle_ev.handler = ngx_http_llama_session_idle_tick;
         zone->idle_ev.data = zone;
-        zone->idle_ev.log = cycle->log;
+
+        /*
+         * idle saves are logged where the swaps of the zone's first
+         * location are (its error_log), else in the main error log
+         */
+        zone->idle_ev.log = (zone->log_conf && zone->log_conf->error_log)
+                            ? zone->log_conf->error_log : cycle->log;
         zone->idle_ev.cancelable = 1;
 
         step = ngx_http_llama_session_idle_step(zone);
@@ -140,7 +146,7 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
 
     pool = NULL;
 
-    for (n = 0; n < zone->sh->nslots; n++) {
+    for (n = 0; n < ngx_http_llama_session_slots_usable(zone->sh); n++) {
 
         if (pool == NULL) {
             pool = ngx_create_pool(4096, ev->log);

@@ -33,6 +33,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_SWAPS,
     NGX_HTTP_LLAMA_SESSION_M_SAVES,
     NGX_HTTP_LLAMA_SESSION_M_RESTORES,
+    NGX_HTTP_LLAMA_SESSION_M_EFFECTS,
     NGX_HTTP_LLAMA_SESSION_M_DISABLED,
     NGX_HTTP_LLAMA_SESSION_M_EVICTIONS,
     NGX_HTTP_LLAMA_SESSION_M_SAVED_BYTES,
@@ -75,8 +76,10 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
     { "saves_total", "counter",
       "Saves of a slot to a file, by reason and result." },
     { "restores_total", "counter",
-      "Restores of a session's file into a slot by result: ok or failed, "
-      "and of the ok ones, effective or ineffective as the reply showed." },
+      "Restores of a session's file into a slot by result: ok or failed." },
+    { "restore_effects_total", "counter",
+      "Of the ok restores, those whose reply showed they helped (effective) "
+      "or not (ineffective)." },
     { "restores_disabled", "gauge",
       "1 when ineffective restores stopped saves and restores for the "
       "backend's configuration." },
@@ -457,12 +460,19 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
                                           ",result=\"ok\"", st->restores)
             || ngx_http_llama_session_sample("restores_total",
                                           ",result=\"failed\"",
-                                          st->restore_errors)
-            || ngx_http_llama_session_sample("restores_total",
-                                          ",result=\"effective\"",
+                                          st->restore_errors))
+        {
+            return NGX_ERROR;
+        }
+
+        return NGX_OK;
+
+    case NGX_HTTP_LLAMA_SESSION_M_EFFECTS:
+        if (ngx_http_llama_session_sample("restore_effects_total",
+                                          ",effect=\"effective\"",
                                           st->effective)
-            || ngx_http_llama_session_sample("restores_total",
-                                          ",result=\"ineffective\"",
+            || ngx_http_llama_session_sample("restore_effects_total",
+                                          ",effect=\"ineffective\"",
                                           st->ineffective))
         {
             return NGX_ERROR;

@@ -977,6 +977,11 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     llcf->enable = 1;
 
+    if (llcf->zone->log_conf == NULL) {
+        llcf->zone->log_conf = ngx_http_conf_get_module_loc_conf(cf,
+                                                       ngx_http_core_module);
+    }
+
     if (cf->args->nelts == 2 && llcf->zone->model.len == 0) {
         return NGX_CONF_OK;
     }
@@ -1025,6 +1030,11 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         }
 
         *zp = zone;
+
+        if (zone->log_conf == NULL) {
+            zone->log_conf = ngx_http_conf_get_module_loc_conf(cf,
+                                                       ngx_http_core_module);
+        }
     }
 
     return NGX_CONF_OK;

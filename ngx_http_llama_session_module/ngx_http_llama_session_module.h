@@ -365,6 +365,9 @@ struct ngx_http_llama_session_zone_s {
     ngx_str_t                       backend_name;
     ngx_str_t                       api_key;
     ngx_event_t                     idle_ev;    /* this worker's */
+    ngx_http_core_loc_conf_t       *log_conf;   /* the first location with
+                                                   the zone: its error_log
+                                                   is the idle saver's */
     ngx_uint_t                      idle_busy;
     ngx_msec_t                      idle_backoff;
     ngx_msec_t                      idle_next;
@@ -539,6 +542,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        acquired:1;
     unsigned                        waiting:1;
     unsigned                        call_done:1;
+    unsigned                        call_timed_out:1; /* proxy_read_timeout */
     unsigned                        call_inflight:1;
     unsigned                        swapped:1;
     unsigned                        save_pending:1;
@@ -783,6 +787,7 @@ ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
 void ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes);
+ngx_uint_t ngx_http_llama_session_slots_usable(ngx_http_llama_session_sh_t *sh);
 size_t ngx_http_llama_session_file_name(u_char *buf, u_char *key,
     size_t len, u_char *fp);
 void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,

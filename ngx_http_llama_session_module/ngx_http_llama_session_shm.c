@@ -319,7 +319,7 @@ static ngx_int_t
 ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                         s, e;
-    ngx_uint_t                        i, stalled;
+    ngx_uint_t                        i, stalled, usable;
     ngx_queue_t                      *q;
     ngx_http_llama_session_sh_t      *sh;
     ngx_http_llama_session_slot_t    *slot;
@@ -332,13 +332,14 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     stalled = 0;
+    usable = ngx_http_llama_session_slots_usable(sh);
 
     for (i = 0; i < sh->nslots; i++) {
         slot = &sh->slots[i];
 
         ngx_http_llama_session_reap_locked(ctx, slot);
 
-        if (!slot->busy
+        if (!slot->busy && i < usable
             && (ngx_msec_int_t) (ngx_current_msec - slot->free_since)
                >= NGX_HTTP_LLAMA_SESSION_STALL)
         {
@@ -447,15 +448,16 @@ static ngx_int_t
 ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                       best;
-    ngx_uint_t                      i, rank, best_rank, same;
+    ngx_uint_t                      i, rank, best_rank, same, usable;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_slot_t  *slot;
 
     sh = ctx->zone->sh;
     best = NGX_ERROR;
     best_rank = 0;
+    usable = ngx_http_llama_session_slots_usable(sh);
 
-    for (i = 0; i < sh->nslots; i++) {
+    for (i = 0; i < usable; i++) {
         slot = &sh->slots[i];
 
         if (slot->busy) {
@@ -569,10 +571,12 @@ static ngx_int_t
 ngx_http_llama_session_slot_of_locked(ngx_http_llama_session_sh_t *sh,
     u_char *key, size_t len)
 {
-    ngx_uint_t                      i;
+    ngx_uint_t                      i, usable;
     ngx_http_llama_session_slot_t  *slot;
 
-    for (i = 0; i < sh->nslots; i++) {
+    usable = ngx_http_llama_session_slots_usable(sh);
+
+    for (i = 0; i < usable; i++) {
         slot = &sh->slots[i];
 
         if (slot->busy && slot->batch_len == len
@@ -582,7 +586,7 @@ ngx_http_llama_session_slot_of_locked(ngx_http_llama_session_sh_t *sh,
         }
     }
 
-    for (i = 0; i < sh->nslots; i++) {
+    for (i = 0; i < usable; i++) {
         slot = &sh->slots[i];
 
         if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
@@ -1158,6 +1162,22 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/*
+ * The slots a session may be sent to: the zone's, but never one that
+ * llama-server does not have (its GET /props said fewer; 0: not known yet).
+ */
+
+ngx_uint_t
+ngx_http_llama_session_slots_usable(ngx_http_llama_session_sh_t *sh)
+{
+    if (sh->total_slots && sh->total_slots < sh->nslots) {
+        return sh->total_slots;
+    }
+
+    return sh->nslots;
+}
+
+
 /* "<key>.<fp>": the name of a session's state for one configuration */
 
 size_t
@@ -1314,6 +1334,7 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
     u_char *fp, ngx_uint_t n_ctx, ngx_uint_t total_slots,
     ngx_str_t *model_path)
 {
+    ngx_uint_t                      i;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *zone;
 
@@ -1336,6 +1357,39 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
     ngx_memcpy(sh->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
     sh->fp_known = 1;
     sh->n_ctx = n_ctx;
+
+    if (sh->nslots && total_slots < sh->nslots
+        && total_slots != sh->total_slots)
+    {
+        /*
+         * llama-server wraps a slot id it does not have (id % n_slots):
+         * a session sent to one would run on another's slot.  Only the
+         * slots it has are used; the others' contents are forgotten.
+         */
+
+        ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
+                      "llama_session: llama-server has %ui slots, zone "
+                      "\"%V\" has slots=%ui: the zone uses slots 0 to %ui "
+                      "only; give llama-server -np %ui, or set slots=%ui "
+                      "(or slots=auto)", total_slots, &zone->name,
+                      sh->nslots, total_slots - 1, sh->nslots, total_slots);
+
+        for (i = total_slots; i < sh->nslots; i++) {
+            if (!sh->slots[i].busy) {
+                ngx_http_llama_session_slot_forget(zone, &sh->slots[i],
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            }
+        }
+
+    } else if (sh->nslots && total_slots > sh->nslots
+               && total_slots != sh->total_slots)
+    {
+        ngx_log_error(NGX_LOG_NOTICE, ctx->request->connection->log, 0,
+                      "llama_session: llama-server has %ui slots, zone "
+                      "\"%V\" uses its slots=%ui of them", total_slots,
+                      &zone->name, sh->nslots);
+    }
+
     sh->total_slots = total_slots;
 
     if (sh->nslots == 0 && total_slots) {

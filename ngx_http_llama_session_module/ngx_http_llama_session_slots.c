@@ -307,6 +307,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     ctx->call = call;
     ctx->call_done = 0;
+    ctx->call_timed_out = 0;
     ctx->call_inflight = 1;
     ctx->call_status = 0;
     ctx->call_reply = NULL;
@@ -337,6 +338,8 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
     if (sr->upstream) {
         /* 0: no answer from the backend (refused, reset, timed out) */
         ctx->call_status = sr->upstream->headers_in.status_n;
+        ctx->call_timed_out = (ctx->call_status == 0
+                               && rc == NGX_HTTP_GATEWAY_TIME_OUT);
 
     } else {
         /* the location does not proxy: a misconfiguration */
@@ -579,12 +582,14 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
 
     cJSON_Delete(json);
 
-    ngx_log_error(NGX_LOG_ERR, log, 0,
-                  "llama_session: the backend has no slot %ui: does "
+    /* llama-server came back with fewer slots: NGX_DECLINED */
+
+    ngx_log_error(NGX_LOG_WARN, log, 0,
+                  "llama_session: llama-server has no slot %ui (now): does "
                   "llama_session_zone's slots= match llama-server's -np?",
                   ctx->slot);
 
-    return NGX_ERROR;
+    return NGX_DECLINED;
 }
 
 
@@ -853,14 +858,7 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
 
     ctx->props_text.len = p - ctx->props_text.data;
 
-    if (ctx->zone->nslots && ctx->props_slots != ctx->zone->nslots) {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: llama-server has %ui slots, zone \"%V\" "
-                      "has slots=%ui: set -np and slots= alike, or "
-                      "slots=auto; a slot llama-server does not have is "
-                      "never used", ctx->props_slots, &ctx->zone->name,
-                      ctx->zone->nslots);
-    }
+    /* fewer or more slots than the zone's: said once, by set_fingerprint */
 
     cJSON_Delete(json);
 

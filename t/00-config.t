@@ -31,7 +31,7 @@ is($?, 0, 'the module loads into nginx') or diag $out;
 my $example = $t->read_file("$LlamaTest::ROOT/examples/nginx.conf");
 $example =~ s{/usr/lib/nginx/modules/ngx_http_llama_session_module\.so}{$module};
 $example =~ s{/var/log/nginx/}{$dir/}g;
-$example =~ s{/var/cache/llama-slots}{$dir/slots}g;
+$example =~ s{/var/lib/llama-session}{$dir/slots}g;
 LlamaTest::slots_dir("$dir/slots");
 $example =~ s{^(events)}{pid $dir/t.pid;\nerror_log $dir/t.log;\n$1}m;
 $example =~ s{^(http \{)}{$1\n    client_body_temp_path $dir/body;\n    proxy_temp_path $dir/proxy;}m;
@@ -55,6 +55,33 @@ $owui =~ s{/var/lib/llama-session}{$dir/slots}g;
 $owui =~ s{listen 8081;}{listen 127.0.0.1:%%PORT%%;};
 ($trc, $tmsg) = $t->nginx_test($owui);
 is($trc, 0, 'nginx -t accepts examples/openwebui.conf') or diag $tmsg;
+
+# Debian's site, in an http block of its own (t/84-deb.t runs it in
+# Debian's stock /etc/nginx); the snakeoil certificate is the test's own
+my $site = $t->read_file("$LlamaTest::ROOT/examples/sites-available/llama-session.conf");
+unlike($site, qr/^\s*load_module/m, 'the site file has no load_module');
+$site =~ s{/var/lib/llama-session}{$dir/slots}g;
+$site =~ s{/var/log/nginx/}{$dir/}g;
+$site =~ s{listen 443 ssl;}{listen 127.0.0.1:%%PORT%% ssl;};
+$site =~ s{\s*listen \[::\]:443 ssl;}{};
+$site =~ s{/etc/ssl/\S+/ssl-cert-snakeoil\.(pem|key)}{$dir/site.$1}g;
+system("openssl req -x509 -newkey rsa:2048 -nodes -subj /CN=localhost "
+       . "-keyout $dir/site.key -out $dir/site.pem -days 2 >/dev/null 2>&1");
+($trc, $tmsg) = $t->nginx_test($site);
+is($trc, 0, 'nginx -t accepts examples/sites-available/llama-session.conf')
+    or diag $tmsg;
+
+# what every example and doc says alike: one store path, and a slots
+# location whose timeout fits a long save, restore or prime
+for my $f (glob("$LlamaTest::ROOT/{README.md,docs/*.md,examples/*.conf,examples/*/*.conf,examples/systemd/*}")) {
+    my $text = $t->read_file($f);
+    (my $name = $f) =~ s{^\Q$LlamaTest::ROOT\E/}{};
+    unlike($text, qr{/var/cache/llama-slots}, "$name: one store path");
+    while ($text =~ m{location\s+/_llama_slots/\s*\{(.*?)\}}sg) {
+        like($1, qr/proxy_read_timeout\s+(1h|\d{4,}s)/,
+             "$name: the slots location has a long proxy_read_timeout");
+    }
+}
 
 # a minimal configuration: the zone, llama_session and the slots location
 my $minimal = <<'EOF';

@@ -140,10 +140,13 @@ is(metric($v, 'saves_total{zone="llama",reason="swap",result="ok"}'), 2,
 is(metric($v, 'saves_total{zone="llama",reason="idle",result="ok"}'), 0,
    'no idle save');
 is(metric($v, 'restores_total{zone="llama",result="ok"}'), 1, '1 restore ok');
-is(metric($v, 'restores_total{zone="llama",result="effective"}'), 1,
+is(metric($v, 'restore_effects_total{zone="llama",effect="effective"}'), 1,
    'and effective, as its reply showed');
-is(metric($v, 'restores_total{zone="llama",result="ineffective"}'), 0,
+is(metric($v, 'restore_effects_total{zone="llama",effect="ineffective"}'), 0,
    'none ineffective');
+my $restores = 0;
+$restores += $v->{$_} for grep { /^nginx_llama_session_restores_total\{zone="llama",/ } keys %$v;
+is($restores, 1, 'a sum over restores_total counts the restore once');
 ok(metric($v, 'saved_bytes_total{zone="llama"}') > 0, 'bytes saved');
 ok(metric($v, 'restored_bytes_total{zone="llama"}') > 0, 'bytes restored');
 is(metric($v, 'swap_seconds_count{zone="llama"}'), 3,
@@ -174,7 +177,7 @@ turn('b');
 $r = turn('a', stream => 1);
 like($r->{content}, qr/"cache_n":\d+/, 'a streamed reply with timings');
 $v = scrape();
-is(metric($v, 'restores_total{zone="llama",result="effective"}'), 3,
+is(metric($v, 'restore_effects_total{zone="llama",effect="effective"}'), 3,
    'b\'s restore and a\'s streamed one count as effective too');
 
 ok($t->wait_for(sub { ($t->read_file('cache.log') // '') =~ /^a restore cached=[1-9]\d*$/m }, 5),
@@ -196,7 +199,7 @@ for my $sid (qw(b a b)) {
 ok($t->log_lines(qr/3 restores in a row in zone "llama" brought nothing .* stops saving and restoring/),
    'the error log says the zone stops saving and restoring');
 $v = scrape();
-is(metric($v, 'restores_total{zone="llama",result="ineffective"}'), 3,
+is(metric($v, 'restore_effects_total{zone="llama",effect="ineffective"}'), 3,
    'the ineffective restores counted');
 is(metric($v, 'restores_disabled{zone="llama"}'), 1, 'restores_disabled: 1');
 

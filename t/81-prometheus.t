@@ -114,7 +114,7 @@ sub query {
 
 my $effective;
 ok($t->wait_for(sub {
-       $effective = query('nginx_llama_session_restores_total{zone="llama",result="effective"}');
+       $effective = query('nginx_llama_session_restore_effects_total{zone="llama",effect="effective"}');
        defined $effective }, 60),
    'Prometheus scraped the module');
 is($effective, 1, 'and its query shows the effective restore');

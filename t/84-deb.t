@@ -52,6 +52,21 @@ like(`cat /usr/share/nginx/modules-available/mod-http-llama-session.conf`,
 ok(-e "/usr/share/doc/$pkg/examples/nginx.conf", 'the examples');
 ok(-e "/usr/share/doc/$pkg/directives.md.gz", 'and the docs');
 
+# every doc and example the shipped README points to is in the package
+
+my $readme = `zcat -f /usr/share/doc/$pkg/README.md* 2>/dev/null`;
+my %named = map { $_ => 1 } $readme =~ m{`((?:docs|examples)/[\w./-]+)`}g;
+ok(keys(%named) > 10, scalar(keys %named) . ' files named by the README');
+for my $f (sort keys %named) {
+    (my $base = $f) =~ s{/$}{};
+    my $path = $base =~ m{^docs/(.*)} ? "/usr/share/doc/$pkg/$1"
+                                      : "/usr/share/doc/$pkg/$base";
+    ok(-e $path || -e "$path.gz", "the package has $f");
+}
+my $avail = '/etc/nginx/sites-available/llama-session.conf';
+ok(-f $avail, 'the Debian site is installed in sites-available');
+ok(!-e '/etc/nginx/sites-enabled/llama-session.conf', 'and not enabled');
+
 # a site that uses it, beside Debian's stock configuration
 
 my $t = LlamaTest->new(workers => 2);
@@ -127,13 +142,82 @@ chomp @workers;
 ok(@workers && !grep({ $_ ne 'www-data' } @workers),
    'the workers run as www-data');
 
+# an upgrade under a running nginx says that it needs a restart
+
+$out = `dpkg -i $deb 2>&1`;
+is($?, 0, 'dpkg -i again (an upgrade)') or diag $out;
+like($out, qr/restart nginx to load the new module/,
+     'it says that a running nginx needs a restart');
+
 $t->stop_proc('pkg-nginx');
 
-# and it goes away cleanly
+# the shipped site, as an operator enables it: in Debian's stock /etc/nginx
+# (only its ports, backend, store and certificate are this test's)
 
-unlink $site;
+my $port2 = LlamaTest::port();
+my $shipped = do { local $/; open my $s, '<', $avail or die; <$s> };
+$shipped =~ s{listen 443 ssl;}{listen 127.0.0.1:$port2 ssl;};
+$shipped =~ s{\s*listen \[::\]:443 ssl;}{};
+$shipped =~ s{127\.0\.0\.1:8080}{127.0.0.1:$llama}g;
+$shipped =~ s{/var/lib/llama-session}{$slots}g;
+$shipped =~ s{/var/log/nginx/}{$dir/}g;
+$shipped =~ s{/etc/ssl/\S+/ssl-cert-snakeoil\.(pem|key)}{$dir/site.$1}g;
+system("openssl req -x509 -newkey rsa:2048 -nodes -subj /CN=localhost "
+       . "-keyout $dir/site.key -out $dir/site.pem -days 2 >/dev/null 2>&1");
+open $fh, '>', $site or die;
+print $fh $shipped;
+close $fh;
+
+$out = `/usr/sbin/nginx -t 2>&1`;
+is($?, 0, 'nginx -t with the stock /etc/nginx and the shipped site')
+    or diag $out;
+
+$t->spawn('pkg-nginx2', "$dir/pkg-nginx2.out", '/usr/sbin/nginx',
+          '-c', "$dir/pkg-nginx.conf", '-g', 'daemon off;');
+$t->wait_port($port2, 20, 'pkg-nginx2');
+
+sub tls_turn {
+    my ($sid, $text) = @_;
+    my $body = $LlamaTest::JSON->encode({
+        messages => [ { role => 'user', content => join ' ', map {
+                          "Session $sid keeps note $_ of the site." } 1 .. 40 } ],
+        max_tokens => 2, temperature => 0 });
+    open my $b, '>', "$dir/tls-body.json" or die;
+    print $b $body;
+    close $b;
+    my $reply = `curl -sk -D $dir/tls-headers -H 'Content-Type: application/json' -H 'X-Session-Id: $sid' --data-binary \@$dir/tls-body.json https://127.0.0.1:$port2/v1/chat/completions`;
+    my $headers = $t->read_file("$dir/tls-headers");
+    my ($status) = $headers =~ m{^HTTP/\S+ (\d+)};
+    return ($status // 0, eval { $LlamaTest::JSON->decode($reply) } // {});
+}
+
+my ($st1, $j1) = tls_turn('site-a');
+is($st1, 200, 'a session through the shipped site, over TLS');
+tls_turn('site-b');
+my ($st2, $j2) = tls_turn('site-a');
+is($st2, 200, 'its second turn');
+ok(($j2->{timings}{cache_n} // 0) >= ($j1->{usage}{prompt_tokens} // 1e9) - 1,
+   'comes back with its cache: ' . ($j2->{timings}{cache_n} // 'none'));
+my $alog = $t->read_file("$dir/llama-session.log");
+like($alog, qr/session=site-a action=restore slot=0 cached=\d+/,
+     'the access log shows the action and the cached tokens');
+my $elog = $t->read_file("$dir/llama-session.error.log");
+unlike($elog, qr/buffered to a temporary file/,
+       'no prompt was written to a temporary file');
+my ($code) = `curl -sk -o /dev/null -w '%{http_code}' https://127.0.0.1:$port2/slots`;
+is($code, 403, 'a client\'s GET /slots is refused');
+($code) = `curl -sk -o /dev/null -w '%{http_code}' 'https://127.0.0.1:$port2/props?model=x'`;
+is($code, 403, 'and GET /props?model=');
+
+$t->stop_proc('pkg-nginx2');
+
+# removed while a site still uses it: it says which
+
 $out = `dpkg -r $pkg 2>&1`;
 is($?, 0, 'dpkg -r removes it') or diag $out;
+like($out, qr/still use the module's directives.*\Q$site\E/s,
+     'and names the site that still uses its directives');
+unlink $site;
 ok(!-e '/usr/lib/nginx/modules/ngx_http_llama_session_module.so',
    'the module is gone');
 ok(!-e '/etc/nginx/modules-enabled/50-mod-http-llama-session.conf',

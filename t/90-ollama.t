@@ -91,7 +91,7 @@ ok($t->log_lines(qr/in "ollama-a-[0-9a-f]{24}" restored/),
 # translation: the restores were effective, the cached tokens counted
 
 my $m = $t->get('/metrics')->{content};
-my ($eff) = $m =~ /^nginx_llama_session_restores_total\{zone="llama",result="effective"\} (\d+)$/m;
+my ($eff) = $m =~ /^nginx_llama_session_restore_effects_total\{zone="llama",effect="effective"\} (\d+)$/m;
 my ($cached) = $m =~ /^nginx_llama_session_prompt_tokens_total\{zone="llama",source="cache"\} (\d+)$/m;
 ok(($eff // 0) >= 4, "the restores behind Ollama's requests were effective: $eff");
 ok(($cached // 0) > 1000, "their cached tokens counted: $cached");
