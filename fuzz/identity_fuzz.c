@@ -91,6 +91,9 @@ static fuzz_config_t  fuzz_configs[] = {
 
 static ngx_http_complex_value_t  fuzz_namespace;
 
+/* the request's path (the differential target sets others) */
+static ngx_str_t  fuzz_uri = ngx_string("/v1/chat/completions");
+
 
 /*
  * The rest of the module that identify() calls: router mode's zone choice
@@ -275,6 +278,7 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
     loc_conf[0] = &llcf;
 
     fuzz_request(&r, &c);
+    r.uri = fuzz_uri;
     r.loc_conf = loc_conf;
     r.method = NGX_HTTP_POST;
 
@@ -327,6 +331,8 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
 }
 
 
+#ifndef FUZZ_IDENTITY_NO_MAIN
+
 int
 LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -365,3 +371,5 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     return 0;
 }
+
+#endif /* FUZZ_IDENTITY_NO_MAIN */

@@ -11,6 +11,10 @@
 #             erase, GET /props, GET /v1/models
 #   ollama    Ollama's translation (ollama.c): requests, SSE events, whole
 #             replies
+#   differential  the module's reading of a body (the scanner, identify())
+#             against llama-server's own JSON library (nlohmann's json.hpp
+#             from the rig's llama.cpp tree, rig/build-llama-server.sh):
+#             the members, roles, model and probe llama-server takes
 # identity and replies take ngx_sprintf() and its kin from nginx's own
 # src/core/ngx_string.c: $NGX_STRING_C, else the nginx source tree, else
 # the one fetched once into objs/nginx-src by `apt-get source` (Debian's
@@ -22,7 +26,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 src=/usr/share/nginx/src
 mod=$here/ngx_http_llama_session_module
 secs=${1:-60}
-targets=${2:-json identity replies ollama}
+targets=${2:-json identity replies ollama differential}
 inc="-I $src/src/core -I $src/src/event -I $src/src/event/modules
      -I $src/src/os/unix -I $src/src/http -I $src/src/http/modules
      -I $src/src/http/v2 -I $here/objs -I $mod -I $here/fuzz"
@@ -69,6 +73,30 @@ build() {
     ollama)   files="$here/fuzz/ollama_fuzz.c $here/fuzz/fuzz_ngx.c
                      $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
+    differential)
+              # C for the module's side, C++ for llama-server's library
+              llama=$("$here/rig/build-llama-server.sh")
+              vendor=$(dirname "$(dirname "$llama")")/src/vendor
+              nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
+                  -c "$here/fuzz/differential.c" -o "$here/objs/differential.o"
+              nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
+                  -c "$here/fuzz/fuzz_ngx.c" -o "$here/objs/differential_ngx.o"
+              nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
+                  -c "$mod/ngx_http_llama_session_json.c" \
+                  -o "$here/objs/differential_json.o"
+              nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
+                  -c "$mod/ngx_http_llama_session_miss.c" \
+                  -o "$here/objs/differential_miss.o"
+              nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
+                  -c "$(ngx_string_c)" -o "$here/objs/differential_string.o"
+              nice -n 19 clang++ -g -O1 -std=c++17 -fsanitize=fuzzer,address \
+                  -I "$vendor" -I "$here/fuzz" "$here/fuzz/differential_fuzz.cc" \
+                  "$here/objs/differential.o" "$here/objs/differential_ngx.o" \
+                  "$here/objs/differential_json.o" \
+                  "$here/objs/differential_miss.o" \
+                  "$here/objs/differential_string.o" -lcjson -lcrypto \
+                  -o "$here/objs/differential_fuzz"
+              return ;;
     *)        echo "fuzz/run.sh: unknown target \"$t\"" >&2; exit 1 ;;
     esac
     # shellcheck disable=SC2086
@@ -81,6 +109,9 @@ seeds() {
     mkdir -p "$here/objs/${t}_corpus"
     if [ "$t" = replies ]; then
         cp "$here"/fuzz/seeds/replies/* "$here/objs/${t}_corpus/"
+    elif [ "$t" = differential ]; then
+        find "$here/fuzz/seeds" "$here/fuzz/seeds/differential" -maxdepth 1 \
+            -type f -exec cp {} "$here/objs/${t}_corpus/" \;
     elif [ "$t" = ollama ]; then
         cp "$here"/fuzz/seeds/ollama/* "$here/objs/${t}_corpus/"
     else

@@ -38,7 +38,7 @@ static ngx_int_t ngx_http_llama_session_digest_text(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_digest_string(ngx_http_request_t *r,
     u_char *start, u_char *end, size_t *found, ngx_uint_t billing,
     size_t *budget);
-static ngx_uint_t ngx_http_llama_session_probe(
+static ngx_uint_t ngx_http_llama_session_probe(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
@@ -345,7 +345,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    if (ngx_http_llama_session_probe(spans)) {
+    if (ngx_http_llama_session_probe(r, spans)) {
         /*
          * a probe (max_tokens 0 or 1: a model or key check, a token
          * count): it runs as "default", so it never takes the place of a
@@ -715,9 +715,12 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
     size_t                          len, budget;
     ngx_int_t                       rc;
     ngx_str_t                       names[2];
-    ngx_uint_t                      i, k;
+    ngx_uint_t                      i;
     EVP_MD_CTX                     *md;
     ngx_http_llama_session_span_t  *messages, elt, fields[2], head, *sp;
+
+    static ngx_str_t   system = ngx_string("system");
+    static ngx_str_t   developer = ngx_string("developer");
 
     static ngx_uint_t  parts[] = {
         NGX_HTTP_LLAMA_SESSION_SP_TOOLS,
@@ -771,13 +774,11 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
                 break;
             }
 
-            k = fields[0].end - fields[0].start;
+            /* the role as llama-server decodes it ("syst\u0065m" too) */
 
-            if (!((k == sizeof("\"system\"") - 1
-                   && ngx_strncmp(fields[0].start, "\"system\"", k) == 0)
-                  || (k == sizeof("\"developer\"") - 1
-                      && ngx_strncmp(fields[0].start, "\"developer\"", k)
-                         == 0)))
+            if (!ngx_http_llama_session_json_string_is(&fields[0], &system)
+                && !ngx_http_llama_session_json_string_is(&fields[0],
+                                                          &developer))
             {
                 head = elt;
                 break;
@@ -935,22 +936,75 @@ ngx_http_llama_session_digest_end(ngx_http_request_t *r, u_char *out)
  */
 
 static ngx_uint_t
-ngx_http_llama_session_probe(ngx_http_llama_session_span_t *spans)
+ngx_http_llama_session_probe(ngx_http_request_t *r,
+    ngx_http_llama_session_span_t *spans)
 {
+    u_char                          buf[64];
+    double                          v;
+    size_t                          len;
+    int64_t                         n;
     ngx_uint_t                      i;
     ngx_http_llama_session_span_t  *sp;
 
-    for (i = NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS;
-         i <= NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT;
-         i++)
-    {
-        sp = &spans[i];
+    static const ngx_uint_t  order[] = {
+        NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT,
+        NGX_HTTP_LLAMA_SESSION_SP_MAX_COMPL,
+        NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS
+    };
 
-        if (sp->start && sp->end - sp->start == 1
-            && (*sp->start == '0' || *sp->start == '1'))
+    /*
+     * the limit llama-server takes: the first of n_predict,
+     * max_completion_tokens and max_tokens that is not null; Anthropic's
+     * /v1/messages passes on max_tokens alone
+     */
+
+    i = ngx_http_llama_session_uri_ends(r, "/messages") ? 2 : 0;
+
+    for ( /* void */ ; i < 3; i++) {
+        sp = &spans[order[i]];
+
+        if (sp->start == NULL
+            || (sp->end - sp->start == 4
+                && ngx_strncmp(sp->start, "null", 4) == 0))
         {
-            return 1;
+            continue;
         }
+
+        len = sp->end - sp->start;
+
+        /*
+         * a number as llama-server's JSON library reads it into an
+         * int32_t: an integer wraps (4294967297 is 1), a fraction is
+         * truncated; anything else (true, a string) is refused there
+         */
+
+        if (len >= sizeof(buf)
+            || !(*sp->start == '-' || (*sp->start >= '0' && *sp->start <= '9')))
+        {
+            return 0;
+        }
+
+        ngx_memcpy(buf, sp->start, len);
+        buf[len] = '\0';
+
+        if (strpbrk((char *) buf, ".eE") == NULL) {
+            errno = 0;
+
+            if (*buf == '-') {
+                n = (int64_t) strtoll((char *) buf, NULL, 10);
+
+            } else {
+                n = (int64_t) strtoull((char *) buf, NULL, 10);
+            }
+
+            /* out of 64 bits: a float for it, far out of range: refused */
+
+            return errno == 0 && ((int32_t) n == 0 || (int32_t) n == 1);
+        }
+
+        v = strtod((char *) buf, NULL);
+
+        return v > -1.0 && v < 2.0;
     }
 
     return 0;

@@ -145,9 +145,96 @@ ngx_http_llama_session_json_skip(u_char *p, u_char *end)
 
 
 /*
+ * Does the key between key and kend (no quotes) name name?  Escapes are
+ * decoded as llama-server's JSON library decodes them ("mod\u0065l" is
+ * "model"); the names are ASCII, so an escape of anything else matches
+ * nothing.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_json_key_is(u_char *key, u_char *kend, ngx_str_t *name)
+{
+    u_char      c, *n, *last;
+    ngx_int_t   code;
+
+    if (memchr(key, '\\', kend - key) == NULL) {
+        return (size_t) (kend - key) == name->len
+               && ngx_strncmp(key, name->data, name->len) == 0;
+    }
+
+    n = name->data;
+    last = name->data + name->len;
+
+    while (key < kend) {
+        c = *key++;
+
+        if (c == '\\') {
+            if (key >= kend) {
+                return 0;
+            }
+
+            c = *key++;
+
+            switch (c) {
+            case '"': case '\\': case '/':
+                break;
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'n': c = '\n'; break;
+            case 'r': c = '\r'; break;
+            case 't': c = '\t'; break;
+
+            case 'u':
+                if (kend - key < 4) {
+                    return 0;
+                }
+
+                code = ngx_hextoi(key, 4);
+                key += 4;
+
+                if (code == NGX_ERROR || code == 0 || code > 0x7f) {
+                    return 0;
+                }
+
+                c = (u_char) code;
+                break;
+
+            default:
+                return 0;
+            }
+        }
+
+        if (n == last || *n++ != c) {
+            return 0;
+        }
+    }
+
+    return n == last;
+}
+
+
+/* is the span a JSON string whose decoded value is s (ASCII)? */
+
+ngx_uint_t
+ngx_http_llama_session_json_string_is(ngx_http_llama_session_span_t *span,
+    ngx_str_t *s)
+{
+    if (span->start == NULL || span->end - span->start < 2
+        || *span->start != '"' || span->end[-1] != '"')
+    {
+        return 0;
+    }
+
+    return ngx_http_llama_session_json_key_is(span->start + 1, span->end - 1,
+                                              s);
+}
+
+
+/*
  * Scans the object at p (its '{'): for each of the n names, the span of
- * the first member of that name (keys compared as written).  Returns the
- * byte after the object, or NULL if it is not a well-formed object.
+ * the member of that name that llama-server takes: the last one, keys
+ * compared as decoded.  Returns the byte after the object, or NULL if it
+ * is not a well-formed object.
  */
 
 u_char *
@@ -199,10 +286,9 @@ ngx_http_llama_session_json_object(u_char *p, u_char *end, ngx_str_t *names,
         }
 
         for (i = 0; i < n; i++) {
-            if (values[i].start == NULL
-                && (size_t) (kend - key) == names[i].len
-                && ngx_strncmp(key, names[i].data, names[i].len) == 0)
-            {
+            /* nlohmann's json keeps the last of duplicate members */
+
+            if (ngx_http_llama_session_json_key_is(key, kend, &names[i])) {
                 values[i].start = v;
                 values[i].end = p;
             }
@@ -263,12 +349,19 @@ ngx_http_llama_session_json_next(u_char **pos, u_char *end,
 }
 
 
-/* is the whole body one JSON object? */
+/*
+ * Is the whole body one JSON object?  A UTF-8 BOM before it is skipped, as
+ * llama-server's parser skips it.
+ */
 
 ngx_int_t
 ngx_http_llama_session_json_body(u_char *p, u_char *end, ngx_str_t *names,
     ngx_http_llama_session_span_t *values, ngx_uint_t n)
 {
+    if (end - p >= 3 && p[0] == 0xef && p[1] == 0xbb && p[2] == 0xbf) {
+        p += 3;
+    }
+
     p = ngx_http_llama_session_json_ws(p, end);
 
     p = ngx_http_llama_session_json_object(p, end, names, values, n);

@@ -718,6 +718,8 @@ void ngx_http_llama_session_sha256_free(void);
 
 /* json.c: the body scanner */
 u_char *ngx_http_llama_session_json_skip(u_char *p, u_char *end);
+ngx_uint_t ngx_http_llama_session_json_string_is(
+    ngx_http_llama_session_span_t *span, ngx_str_t *s);
 u_char *ngx_http_llama_session_json_object(u_char *p, u_char *end,
     ngx_str_t *names, ngx_http_llama_session_span_t *values, ngx_uint_t n);
 ngx_int_t ngx_http_llama_session_json_next(u_char **pos, u_char *end,

@@ -69,6 +69,8 @@ static cJSON *ngx_http_llama_session_ollama_chat(cJSON *in,
 static cJSON *ngx_http_llama_session_ollama_messages(cJSON *messages);
 static void ngx_http_llama_session_ollama_options(cJSON *in, cJSON *out);
 static ngx_int_t ngx_http_llama_session_ollama_header(ngx_http_request_t *r);
+static ngx_int_t ngx_http_llama_session_ollama_dups(ngx_pool_t *pool,
+    cJSON *item);
 static ngx_int_t ngx_http_llama_session_ollama_body(ngx_http_request_t *r,
     ngx_chain_t *in);
 static ngx_int_t ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
@@ -251,6 +253,75 @@ ngx_http_llama_session_ollama_answer(ngx_http_request_t *r, ngx_uint_t status,
 
 
 /*
+ * Has any object of the tree a member name twice (names as decoded)?
+ * NGX_DECLINED then, NGX_OK if none.  The names of an object are sorted
+ * (no pairwise compare: an object may have 100,000 members).
+ */
+
+static int ngx_libc_cdecl
+ngx_http_llama_session_ollama_cmp(const void *a, const void *b)
+{
+    return ngx_strcmp(*(char **) a, *(char **) b);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_ollama_dups(ngx_pool_t *pool, cJSON *item)
+{
+    char        **names;
+    cJSON        *c;
+    ngx_int_t     rc;
+    ngx_uint_t    i, n;
+
+    for ( /* void */ ; item; item = item->next) {
+
+        if (item->child == NULL) {
+            continue;
+        }
+
+        if (cJSON_IsObject(item) && item->child->next) {
+            n = 0;
+
+            for (c = item->child; c; c = c->next) {
+                n++;
+            }
+
+            names = ngx_palloc(pool, n * sizeof(char *));
+            if (names == NULL) {
+                return NGX_ERROR;
+            }
+
+            n = 0;
+
+            for (c = item->child; c; c = c->next) {
+                names[n++] = c->string ? c->string : "";
+            }
+
+            ngx_qsort(names, n, sizeof(char *),
+                      ngx_http_llama_session_ollama_cmp);
+
+            for (i = 1; i < n; i++) {
+                if (ngx_strcmp(names[i - 1], names[i]) == 0) {
+                    ngx_pfree(pool, names);
+                    return NGX_DECLINED;
+                }
+            }
+
+            ngx_pfree(pool, names);
+        }
+
+        rc = ngx_http_llama_session_ollama_dups(pool, item->child);
+
+        if (rc != NGX_OK) {
+            return rc;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/*
  * The body was read and the session found: the Ollama request becomes
  * llama-server's.  NGX_OK, or NGX_DONE when an error was sent.
  */
@@ -261,6 +332,7 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
 {
     char                               *text;
     cJSON                              *in, *out, *raw, *model, *item;
+    ngx_int_t                           rc;
     ngx_str_t                           body, uri;
     ngx_buf_t                          *b;
     ngx_uint_t                          stream;
@@ -305,6 +377,31 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
         return ngx_http_llama_session_ollama_error(r, ctx,
                                                    NGX_HTTP_BAD_REQUEST,
                                                    "invalid JSON body");
+    }
+
+    /*
+     * cJSON finds the first of duplicate members, the body scanner (the
+     * session, the router's zone) and llama-server the last: a body that
+     * has any is refused, so that all read one request
+     */
+
+    rc = ngx_http_llama_session_ollama_dups(r->pool, in);
+
+    if (rc != NGX_OK) {
+        cJSON_Delete(in);
+
+        if (rc == NGX_ERROR) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: an Ollama request with a member twice "
+                      "in one object, refused");
+
+        return ngx_http_llama_session_ollama_error(r, ctx,
+                                  NGX_HTTP_BAD_REQUEST,
+                                  "a JSON object of the request has a member "
+                                  "twice");
     }
 
     model = cJSON_GetObjectItemCaseSensitive(in, "model");

@@ -281,6 +281,45 @@ ask({ %$chat, pad => 'p' x 5000 }, 'X-Session-Id' => 'leak-b',
     'Authorization' => 'Bearer client-secret');
 ask({ %$chat, pad => 'p' x 5000 }, 'X-Session-Id' => 'leak-a',
     'Authorization' => 'Bearer client-secret');
+# the isolation review: the body as llama-server reads it (the last of
+# duplicate members, keys decoded), and a probe only when llama-server
+# generates at most one token: the first of n_predict,
+# max_completion_tokens and max_tokens that is not null
+
+sub raw {
+    my ($text, %h) = @_;
+    my $rr = $t->request('POST', delete $h{path} // '/v1/chat/completions',
+                         body => $text,
+                         headers => { 'Content-Type' => 'application/json',
+                                      %h });
+    return { status => $rr->{status}, id => $rr->{headers}{'x-s-id'},
+             r => $rr };
+}
+
+is(raw('{"messages":[],"session_id":"first","session_id":"last"}')->{id},
+   'last', 'a duplicate session_id: the last, as llama-server');
+is(raw('{"messages":[],"session_\\u0069d":"escaped"}')->{id}, 'escaped',
+   'an escaped key is decoded');
+is(raw('{"messages":[],"metadata":{"session_id":"m1","session_id":"m2"}}')->{id},
+   'm2', 'a duplicate in a nested object: the last');
+is(raw("\xef\xbb\xbf" . '{"messages":[],"session_id":"bom"}')->{id}, 'bom',
+   'a UTF-8 BOM before the body');
+is(ask({ %$chat, session_id => 'p1', max_tokens => 1, n_predict => 50 })->{id},
+   'p1', 'max_tokens 1 with n_predict 50 generates 50 tokens: no probe');
+is(ask({ %$chat, session_id => 'p2', max_tokens => 1, n_predict => undef })->{id},
+   'default', 'n_predict null, max_tokens 1: a probe');
+is(raw('{"messages":[],"session_id":"p3","max_tokens":1,"max_tokens":100}')->{id},
+   'p3', 'a duplicate max_tokens: the last, 100, no probe');
+is(raw('{"messages":[],"session_id":"p4","n_predict":4294967297}')->{id},
+   'default', 'n_predict 2^32+1 is 1 in llama-server\'s int: a probe');
+is(raw('{"messages":[],"session_id":"p5","max_tokens":1.5}')->{id},
+   'default', 'max_tokens 1.5 is 1 there: a probe');
+is(raw('{"messages":[],"session_id":"p6","max_tokens":"1"}')->{id}, 'p6',
+   'max_tokens "1" (llama-server refuses a string): no probe');
+is(raw('{"messages":[],"session_id":"p7","n_predict":100,"max_tokens":1}',
+       path => '/v1/messages')->{id}, 'default',
+   '/v1/messages passes on max_tokens alone: a probe');
+
 my @slot_calls = grep { $_->{path} =~ m{^/slots} } @{ $t->fake_calls };
 ok(scalar @slot_calls >= 3, 'slot calls were made');
 my @leaks = grep { $_->{headers}{authorization}

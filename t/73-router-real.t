@@ -115,6 +115,30 @@ my $b2 = turn('b', 'small');
 ok($b2->{cached} >= $b1->{prompt} - 1,
    "b returns on small: $b2->{cached} of $b2->{prompt} cached");
 
+# the isolation review: a body whose "model" the module and the router
+# could read differently (a duplicate member, an escaped key) runs on the
+# zone of the model the router runs, never on another zone's slot
+
+for my $case (
+    [ 'a duplicate "model": the last is the one',
+      '{"model":"mid","messages":%s,"max_tokens":2,"temperature":0,"model":"small"}' ],
+    [ 'an escaped key "mod\\u0065l" is "model"',
+      '{"model":"mid","messages":%s,"max_tokens":2,"temperature":0,"mod\\u0065l":"small"}' ],
+    [ 'a UTF-8 BOM before the body',
+      "\xef\xbb\xbf" . '{"model":"small","messages":%s,"max_tokens":2,"temperature":0}' ]) {
+    my ($what, $fmt) = @$case;
+    my $msgs = $LlamaTest::JSON->encode([ { role => 'user',
+        content => join ' ', map { "Crafted note $_." } 1 .. 30 } ]);
+    my $r = $t->request('POST', '/v1/chat/completions',
+                        body => sprintf($fmt, $msgs),
+                        headers => { 'Content-Type' => 'application/json',
+                                     'X-Session-Id' => 'crafted' });
+    is($r->{status}, 200, "$what: 200");
+    is($r->{json}{model}, 'small', "$what: the router ran small");
+    like($r->{headers}{'x-s-key'} // '', qr/^small@/,
+         "$what: on zone small's slot");
+}
+
 # the same id and messages on another model: another session, another file
 
 my $c1 = turn('c', 'big');

@@ -70,6 +70,14 @@ $t->fake_script({ completion => { reply => { choices => [ {
                                    function => { name => 'get_weather',
                                        arguments => '{"city":"Paris"}' } } ] } } ] } } });
 
+# a member twice in one object: cJSON and llama-server would read two
+# requests; refused before anything runs
+my $dup = $t->request('POST', '/api/chat',
+    body => '{"model":"m","stream":false,"messages":[{"role":"user","content":"a","content":"b"}]}',
+    headers => { 'Content-Type' => 'application/json' });
+is($dup->{status}, 400, 'a member twice in an Ollama request: 400');
+like($dup->{json}{error} // '', qr/member twice/, 'as Ollama\'s {"error": ...}');
+
 my $r = $t->post('/api/chat', { model => 'm', stream => \0, tools => [ $weather ],
     messages => [
         { role => 'user', content => 'Weather in Paris and Rome?' },
