@@ -125,10 +125,15 @@ static ngx_str_t  ngx_http_llama_session_no_session[] = {
  * Which requests take the slot: POSTs to the inference endpoints of
  * llama_session_endpoints (an allow-list: anything else passes by).
  * Embeddings and rerank use the slot but carry no conversation, so they
- * count as "default".  Refused (ctx->refuse): a client's POST to the slot
- * API (it would save, restore or erase other sessions' states) and the
- * replayable streams (GET /v1/stream?conv_id= reads or cancels another
- * session's generation).
+ * count as "default".  Refused (ctx->refuse, and why): a client's POST to
+ * the slot API (it would save, restore or erase other sessions' states),
+ * the replayable streams (GET /v1/stream?conv_id= reads or cancels another
+ * session's generation), the router's model management (/models/load,
+ * /models/unload, a POST or DELETE of /models: it would unload a model
+ * without its sessions' saves), and, in front of a router, any request
+ * outside the endpoints that may name a model (a POST, whose body the
+ * router reads a model from, or "?model="): the router would load that
+ * model behind the zones' back, and unload one a zone drives.
  */
 
 ngx_uint_t
@@ -136,7 +141,7 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     u_char                             *p, *last, *c;
-    ngx_str_t                           uri, *s;
+    ngx_str_t                           uri, arg, *s;
     ngx_uint_t                          i;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
@@ -163,12 +168,25 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
                 && ngx_strncasecmp(p, (u_char *) "slots", 5) == 0))
         {
             ctx->refuse = 1;
+            ctx->refuse_why = "llama-server's slot actions and replayable "
+                              "streams are not for clients";
             return 0;
         }
-    }
 
-    if (r->method != NGX_HTTP_POST) {
-        return 0;
+        if (c - p == 6 && ngx_strncasecmp(p, (u_char *) "models", 6) == 0
+            && ((last - c > 4
+                 && ngx_strncasecmp(c + 1, (u_char *) "load", 4) == 0)
+                || (last - c > 6
+                    && ngx_strncasecmp(c + 1, (u_char *) "unload", 6) == 0)
+                || (c == last
+                    && (r->method & (NGX_HTTP_POST|NGX_HTTP_PUT
+                                     |NGX_HTTP_DELETE|NGX_HTTP_PATCH)))))
+        {
+            ctx->refuse = 1;
+            ctx->refuse_why = "the models are the module's to load and "
+                              "unload";
+            return 0;
+        }
     }
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -181,7 +199,18 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
         }
     }
 
-    if (i == llcf->endpoints->nelts) {
+    if (i == llcf->endpoints->nelts || r->method != NGX_HTTP_POST) {
+
+        if ((llcf->zones || (llcf->zone && llcf->zone->model.len))
+            && (r->method == NGX_HTTP_POST
+                || ngx_http_arg(r, (u_char *) "model", 5, &arg) == NGX_OK))
+        {
+            /* router mode: only the endpoints go through the model switch */
+            ctx->refuse = 1;
+            ctx->refuse_why = "in front of llama-server's router, only the "
+                              "inference endpoints may name a model";
+        }
+
         return 0;
     }
 

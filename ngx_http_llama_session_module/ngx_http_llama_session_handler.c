@@ -425,8 +425,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
         if (ctx->refuse) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                           "llama_session: refused a client's call to "
-                          "\"%V\": llama-server's slot actions and "
-                          "replayable streams are not for clients", &r->uri);
+                          "\"%V\": %s", &r->uri, ctx->refuse_why);
 
             ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
 

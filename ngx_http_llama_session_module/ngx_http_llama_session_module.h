@@ -445,6 +445,7 @@ struct ngx_http_llama_session_ctx_s {
 
     ngx_str_t                       id;         /* as the client gave it */
     ngx_str_t                       source;     /* where it came from */
+    char                           *refuse_why; /* for the log */
     ngx_str_t                       model;
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          key_len;

@@ -91,6 +91,12 @@ is(scalar(@{ $r->{json}{deleted} }), 1, 'deletes its file');
 is($t->request('POST', '/api/sessions?id=x', body => {})->{status}, 405,
    'POST with ?id=: 405');
 
+# model management is not for clients, router or not
+is($t->post('/models/load', { model => 'x' })->{status}, 403,
+   'a client\'s POST /models/load: 403');
+is($t->post('/models/unload', { model => 'x' })->{status}, 403,
+   'and /models/unload');
+
 # nginx's own refusal, made JSON as docs/api.md shows
 $r = $t->get('/closed/sessions');
 is($r->{status}, 403, 'deny: 403');

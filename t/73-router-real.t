@@ -139,6 +139,28 @@ for my $case (
          "$what: on zone small's slot");
 }
 
+# clients do not drive the router's models: model management and any
+# request outside the endpoints that may name a model are refused, and no
+# model is loaded or unloaded by them
+
+my $before = $t->router_models;
+for my $req ([ 'POST', '/models/unload', { model => 'small' } ],
+             [ 'POST', '/models/load', { model => 'mid' } ],
+             [ 'POST', '/models', { model => 'mid' } ],
+             [ 'DELETE', '/models', undef ],
+             [ 'GET', '/props?model=mid', undef ],
+             [ 'POST', '/tokenize', { model => 'mid', content => 'hi' } ],
+             [ 'POST', '/apply-template', { model => 'mid', messages => [] } ]) {
+    my ($m, $path, $body) = @$req;
+    my $r = $t->request($m, $path, defined $body ? (body => $body) : ());
+    is($r->{status}, 403, "a client's $m $path: 403");
+    is($r->{json}{error}{type}, 'permission_error', 'as JSON');
+}
+is_deeply($t->router_models, $before, 'no model was loaded or unloaded');
+is($t->get('/models')->{status}, 200, 'GET /models, the list, passes');
+ok($t->log_lines(qr/refused a client's call to "\/models\/unload": the models are the module's/),
+   'the error log says why');
+
 # the same id and messages on another model: another session, another file
 
 my $c1 = turn('c', 'big');
