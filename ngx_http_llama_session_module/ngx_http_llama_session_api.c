@@ -38,6 +38,8 @@ typedef struct {
     cJSON                          *result;    /* the reply's slot list */
     ngx_uint_t                      failed;
     ngx_uint_t                      busy;       /* llama-server ran it */
+    ngx_uint_t                      tenant;     /* only its own sessions */
+    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
 } ngx_http_llama_session_api_t;
 
 
@@ -60,6 +62,12 @@ static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
 static cJSON *ngx_http_llama_session_api_node(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
     ngx_uint_t in_slot);
+static ngx_int_t ngx_http_llama_session_api_tenant(ngx_http_request_t *r,
+    u_char *ns);
+static off_t ngx_http_llama_session_api_bytes(
+    ngx_http_llama_session_node_t *nodes, ngx_uint_t n);
+static ngx_uint_t ngx_http_llama_session_api_mine(ngx_uint_t tenant,
+    u_char *ns, ngx_uint_t has, u_char *theirs);
 static ngx_uint_t ngx_http_llama_session_api_in_slot(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slots,
     ngx_http_llama_session_node_t *node);
@@ -268,6 +276,13 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
 
         api->ctx->api = api;
         api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
+
+        rc = ngx_http_llama_session_api_tenant(r, api->ns);
+        if (rc == NGX_ERROR) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        api->tenant = (rc == NGX_OK);
         api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
                                   : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
         api->last = ngx_http_llama_session_slots_usable(zone->sh);
@@ -336,14 +351,23 @@ static ngx_int_t
 ngx_http_llama_session_api_list(ngx_http_request_t *r,
     ngx_http_llama_session_zone_t *zone)
 {
+    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     cJSON                          *json, *list, *item;
-    ngx_uint_t                      i, n;
+    ngx_int_t                       rc;
+    ngx_uint_t                      i, n, tenant;
     ngx_queue_t                    *q;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *nodes, *node;
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 
     sh = zone->sh;
+
+    rc = ngx_http_llama_session_api_tenant(r, ns);
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    tenant = (rc == NGX_OK);
 
     (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
 
@@ -366,7 +390,10 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
     {
         node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
 
-        if (node->saved) {
+        if (node->saved
+            && ngx_http_llama_session_api_mine(tenant, ns, node->has_ns,
+                                               node->ns))
+        {
             nodes[n++] = *node;
         }
     }
@@ -391,7 +418,10 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
                                           NGX_HTTP_LLAMA_SESSION_FP_LEN)
             : cJSON_AddNullToObject(json, "fingerprint")) == NULL
         || cJSON_AddNumberToObject(json, "files", n) == NULL
-        || cJSON_AddNumberToObject(json, "bytes", sh->bytes) == NULL
+        || cJSON_AddNumberToObject(json, "bytes",
+                                   tenant ? ngx_http_llama_session_api_bytes(
+                                                nodes, n)
+                                          : sh->bytes) == NULL
         || cJSON_AddNumberToObject(json, "max_files", zone->max_files) == NULL
         || cJSON_AddNumberToObject(json, "max_size", zone->max_size) == NULL
         || (list = cJSON_AddArrayToObject(json, "sessions")) == NULL)
@@ -479,12 +509,22 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     size_t                          n;
     cJSON                          *json, *list, *item, *backend, *stats;
     cJSON                          *file, *session;
+    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    ngx_int_t                       rc;
     ngx_uint_t                      i, waiting, has_node, pages, free_pages;
+    ngx_uint_t                      tenant, mine;
     ngx_http_llama_session_sh_t    *sh, copy;
     ngx_http_llama_session_node_t   node;
     ngx_http_llama_session_slot_t  *slot;
 
     sh = zone->sh;
+
+    rc = ngx_http_llama_session_api_tenant(r, ns);
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    tenant = (rc == NGX_OK);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
     copy = *sh;
@@ -584,18 +624,28 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
 
         cJSON_AddItemToArray(list, item);
 
+        mine = ngx_http_llama_session_api_mine(tenant, ns, slot->has_ns,
+                                               slot->ns);
+
+        /* another tenant's session: that the slot is used, no more */
+
         if (cJSON_AddNumberToObject(item, "slot", i) == NULL
             || cJSON_AddStringToObject(item, "state",
-                              ngx_http_llama_session_slot_states[slot->state])
+                              (slot->state
+                               == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION && !mine)
+                              ? "other"
+                              : ngx_http_llama_session_slot_states[slot->state])
                == NULL
             || cJSON_AddBoolToObject(item, "busy", slot->busy) == NULL
             || cJSON_AddBoolToObject(item, "changed_since_save",
-                                     slot->dirty && slot->saveable) == NULL)
+                                     mine && slot->dirty && slot->saveable)
+               == NULL)
         {
             goto failed;
         }
 
-        if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
+        if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION || !mine) {
+
             if (cJSON_AddNullToObject(item, "session") == NULL
                 || cJSON_AddNullToObject(item, "file") == NULL)
             {
@@ -671,10 +721,12 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete)
 {
     u_char                             *p;
+    u_char                              mine[NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t                              klen, skip;
     cJSON                              *json, *list, *item;
+    ngx_int_t                           rc;
     ngx_str_t                           ns, model;
-    ngx_uint_t                          i, k, n, is_key, narrow;
+    ngx_uint_t                          i, k, n, is_key, narrow, tenant;
     ngx_queue_t                        *q, *queue;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_node_t      *nodes, *node;
@@ -690,6 +742,13 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     if (ctx == NULL) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
+
+    rc = ngx_http_llama_session_api_tenant(r, mine);
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    tenant = (rc == NGX_OK);
 
     /* a key as the API lists it, or a client's id to derive the key from */
 
@@ -788,6 +847,13 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
             node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
             klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
 
+            if (!ngx_http_llama_session_api_mine(tenant, mine, node->has_ns,
+                                                 node->ns))
+            {
+                /* another tenant's, even by its key */
+                continue;
+            }
+
             if (is_key ? (klen != ctx->key_len
                           || ngx_memcmp(node->name, ctx->key, klen) != 0)
                        : (!node->has_idk
@@ -823,7 +889,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
         }
     }
 
-    if (delete && is_key
+    if (delete && is_key && (!tenant || n)
         && ngx_http_llama_session_in_use(zone, ctx->key, ctx->key_len))
     {
         return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
@@ -908,6 +974,64 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
 }
 
 
+/*
+ * The caller's tenant: with llama_session_namespace in the API's location,
+ * every verb keeps to that namespace (NGX_OK, its digest in ns), as the
+ * requests do; without it the API is the operator's, over all
+ * (NGX_DECLINED).
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_tenant(ngx_http_request_t *r, u_char *ns)
+{
+    ngx_str_t                           value;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    if (llcf->namespace == NULL) {
+        return NGX_DECLINED;
+    }
+
+    if (ngx_http_complex_value(r, llcf->namespace, &value) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return ngx_http_llama_session_ns_digest(r, &value, ns);
+}
+
+
+/* the bytes of the records' files */
+
+static off_t
+ngx_http_llama_session_api_bytes(ngx_http_llama_session_node_t *nodes,
+    ngx_uint_t n)
+{
+    off_t       bytes;
+    ngx_uint_t  i;
+
+    bytes = 0;
+
+    for (i = 0; i < n; i++) {
+        bytes += nodes[i].bytes;
+    }
+
+    return bytes;
+}
+
+
+/* may the caller see it: the operator all, a tenant its own only */
+
+static ngx_uint_t
+ngx_http_llama_session_api_mine(ngx_uint_t tenant, u_char *ns, ngx_uint_t has,
+    u_char *theirs)
+{
+    return !tenant
+           || (has && ngx_memcmp(ns, theirs, NGX_HTTP_LLAMA_SESSION_DIGEST)
+                      == 0);
+}
+
+
 /* is the record's session in one of the slots (a snapshot of them)? */
 
 static ngx_uint_t
@@ -985,6 +1109,17 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             ctx->restarted = 0;
             ctx->slot_tokens = -1;
             ctx->slot_task = -1;
+
+            if (api->tenant
+                && !ngx_http_llama_session_slot_of_tenant(ctx->zone,
+                                                          api->slot, api->ns))
+            {
+                /* a tenant saves and clears its own sessions only */
+                ngx_http_llama_session_release(ctx,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                api->slot++;
+                continue;
+            }
         }
 
         if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {

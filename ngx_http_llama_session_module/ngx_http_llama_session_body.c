@@ -1244,6 +1244,47 @@ ngx_http_llama_session_json_str(ngx_http_request_t *r, cJSON *item,
  * the state that holds the system prompt alone (warm.c).
  */
 
+/*
+ * The namespace's digest, the tenant a session, a file and a slot's
+ * content belong to (the API shows a tenant its own only):
+ * SHA-256("ns" \0 namespace), the empty namespace included.  The worker
+ * keeps the last one.
+ */
+
+ngx_int_t
+ngx_http_llama_session_ns_digest(ngx_http_request_t *r, ngx_str_t *ns,
+    u_char *out)
+{
+    u_char      hash[EVP_MAX_MD_SIZE];
+    ngx_str_t   parts[2];
+
+    static u_char  last_ns[256], last_out[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    static size_t  last_len = (size_t) -1;
+
+    if (ns->len == last_len && ngx_memcmp(ns->data, last_ns, ns->len) == 0) {
+        ngx_memcpy(out, last_out, NGX_HTTP_LLAMA_SESSION_DIGEST);
+        return NGX_OK;
+    }
+
+    ngx_str_set(&parts[0], "ns\0");
+    parts[1] = *ns;
+
+    if (ngx_http_llama_session_sha256(r, parts, 2, hash) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(out, hash, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    if (ns->len <= sizeof(last_ns)) {
+        ngx_memcpy(last_ns, ns->data, ns->len);
+        last_len = ns->len;
+        ngx_memcpy(last_out, out, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    }
+
+    return NGX_OK;
+}
+
+
 ngx_int_t
 ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
@@ -1262,6 +1303,12 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     head[0] = '\0';
     head[1] = 'h';
     ngx_memcpy(head + 2, ctx->head, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    if (ngx_http_llama_session_ns_digest(r, ns, ctx->nsk) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ctx->has_nsk = 1;
 
     if (ctx->default_session) {
         if (ctx->sys_len

@@ -14,7 +14,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     5
+#define NGX_HTTP_LLAMA_SESSION_VERSION     6
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -198,6 +198,8 @@ typedef struct {
     u_char                          has_base;   /* base[] is its prefix's */
     u_char                          base[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving_base; /* a base's save runs */
+    u_char                          has_ns;     /* ns[] is its tenant's */
+    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
 
     /* the last prompt of the session in it, and its tokens (miss.c) */
@@ -238,8 +240,10 @@ typedef struct {
     time_t                          used_at;
     u_char                          has_idk;
     u_char                          has_sys;
+    u_char                          has_ns;
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
 } ngx_http_llama_session_node_t;
 
 
@@ -446,6 +450,7 @@ struct ngx_http_llama_session_ctx_s {
     ngx_str_t                       id;         /* as the client gave it */
     ngx_str_t                       source;     /* where it came from */
     char                           *refuse_why; /* for the log */
+    unsigned                        has_nsk:1;  /* nsk[] is known */
     ngx_str_t                       model;
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          key_len;
@@ -462,6 +467,8 @@ struct ngx_http_llama_session_ctx_s {
     size_t                          sys_len;    /* 0: none */
 
     /* SHA-256(namespace \0 model \0 id): what the API finds an id by */
+    u_char                          nsk[NGX_HTTP_LLAMA_SESSION_DIGEST];
+                                                /* its namespace's digest */
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          base_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          base_len;   /* 0: no base */
@@ -713,6 +720,8 @@ ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
     char *suffix);
+ngx_int_t ngx_http_llama_session_ns_digest(ngx_http_request_t *r,
+    ngx_str_t *ns, u_char *out);
 ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
 void ngx_http_llama_session_sha256_free(void);
@@ -791,6 +800,8 @@ ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(
 void ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes);
 ngx_uint_t ngx_http_llama_session_slots_usable(ngx_http_llama_session_sh_t *sh);
+ngx_uint_t ngx_http_llama_session_slot_of_tenant(
+    ngx_http_llama_session_zone_t *zone, ngx_uint_t n, u_char *ns);
 size_t ngx_http_llama_session_file_name(u_char *buf, u_char *key,
     size_t len, u_char *fp);
 void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,

@@ -820,6 +820,7 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
     slot->prompt_tokens = 0;
     slot->state = (u_char) state;
     slot->key_len = 0;
+    slot->has_ns = 0;
     slot->dirty = 0;
     slot->saveable = 0;
     slot->has_base = 0;
@@ -1094,6 +1095,17 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
             slot->prompt_tokens = 0;
         }
 
+        if (ctx->has_nsk) {
+            slot->has_ns = 1;
+            ngx_memcpy(slot->ns, ctx->nsk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+        } else if (slot->key_len != len
+                   || ngx_memcmp(slot->key, key, len) != 0)
+        {
+            /* another session, of no known tenant (not from a request) */
+            slot->has_ns = 0;
+        }
+
         ngx_memcpy(slot->key, key, len);
         slot->key_len = (u_short) len;
         slot->saveable = !ctx->default_session;
@@ -1159,6 +1171,29 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/* does the slot hold a session of the tenant whose digest ns is? */
+
+ngx_uint_t
+ngx_http_llama_session_slot_of_tenant(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t n, u_char *ns)
+{
+    ngx_uint_t                      mine;
+    ngx_http_llama_session_slot_t  *slot;
+
+    slot = &zone->sh->slots[n];
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    mine = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+            && slot->has_ns
+            && ngx_memcmp(slot->ns, ns, NGX_HTTP_LLAMA_SESSION_DIGEST) == 0);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return mine;
 }
 
 
@@ -1297,6 +1332,12 @@ ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx,
         if (key == ctx->key) {
             node->has_idk = 1;
             ngx_memcpy(node->idk, ctx->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+        }
+
+        if (ctx->has_nsk) {
+            /* the session's tenant, and its base's: the same */
+            node->has_ns = 1;
+            ngx_memcpy(node->ns, ctx->nsk, NGX_HTTP_LLAMA_SESSION_DIGEST);
         }
 
         node->model_len = (u_char) ngx_min(ctx->model.len,

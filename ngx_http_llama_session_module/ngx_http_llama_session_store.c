@@ -30,8 +30,10 @@ typedef struct {
     ngx_uint_t                      tokens;
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     unsigned                        has_idk:1;
     unsigned                        has_sys:1;
+    unsigned                        has_ns:1;
     unsigned                        known:1;
 } ngx_http_llama_session_found_t;
 
@@ -766,6 +768,15 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->has_sys = 1;
     }
 
+    /* "ns": the tenant's digest (none: the API's operator sees it only) */
+    item = cJSON_GetObjectItemCaseSensitive(json, "ns");
+    if (cJSON_IsString(item)
+        && ngx_http_llama_session_store_hex(item->valuestring, f->ns)
+           == NGX_OK)
+    {
+        f->has_ns = 1;
+    }
+
     cJSON_Delete(json);
 }
 
@@ -796,6 +807,11 @@ ngx_http_llama_session_store_set_meta(ngx_http_llama_session_node_t *node,
     if (f->has_sys) {
         node->has_sys = 1;
         ngx_memcpy(node->sys, f->sys, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    }
+
+    if (f->has_ns) {
+        node->has_ns = 1;
+        ngx_memcpy(node->ns, f->ns, NGX_HTTP_LLAMA_SESSION_DIGEST);
     }
 }
 
@@ -897,6 +913,15 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
         *ngx_hex_dump(hex, node.idk, NGX_HTTP_LLAMA_SESSION_DIGEST) = '\0';
 
         if (cJSON_AddStringToObject(json, "idn", (char *) hex) == NULL) {
+            cJSON_Delete(json);
+            return NGX_ERROR;
+        }
+    }
+
+    if (node.has_ns) {
+        *ngx_hex_dump(hex, node.ns, NGX_HTTP_LLAMA_SESSION_DIGEST) = '\0';
+
+        if (cJSON_AddStringToObject(json, "ns", (char *) hex) == NULL) {
             cJSON_Delete(json);
             return NGX_ERROR;
         }

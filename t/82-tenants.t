@@ -138,5 +138,56 @@ is($t->get('/api/sessions/chat-1', headers => { Authorization => $auth{alpha} })
 is($t->get('/api/sessions/chat-1', headers => { Authorization => $auth{beta} })->{status},
    200, 'beta\'s session under the same id stays');
 
+# the isolation review: every API verb stays in the caller's namespace
+
+sub api_as {
+    my ($tenant, $m, $path) = @_;
+    return $t->request($m, $path, headers => { Authorization => $auth{$tenant} },
+                       $m eq 'POST' ? (body => '') : ());
+}
+
+turn('/v1/chat/completions', as('beta'), 'beta keeps this: ' . 'Z' x 300);
+my $bkey = api_as('beta', 'GET', '/api/sessions/current')->{json}{slots}[0]{session}{key};
+like($bkey // '', qr/^chat-1-/, 'beta\'s session is in the slot');
+
+my $la = api_as('alpha', 'GET', '/api/sessions');
+ok(!grep({ $_->{key} eq $bkey } @{ $la->{json}{sessions} // [] }),
+   'alpha\'s list has none of beta\'s sessions');
+my @beta_ids = grep { $_->{key} ne $bkey } @{ api_as('beta', 'GET', '/api/sessions')->{json}{sessions} };
+ok(!grep({ my $k = $_->{key}; grep { $_->{key} eq $k } @{ $la->{json}{sessions} } } @beta_ids),
+   'not even the saved ones');
+is(api_as('alpha', 'GET', "/api/sessions/$bkey")->{status}, 404,
+   'alpha cannot read beta\'s session by its key');
+my $cur = api_as('alpha', 'GET', '/api/sessions/current')->{json};
+is($cur->{slots}[0]{state}, 'other', 'alpha sees the slot used, by another');
+is($cur->{slots}[0]{session}, undef, 'and nothing of the session in it');
+my $cl = api_as('alpha', 'POST', '/api/sessions/clear');
+is($cl->{status}, 200, 'alpha\'s clear');
+is(scalar @{ $cl->{json}{cleared} // [] }, 0, 'erases none of beta\'s slots');
+my $sv = api_as('alpha', 'POST', '/api/sessions/save');
+is(scalar @{ $sv->{json}{saved} // [] }, 0, 'nor does its save');
+my $b3 = turn('/v1/chat/completions', as('beta'), 'beta keeps this: ' . 'Z' x 300);
+is($b3->{headers}{'x-s-action'}, 'hit', 'beta\'s state is still in the slot');
+
+# beta's saved file, by its key: alpha can neither read nor delete it
+my ($bfile) = grep { $_->{saved_at} } @{ api_as('beta', 'GET', '/api/sessions')->{json}{sessions} };
+ok($bfile, 'beta has a saved file');
+is(api_as('alpha', 'DELETE', "/api/sessions/$bfile->{key}")->{status}, 404,
+   'alpha\'s DELETE of beta\'s key: 404');
+is(api_as('beta', 'GET', "/api/sessions/$bfile->{key}")->{status}, 200,
+   'the file is still there for beta');
+my $mine = api_as('beta', 'POST', '/api/sessions/clear');
+is(scalar @{ $mine->{json}{cleared} // [] }, 1, 'beta clears its own slot');
+
+# after a restart of nginx the files' tenants come from their .json
+$t->stop_nginx;
+$t->start_nginx;
+ok(!grep({ $_->{key} eq $bfile->{key} }
+         @{ api_as('alpha', 'GET', '/api/sessions')->{json}{sessions} // [] }),
+   'after a restart alpha\'s list still has none of beta\'s files');
+ok(grep({ $_->{key} eq $bfile->{key} }
+        @{ api_as('beta', 'GET', '/api/sessions')->{json}{sessions} // [] }),
+   'beta\'s has them');
+
 $t->stop;
 done_testing;
