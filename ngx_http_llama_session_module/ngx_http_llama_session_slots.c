@@ -568,9 +568,14 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
 
         tokens = cJSON_GetObjectItemCaseSensitive(slot, "n_prompt_tokens");
 
-        /* a slot that never ran a task shows no n_prompt_tokens */
+        /*
+         * a slot that never ran a task shows no n_prompt_tokens, even
+         * right after a restore: what is in it is not known, -1, and is
+         * erased before another session runs there
+         */
 
-        ctx->slot_tokens = cJSON_IsNumber(tokens) ? tokens->valueint : 0;
+        ctx->slot_tokens = (cJSON_IsNumber(tokens) && tokens->valuedouble >= 0)
+                           ? tokens->valueint : -1;
 
         task = cJSON_GetObjectItemCaseSensitive(slot, "id_task");
         ctx->slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
