@@ -1330,9 +1330,11 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     }
 
     if (ctx->base_built) {
-        p = ngx_slprintf(p, last, ", base \"%*s\" saved: %ui tokens, %O "
-                         "bytes in %.1f ms", ctx->base_len, ctx->base_key,
-                         ctx->base_tokens, ctx->base_bytes, ctx->base_ms);
+        p = ngx_slprintf(p, last, ", base \"%*s\" primed (%i tokens from "
+                         "the slot's cache) and saved: %ui tokens, %O bytes "
+                         "in %.1f ms", ctx->base_len, ctx->base_key,
+                         ctx->base_cached, ctx->base_tokens, ctx->base_bytes,
+                         ctx->base_ms);
     }
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,

@@ -481,6 +481,7 @@ struct ngx_http_llama_session_ctx_s {
     ngx_http_llama_session_span_t   p_kwargs;   /* chat_template_kwargs */
     ngx_uint_t                      warm_step;
     ngx_uint_t                      base_tokens;
+    ngx_int_t                       base_cached; /* the prime's cache_n */
     off_t                           base_bytes;
     double                          base_ms;
 

@@ -41,7 +41,7 @@ static ngx_int_t ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action);
 static ngx_uint_t ngx_http_llama_session_prime_tokens(ngx_log_t *log,
-    ngx_buf_t *b);
+    ngx_buf_t *b, ngx_int_t *cached);
 
 
 static ngx_str_t  ngx_http_llama_session_base_id = ngx_string("base");
@@ -278,7 +278,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
         }
 
         ctx->base_tokens = ngx_http_llama_session_prime_tokens(
-                                         r->connection->log, ctx->call_reply);
+                                         r->connection->log, ctx->call_reply,
+                                         &ctx->base_cached);
 
         /* one slot at a time saves a base: its file has one name */
 
@@ -433,13 +434,20 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
 }
 
 
-/* the prompt's tokens in the prime's reply: what the base will hold */
+/*
+ * The prompt's tokens in the prime's reply: what the base will hold; and
+ * in cached, those llama-server took from the slot (timings.cache_n, -1:
+ * not shown): after an erase, none, whatever the tenant before.
+ */
 
 static ngx_uint_t
-ngx_http_llama_session_prime_tokens(ngx_log_t *log, ngx_buf_t *b)
+ngx_http_llama_session_prime_tokens(ngx_log_t *log, ngx_buf_t *b,
+    ngx_int_t *cached)
 {
-    cJSON       *json, *usage, *n;
+    cJSON       *json, *usage, *n, *timings;
     ngx_uint_t   i, tokens;
+
+    *cached = -1;
 
     static const char  *names[] = { "prompt_tokens", "input_tokens",
                                     "cache_read_input_tokens" };
@@ -454,6 +462,13 @@ ngx_http_llama_session_prime_tokens(ngx_log_t *log, ngx_buf_t *b)
     }
 
     tokens = 0;
+
+    timings = cJSON_GetObjectItemCaseSensitive(json, "timings");
+    n = cJSON_GetObjectItemCaseSensitive(timings, "cache_n");
+
+    if (cJSON_IsNumber(n) && n->valuedouble >= 0 && n->valuedouble < 1e12) {
+        *cached = (ngx_int_t) n->valuedouble;
+    }
 
     usage = cJSON_GetObjectItemCaseSensitive(json, "usage");
 
