@@ -33,6 +33,10 @@
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY    (8 * 1024 * 1024)
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT    (1024 * 1024)
 
+/* the translation's output buffers, in flight at once */
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF      8192
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS     8
+
 /*
  * JSON values a request may have: cJSON spends some 64 bytes on each, so
  * a body of empty arrays would cost twenty times its size; 100,000 values
@@ -58,6 +62,15 @@ typedef struct {
     double                          prompt_ms;
     double                          predicted_ms;
     cJSON                          *tool_calls; /* streamed, put together */
+
+    /* the body filter's flow control */
+    ngx_chain_t                    *pending;    /* llama-server's, not
+                                                   taken yet */
+    ngx_uint_t                      last;       /* its last buffer came */
+    ngx_buf_t                      *cur;        /* the output being filled */
+    ngx_chain_t                    *free;
+    ngx_chain_t                    *busy;
+    ngx_uint_t                      nbufs;      /* output buffers made */
 } ngx_http_llama_session_ollama_t;
 
 
@@ -83,7 +96,15 @@ static cJSON *ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
 static void ngx_http_llama_session_ollama_stats(
     ngx_http_llama_session_ollama_t *o, cJSON *reply);
 static ngx_int_t ngx_http_llama_session_ollama_emit(ngx_http_request_t *r,
-    cJSON *json, ngx_uint_t nl, ngx_chain_t ***ll);
+    ngx_http_llama_session_ollama_t *o, cJSON *json, ngx_uint_t nl,
+    ngx_chain_t ***ll);
+static ngx_int_t ngx_http_llama_session_ollama_write(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, u_char *data, size_t len,
+    ngx_chain_t ***ll);
+static ngx_uint_t ngx_http_llama_session_ollama_inflight(
+    ngx_http_llama_session_ollama_t *o);
+static ngx_int_t ngx_http_llama_session_ollama_consume(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll);
 static void ngx_http_llama_session_ollama_cleanup(void *data);
 
 
@@ -985,20 +1006,27 @@ ngx_http_llama_session_ollama_header(ngx_http_request_t *r)
 }
 
 
-/* the reply's body: SSE events become lines, a whole JSON one object */
+/*
+ * The reply's body: SSE events become lines, a whole JSON one object.
+ *
+ * With nginx's flow control, as the plain proxy path has it: the output
+ * goes into a few buffers of the filter's own (NGX_HTTP_LLAMA_SESSION_
+ * OLLAMA_BUFS of NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF bytes), reused once
+ * sent; while all of them wait for a client that does not read, the
+ * filter stops taking llama-server's bytes: they stay in the upstream's
+ * buffer, which then stops reading from llama-server.  Memory per stream
+ * is those buffers, the upstream's, and one event being put together.
+ */
 
 static ngx_int_t
 ngx_http_llama_session_ollama_body(ngx_http_request_t *r, ngx_chain_t *in)
 {
-    u_char                           *p, *line, *end;
-    size_t                            size, len;
-    ngx_buf_t                        *b, *nb;
-    ngx_uint_t                        last;
+    ngx_int_t                         rc;
     ngx_chain_t                      *cl, *out, **ll;
     ngx_http_llama_session_ctx_t     *ctx;
     ngx_http_llama_session_ollama_t  *o;
 
-    if (r != r->main || in == NULL) {
+    if (r != r->main) {
         return ngx_http_next_body_filter(r, in);
     }
 
@@ -1011,13 +1039,93 @@ ngx_http_llama_session_ollama_body(ngx_http_request_t *r, ngx_chain_t *in)
     o = ctx->ollama_reply;
 
     if (o->in == NULL) {
+        /* not translated, or translated whole already */
         return ngx_http_next_body_filter(r, in);
     }
-    out = NULL;
-    ll = &out;
-    last = 0;
 
-    for (cl = in; cl; cl = cl->next) {
+    if (in && ngx_chain_add_copy(r->pool, &o->pending, in) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    for ( ;; ) {
+        out = NULL;
+        ll = &out;
+
+        if (ngx_http_llama_session_ollama_consume(r, o, &ll) != NGX_OK) {
+            return NGX_ERROR;
+        }
+
+        if (out) {
+            /* every line as it comes: flushed */
+            for (cl = out; cl->next; cl = cl->next) { /* void */ }
+            cl->buf->flush = 1;
+        }
+
+        if (out == NULL && o->busy == NULL) {
+            return NGX_OK;
+        }
+
+        rc = ngx_http_next_body_filter(r, out);
+
+        o->cur = NULL;
+        ngx_chain_update_chains(r->pool, &o->free, &o->busy, &out,
+                                (ngx_buf_tag_t) &ngx_http_llama_session_module);
+
+        if (rc == NGX_ERROR || o->in == NULL || o->pending == NULL
+            || ngx_http_llama_session_ollama_inflight(o)
+               >= NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS)
+        {
+            /* done, or the next write event of the client's goes on */
+            return rc;
+        }
+
+        /*
+         * the client took some: on with what waits (with room, consume()
+         * takes at least a line, or all), else nothing would: llama-
+         * server's bytes would wait in the upstream's full buffer with no
+         * event to come
+         */
+    }
+}
+
+
+/* the output buffers sent on and not yet written to the client */
+
+static ngx_uint_t
+ngx_http_llama_session_ollama_inflight(ngx_http_llama_session_ollama_t *o)
+{
+    ngx_uint_t    n;
+    ngx_chain_t  *cl;
+
+    n = o->nbufs;
+
+    for (cl = o->free; cl; cl = cl->next) {
+        n--;
+    }
+
+    return n;
+}
+
+
+/*
+ * Takes what waits of llama-server's reply while there is room for its
+ * translation: a stream line by line, a whole reply until its end.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_ollama_consume(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll)
+{
+    u_char       *p, *line, *end, *nl;
+    size_t        size, len;
+    ngx_buf_t    *b, *nb;
+    ngx_uint_t    stream;
+    ngx_chain_t  *cl;
+
+    stream = (o->stream && o->status == NGX_HTTP_OK);
+
+    while (o->pending) {
+        cl = o->pending;
         b = cl->buf;
 
         if (!ngx_buf_in_memory(b) && ngx_buf_size(b)) {
@@ -1028,12 +1136,23 @@ ngx_http_llama_session_ollama_body(ngx_http_request_t *r, ngx_chain_t *in)
         }
 
         if (ngx_buf_in_memory(b) && b->last > b->pos) {
-            len = b->last - b->pos;
+
+            if (stream
+                && ngx_http_llama_session_ollama_inflight(o)
+                   >= NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS)
+            {
+                /* the client does not read: llama-server's bytes wait */
+                return NGX_OK;
+            }
+
+            /* a stream one line at a time, a whole reply as it comes */
+
+            nl = stream ? ngx_strlchr(b->pos, b->last, '\n') : NULL;
+            len = nl ? (size_t) (nl + 1 - b->pos) : (size_t) (b->last - b->pos);
             size = (o->in->last - o->in->pos) + len;
 
-            if (size > ((o->stream && o->status == NGX_HTTP_OK)
-                        ? NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT
-                        : NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY))
+            if (size > (stream ? NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT
+                               : NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY))
             {
                 ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                               "llama_session: a reply too large to "
@@ -1053,105 +1172,91 @@ ngx_http_llama_session_ollama_body(ngx_http_request_t *r, ngx_chain_t *in)
             }
 
             o->in->last = ngx_cpymem(o->in->last, b->pos, len);
-        }
+            b->pos += len;
 
-        b->pos = b->last;
+            if (nl == NULL) {
+                continue;
+            }
+
+            /* a whole line: "data: {...}" */
+
+            line = o->in->pos;
+            end = o->in->last - 1;
+            o->in->pos = o->in->start;
+            o->in->last = o->in->start;
+
+            p = end;
+            if (p > line && p[-1] == '\r') {
+                p--;
+            }
+
+            if (p - line > 5 && ngx_strncmp(line, "data:", 5) == 0) {
+                line += 5;
+
+                while (line < p && *line == ' ') {
+                    line++;
+                }
+
+                if (ngx_http_llama_session_ollama_event(r, o, line, p - line,
+                                                        ll)
+                    != NGX_OK)
+                {
+                    return NGX_ERROR;
+                }
+            }
+
+            continue;
+        }
 
         if (b->last_buf) {
-            last = 1;
+            o->last = 1;
         }
 
-        if (o->stream && o->status == NGX_HTTP_OK) {
-            /* every whole line: "data: {...}" */
-
-            for ( ;; ) {
-                line = o->in->pos;
-                end = ngx_strlchr(line, o->in->last, '\n');
-
-                if (end == NULL) {
-                    break;
-                }
-
-                o->in->pos = end + 1;
-
-                p = end;
-                if (p > line && p[-1] == '\r') {
-                    p--;
-                }
-
-                if (p - line > 5 && ngx_strncmp(line, "data:", 5) == 0) {
-                    line += 5;
-
-                    while (line < p && *line == ' ') {
-                        line++;
-                    }
-
-                    if (ngx_http_llama_session_ollama_event(r, o, line,
-                                                            p - line, &ll)
-                        != NGX_OK)
-                    {
-                        return NGX_ERROR;
-                    }
-                }
-            }
-
-            /* the consumed part goes */
-
-            len = o->in->last - o->in->pos;
-            ngx_memmove(o->in->start, o->in->pos, len);
-            o->in->pos = o->in->start;
-            o->in->last = o->in->start + len;
-        }
+        o->pending = cl->next;
+        ngx_free_chain(r->pool, cl);
     }
 
-    if (last) {
-        if (!o->stream || o->status != NGX_HTTP_OK) {
-            if (ngx_http_llama_session_ollama_whole(r, o, &ll) != NGX_OK) {
-                return NGX_ERROR;
-            }
-
-        } else if (!o->done) {
-            /* a stream that ended without its last event */
-            if (ngx_http_llama_session_ollama_emit(r,
-                          ngx_http_llama_session_ollama_object(r, o, 1), 1,
-                          &ll)
-                != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
-        }
-
-        nb = ngx_calloc_buf(r->pool);
-        if (nb == NULL) {
-            return NGX_ERROR;
-        }
-
-        nb->last_buf = 1;
-        nb->last_in_chain = 1;
-
-        cl = ngx_alloc_chain_link(r->pool);
-        if (cl == NULL) {
-            return NGX_ERROR;
-        }
-
-        cl->buf = nb;
-        cl->next = NULL;
-        *ll = cl;
-        ll = &cl->next;
-
-        o->in = NULL;
-    }
-
-    if (out == NULL) {
+    if (!o->last) {
         return NGX_OK;
     }
 
-    /* every line as it comes: flushed */
+    if (!stream) {
+        if (ngx_http_llama_session_ollama_whole(r, o, ll) != NGX_OK) {
+            return NGX_ERROR;
+        }
 
-    for (cl = out; cl->next; cl = cl->next) { /* void */ }
-    cl->buf->flush = 1;
+    } else if (!o->done) {
+        /* a stream that ended without its last event */
+        if (ngx_http_llama_session_ollama_emit(r, o,
+                          ngx_http_llama_session_ollama_object(r, o, 1), 1,
+                          ll)
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
 
-    return ngx_http_next_body_filter(r, out);
+    nb = ngx_calloc_buf(r->pool);
+    if (nb == NULL) {
+        return NGX_ERROR;
+    }
+
+    nb->last_buf = 1;
+    nb->last_in_chain = 1;
+
+    cl = ngx_alloc_chain_link(r->pool);
+    if (cl == NULL) {
+        return NGX_ERROR;
+    }
+
+    cl->buf = nb;
+    cl->next = NULL;
+    **ll = cl;
+    *ll = &cl->next;
+
+    o->in = NULL;
+
+    return NGX_OK;
 }
 
 
@@ -1176,7 +1281,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
         }
 
         o->done = 1;
-        return ngx_http_llama_session_ollama_emit(r,
+        return ngx_http_llama_session_ollama_emit(r, o,
                              ngx_http_llama_session_ollama_object(r, o, 1),
                              1, ll);
     }
@@ -1310,7 +1415,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
             }
         }
 
-        rc = ngx_http_llama_session_ollama_emit(r, line, 1, ll);
+        rc = ngx_http_llama_session_ollama_emit(r, o, line, 1, ll);
     }
 
     cJSON_Delete(json);
@@ -1352,14 +1457,14 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
                                 : "the model server failed the request");
         cJSON_Delete(json);
 
-        return ngx_http_llama_session_ollama_emit(r, out, 1, ll);
+        return ngx_http_llama_session_ollama_emit(r, o, out, 1, ll);
     }
 
     if (json == NULL) {
         out = cJSON_CreateObject();
         cJSON_AddStringToObject(out, "error",
                                 "the model server's reply is not JSON");
-        return ngx_http_llama_session_ollama_emit(r, out, 1, ll);
+        return ngx_http_llama_session_ollama_emit(r, o, out, 1, ll);
     }
 
     ngx_http_llama_session_ollama_stats(o, json);
@@ -1389,7 +1494,7 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
         cJSON_AddNumberToObject(out, "prompt_eval_count", o->prompt_tokens);
         cJSON_Delete(json);
 
-        return ngx_http_llama_session_ollama_emit(r, out, 0, ll);
+        return ngx_http_llama_session_ollama_emit(r, o, out, 0, ll);
     }
 
     choice = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(json,
@@ -1447,7 +1552,7 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
 
     o->done = 1;
 
-    return ngx_http_llama_session_ollama_emit(r, line, 0, ll);
+    return ngx_http_llama_session_ollama_emit(r, o, line, 0, ll);
 }
 
 
@@ -1624,13 +1729,12 @@ ngx_http_llama_session_ollama_stats(ngx_http_llama_session_ollama_t *o,
 /* appends an object (a line when nl) to the output; frees it */
 
 static ngx_int_t
-ngx_http_llama_session_ollama_emit(ngx_http_request_t *r, cJSON *json,
-    ngx_uint_t nl, ngx_chain_t ***ll)
+ngx_http_llama_session_ollama_emit(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, cJSON *json, ngx_uint_t nl,
+    ngx_chain_t ***ll)
 {
-    char         *text;
-    size_t        len;
-    ngx_buf_t    *b;
-    ngx_chain_t  *cl;
+    char       *text;
+    ngx_int_t   rc;
 
     if (json == NULL) {
         return NGX_ERROR;
@@ -1643,30 +1747,78 @@ ngx_http_llama_session_ollama_emit(ngx_http_request_t *r, cJSON *json,
         return NGX_ERROR;
     }
 
-    len = ngx_strlen(text);
+    rc = ngx_http_llama_session_ollama_write(r, o, (u_char *) text,
+                                             ngx_strlen(text), ll);
 
-    b = ngx_create_temp_buf(r->pool, len + 1);
-    if (b == NULL) {
-        cJSON_free(text);
-        return NGX_ERROR;
+    if (rc == NGX_OK && nl) {
+        rc = ngx_http_llama_session_ollama_write(r, o, (u_char *) "\n", 1,
+                                                 ll);
     }
 
-    b->last = ngx_cpymem(b->last, text, len);
     cJSON_free(text);
 
-    if (nl) {
-        *b->last++ = '\n';
-    }
+    return rc;
+}
 
-    cl = ngx_alloc_chain_link(r->pool);
-    if (cl == NULL) {
-        return NGX_ERROR;
-    }
 
-    cl->buf = b;
-    cl->next = NULL;
-    **ll = cl;
-    *ll = &cl->next;
+/*
+ * Copies bytes of the translation into the filter's output buffers: the
+ * one being filled, then free ones, then new ones (counted in nbufs; a
+ * line may take several, and may go beyond NGX_HTTP_LLAMA_SESSION_OLLAMA_
+ * BUFS: the next line then waits).
+ */
+
+static ngx_int_t
+ngx_http_llama_session_ollama_write(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, u_char *data, size_t len,
+    ngx_chain_t ***ll)
+{
+    size_t        n;
+    ngx_buf_t    *b;
+    ngx_chain_t  *cl;
+
+    while (len) {
+        b = o->cur;
+
+        if (b == NULL || b->last == b->end) {
+
+            if (o->free) {
+                cl = o->free;
+                o->free = cl->next;
+                b = cl->buf;
+                b->pos = b->start;
+                b->last = b->start;
+                b->flush = 0;
+
+            } else {
+                b = ngx_create_temp_buf(r->pool,
+                                        NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF);
+                if (b == NULL) {
+                    return NGX_ERROR;
+                }
+
+                b->tag = (ngx_buf_tag_t) &ngx_http_llama_session_module;
+
+                cl = ngx_alloc_chain_link(r->pool);
+                if (cl == NULL) {
+                    return NGX_ERROR;
+                }
+
+                cl->buf = b;
+                o->nbufs++;
+            }
+
+            cl->next = NULL;
+            **ll = cl;
+            *ll = &cl->next;
+            o->cur = b;
+        }
+
+        n = ngx_min(len, (size_t) (b->end - b->last));
+        b->last = ngx_cpymem(b->last, data, n);
+        data += n;
+        len -= n;
+    }
 
     return NGX_OK;
 }

@@ -216,6 +216,37 @@ is($t->post('/api/chat', { model => 'm', stream => \0,
                            messages => [ { role => 'user', content => 'x' } ] })->{status},
    200, 'the next request is served');
 
+# the isolation review: a stream to a client that does not read keeps to
+# nginx's flow control: the worker holds its few buffers, not the whole
+# translated reply (before: the whole of it, +47 MB for this one)
+
+$t->fake_script({ completion => { chunks => 20000, chunk_ms => 0,
+                                  chunk_bytes => 2000 } });
+$before = 0; $before += $rss->($_) for @workers;
+my $sock = $t->raw_open('POST', '/api/chat',
+    $LlamaTest::JSON->encode({ model => 'm', stream => \1,
+                               messages => [ { role => 'user', content => 'x' } ] }));
+# until llama-server (the fake) wrote it all, or 5 s: with flow control it
+# waits for the client
+my $grew = 0;
+$t->wait_for(sub {
+    $after = 0; $after += $rss->($_) for @workers;
+    $grew = $after - $before;
+    my $s = $LlamaTest::JSON->decode($t->{http}->get(
+        'http://127.0.0.1:' . $t->{llama_port}{fake} . '/slots')->{content});
+    return !$s->[0]{is_processing} || $grew > 16 * 1024;
+}, 5);
+ok($grew < 8 * 1024, 'a stream of 20,000 events (40 MB) to a client that '
+   . 'does not read: the workers grew by ' . int($grew / 1024) . ' MB (< 8)');
+my ($got, $lines) = ('', 0);
+$sock->blocking(1);
+while (sysread($sock, my $buf, 65536)) { $got .= $buf; }
+close $sock;
+$lines = () = $got =~ /"done":false/g;
+is($lines, 20000, "then it reads the whole stream: $lines lines");
+like($got, qr/"done":true/, 'to its last line');
+$t->fake_script({});
+
 # an error of llama-server, and the module's own
 
 $t->fake_script({ completion => { status => 500 } });

@@ -25,7 +25,7 @@
 # model_path, --meta (JSON) what GET /v1/models says of the model;
 # close: drop the connection without an answer; processing: GET /slots
 # shows the slot busy; path: the completion fault applies to that path only;
-# chunks, chunk_ms: the shape of a streamed reply; pre_ms (completion):
+# chunks, chunk_ms, chunk_bytes: the shape of a streamed reply; pre_ms (completion):
 # time before the request takes the slot, which it does even if its client
 # left meanwhile, as llama-server does; match: a regular expression the
 # request's body must match for the fault to apply; until (completion): a file whose
@@ -437,10 +437,11 @@ sub completion {
         print $c "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                . "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
         my $n = $f->{chunks} // 3;
+        my $pad = 'x' x ($f->{chunk_bytes} // 0);
         for my $i (1 .. $n) {
             my $ev = "data: " . $json->encode({
-                content => "tok$i", choices => [ { delta =>
-                    { content => "tok$i" } } ],
+                content => "tok$i$pad", choices => [ { delta =>
+                    { content => "tok$i$pad" } } ],
                 ($i == $n ? (timings => \%timings, usage => $usage) : ()),
                 %echo }) . "\n\n";
             printf $c "%x\r\n%s\r\n", length $ev, $ev or last;
