@@ -371,3 +371,49 @@ ngx_http_llama_session_json_body(u_char *p, u_char *end, ngx_str_t *names,
 
     return ngx_http_llama_session_json_ws(p, end) == end ? NGX_OK : NGX_ERROR;
 }
+
+
+/*
+ * How many JSON values a text has (a client's body, a backend's reply),
+ * counted before cJSON builds a tree of them: one per array or object and per member or element after the
+ * first (commas), strings skipped.  Stops counting past the limit.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_json_values(u_char *p, size_t len)
+{
+    u_char      *last;
+    ngx_uint_t   n;
+
+    n = 1;
+    last = p + len;
+
+    while (p < last && n <= NGX_HTTP_LLAMA_SESSION_JSON_VALUES) {
+
+        switch (*p++) {
+
+        case '"':
+            while (p < last && *p != '"') {
+                if (*p == '\\') {
+                    p++;
+                }
+
+                p++;
+            }
+
+            p++;
+            break;
+
+        case '[':
+        case '{':
+        case ',':
+            n++;
+            break;
+
+        default:
+            break;
+        }
+    }
+
+    return n;
+}

@@ -12,6 +12,8 @@
 #include <ngx_core.h>
 #include <ngx_http.h>
 
+#include <cjson/cJSON.h>
+
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
 #define NGX_HTTP_LLAMA_SESSION_VERSION     6
@@ -68,6 +70,9 @@
 
 /* bytes of a reply kept for a figure cut between two buffers */
 #define NGX_HTTP_LLAMA_SESSION_CARRY            48
+
+/* the most JSON values of a client's body or a backend's reply parsed */
+#define NGX_HTTP_LLAMA_SESSION_JSON_VALUES      100000
 
 /* ineffective restores in a row that stop saves and restores */
 #define NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX  3
@@ -729,6 +734,8 @@ void ngx_http_llama_session_sha256_free(void);
 
 /* json.c: the body scanner */
 u_char *ngx_http_llama_session_json_skip(u_char *p, u_char *end);
+ngx_uint_t ngx_http_llama_session_json_values(u_char *p, size_t len);
+cJSON *ngx_http_llama_session_json_tree(u_char *p, size_t len);
 ngx_uint_t ngx_http_llama_session_json_string_is(
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
 u_char *ngx_http_llama_session_json_object(u_char *p, u_char *end,

@@ -33,6 +33,9 @@
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY    (8 * 1024 * 1024)
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT    (1024 * 1024)
 
+/* the tool calls of one streamed reply */
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_CALLS    128
+
 /* the translation's output buffers, in flight at once */
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF      8192
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS     8
@@ -42,10 +45,18 @@
  * a body of empty arrays would cost twenty times its size; 100,000 values
  * are more than a long conversation with tools has
  */
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES   100000
 
 
 /* the reply's translation, kept in the request's pool */
+
+/* a streamed tool call's arguments, appended to in place */
+
+typedef struct {
+    u_char                         *data;
+    size_t                          len;
+    size_t                          size;
+} ngx_http_llama_session_ollama_arg_t;
+
 
 typedef struct {
     ngx_uint_t                      kind;       /* CHAT, GENERATE, EMBED */
@@ -62,6 +73,8 @@ typedef struct {
     double                          prompt_ms;
     double                          predicted_ms;
     cJSON                          *tool_calls; /* streamed, put together */
+    ngx_array_t                    *args;       /* their arguments, as
+                                                   they grow: buffers */
 
     /* the body filter's flow control */
     ngx_chain_t                    *pending;    /* llama-server's, not
@@ -74,7 +87,6 @@ typedef struct {
 } ngx_http_llama_session_ollama_t;
 
 
-static ngx_uint_t ngx_http_llama_session_ollama_values(ngx_str_t *body);
 static ngx_int_t ngx_http_llama_session_ollama_answer(ngx_http_request_t *r,
     ngx_uint_t status, char *type, u_char *data, size_t len);
 static cJSON *ngx_http_llama_session_ollama_chat(cJSON *in,
@@ -103,6 +115,8 @@ static ngx_int_t ngx_http_llama_session_ollama_write(ngx_http_request_t *r,
     ngx_chain_t ***ll);
 static ngx_uint_t ngx_http_llama_session_ollama_inflight(
     ngx_http_llama_session_ollama_t *o);
+static ngx_uint_t ngx_http_llama_session_ollama_index(
+    ngx_http_llama_session_ollama_t *o, cJSON *mine);
 static ngx_int_t ngx_http_llama_session_ollama_consume(ngx_http_request_t *r,
     ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll);
 static void ngx_http_llama_session_ollama_cleanup(void *data);
@@ -378,13 +392,13 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
                                   "than the server takes");
     }
 
-    if (ngx_http_llama_session_ollama_values(&body)
-        > NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES)
+    if (ngx_http_llama_session_json_values(body.data, body.len)
+        > NGX_HTTP_LLAMA_SESSION_JSON_VALUES)
     {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: an Ollama request with more than %d "
                       "JSON values, refused",
-                      NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES);
+                      NGX_HTTP_LLAMA_SESSION_JSON_VALUES);
 
         return ngx_http_llama_session_ollama_error(r, ctx,
                                   NGX_HTTP_BAD_REQUEST,
@@ -565,53 +579,6 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     cln->data = o;
 
     return NGX_OK;
-}
-
-
-/*
- * How many JSON values the body has, counted before cJSON builds a tree of
- * them: one per array or object and per member or element after the
- * first (commas), strings skipped.  Stops counting past the limit.
- */
-
-static ngx_uint_t
-ngx_http_llama_session_ollama_values(ngx_str_t *body)
-{
-    u_char      *p, *last;
-    ngx_uint_t   n;
-
-    n = 1;
-    p = body->data;
-    last = p + body->len;
-
-    while (p < last && n <= NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES) {
-
-        switch (*p++) {
-
-        case '"':
-            while (p < last && *p != '"') {
-                if (*p == '\\') {
-                    p++;
-                }
-
-                p++;
-            }
-
-            p++;
-            break;
-
-        case '[':
-        case '{':
-        case ',':
-            n++;
-            break;
-
-        default:
-            break;
-        }
-    }
-
-    return n;
 }
 
 
@@ -1260,6 +1227,25 @@ ngx_http_llama_session_ollama_consume(ngx_http_request_t *r,
 }
 
 
+/* the position of a tool call in the calls put together */
+
+static ngx_uint_t
+ngx_http_llama_session_ollama_index(ngx_http_llama_session_ollama_t *o,
+    cJSON *mine)
+{
+    cJSON       *c;
+    ngx_uint_t   i;
+
+    i = 0;
+
+    for (c = o->tool_calls->child; c && c != mine; c = c->next) {
+        i++;
+    }
+
+    return i;
+}
+
+
 /* one SSE event of llama-server: a line of Ollama's stream, or none */
 
 static ngx_int_t
@@ -1269,11 +1255,12 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
 {
     cJSON      *json, *choices, *choice, *delta, *content, *reasoning;
     cJSON      *finish, *calls, *call, *index, *f, *name, *args, *mine, *mf;
-    cJSON      *line, *msg, *marg;
-    ngx_str_t   text;
-    char       *joined;
+    cJSON      *line, *msg;
+    u_char     *joined;
     size_t      n, m;
     ngx_int_t   rc;
+    ngx_uint_t  i;
+    ngx_http_llama_session_ollama_arg_t  *arg;
 
     if (len == 6 && ngx_strncmp(data, "[DONE]", 6) == 0) {
         if (o->done) {
@@ -1286,12 +1273,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                              1, ll);
     }
 
-    text.data = data;
-    text.len = len;
-
-    json = (ngx_http_llama_session_ollama_values(&text)
-            <= NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES)
-           ? cJSON_ParseWithLength((char *) data, len) : NULL;
+    json = ngx_http_llama_session_json_tree(data, len);
 
     if (json == NULL) {
         return NGX_OK;
@@ -1352,11 +1334,40 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                              && index->valueint
                                 >= cJSON_GetArraySize(o->tool_calls)))
         {
+            if (cJSON_GetArraySize(o->tool_calls)
+                >= NGX_HTTP_LLAMA_SESSION_OLLAMA_CALLS)
+            {
+                /* each piece looks its call up: a few calls, not a million */
+                ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                              "llama_session: a reply with more than %d tool "
+                              "calls, not translated for Ollama",
+                              NGX_HTTP_LLAMA_SESSION_OLLAMA_CALLS);
+                cJSON_Delete(json);
+                return NGX_ERROR;
+            }
+
             mine = cJSON_CreateObject();
             cJSON_AddItemToArray(o->tool_calls, mine);
             mf = cJSON_AddObjectToObject(mine, "function");
             cJSON_AddStringToObject(mf, "name", "");
             cJSON_AddStringToObject(mf, "arguments", "");
+
+            if (o->args == NULL) {
+                o->args = ngx_array_create(r->pool, 4,
+                                   sizeof(ngx_http_llama_session_ollama_arg_t));
+                if (o->args == NULL) {
+                    cJSON_Delete(json);
+                    return NGX_ERROR;
+                }
+            }
+
+            arg = ngx_array_push(o->args);
+            if (arg == NULL) {
+                cJSON_Delete(json);
+                return NGX_ERROR;
+            }
+
+            ngx_memzero(arg, sizeof(ngx_http_llama_session_ollama_arg_t));
         }
 
         mf = cJSON_GetObjectItemCaseSensitive(mine, "function");
@@ -1367,20 +1378,48 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                                                   name->valuestring));
         }
 
-        marg = cJSON_GetObjectItemCaseSensitive(mf, "arguments");
+        /*
+         * the piece goes at the end of the call's buffer, which doubles as
+         * it fills: linear in the arguments, however many pieces
+         */
 
-        if (cJSON_IsString(args) && cJSON_IsString(marg)) {
-            n = ngx_strlen(marg->valuestring);
+        i = ngx_http_llama_session_ollama_index(o, mine);
+
+        if (cJSON_IsString(args) && o->args && i < o->args->nelts) {
+            arg = &((ngx_http_llama_session_ollama_arg_t *) o->args->elts)[i];
             m = ngx_strlen(args->valuestring);
 
-            joined = cJSON_malloc(n + m + 1);
-            if (joined) {
-                ngx_memcpy(joined, marg->valuestring, n);
-                ngx_memcpy(joined + n, args->valuestring, m + 1);
-                cJSON_ReplaceItemInObjectCaseSensitive(mf, "arguments",
-                                                 cJSON_CreateString(joined));
-                cJSON_free(joined);
+            if (arg->len + m > NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY) {
+                ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                              "llama_session: a tool call's arguments are "
+                              "too large to translate for Ollama");
+                cJSON_Delete(json);
+                return NGX_ERROR;
             }
+
+            if (arg->len + m > arg->size) {
+                n = ngx_max(2 * (arg->len + m), 256);
+
+                joined = ngx_palloc(r->pool, n);
+                if (joined == NULL) {
+                    cJSON_Delete(json);
+                    return NGX_ERROR;
+                }
+
+                if (arg->len) {
+                    ngx_memcpy(joined, arg->data, arg->len);
+                }
+
+                if (arg->data) {
+                    ngx_pfree(r->pool, arg->data);
+                }
+
+                arg->data = joined;
+                arg->size = n;
+            }
+
+            ngx_memcpy(arg->data + arg->len, args->valuestring, m);
+            arg->len += m;
         }
     }
 
@@ -1441,9 +1480,7 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
 
     /* the backend's reply too is counted before cJSON builds its tree */
 
-    json = (ngx_http_llama_session_ollama_values(&text)
-            <= NGX_HTTP_LLAMA_SESSION_OLLAMA_VALUES)
-           ? cJSON_ParseWithLength((char *) text.data, text.len) : NULL;
+    json = ngx_http_llama_session_json_tree(text.data, text.len);
 
     if (o->status != NGX_HTTP_OK) {
         err = cJSON_GetObjectItemCaseSensitive(json, "error");
@@ -1567,8 +1604,11 @@ static cJSON *
 ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
     ngx_http_llama_session_ollama_t *o, ngx_uint_t done)
 {
-    u_char  *p, model[256], reason[64];
-    cJSON   *line, *msg, *calls, *call, *f, *args, *parsed, *name, *oc, *of;
+    u_char      *p, model[256], reason[64];
+    cJSON       *line, *msg, *calls, *call, *f, *args, *parsed, *name, *oc;
+    cJSON       *of;
+    ngx_uint_t   i;
+    ngx_http_llama_session_ollama_arg_t  *arg;
 
     line = cJSON_CreateObject();
     if (line == NULL) {
@@ -1593,13 +1633,28 @@ ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
         if (done && o->tool_calls && cJSON_GetArraySize(o->tool_calls)) {
             calls = cJSON_AddArrayToObject(msg, "tool_calls");
 
+            i = 0;
+
             cJSON_ArrayForEach(call, o->tool_calls) {
                 f = cJSON_GetObjectItemCaseSensitive(call, "function");
                 name = cJSON_GetObjectItemCaseSensitive(f, "name");
                 args = cJSON_GetObjectItemCaseSensitive(f, "arguments");
 
-                parsed = cJSON_IsString(args)
-                         ? cJSON_Parse(args->valuestring) : NULL;
+                /* a streamed call's arguments are in its buffer */
+
+                arg = (o->args && i < o->args->nelts)
+                      ? &((ngx_http_llama_session_ollama_arg_t *)
+                          o->args->elts)[i]
+                      : NULL;
+                i++;
+
+                parsed = arg ? ngx_http_llama_session_json_tree(arg->data,
+                                                                arg->len)
+                       : cJSON_IsString(args)
+                         ? ngx_http_llama_session_json_tree(
+                               (u_char *) args->valuestring,
+                               ngx_strlen(args->valuestring))
+                         : NULL;
 
                 oc = cJSON_CreateObject();
                 cJSON_AddItemToArray(calls, oc);
@@ -1846,7 +1901,7 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
                                   "the model server did not list its models");
     }
 
-    json = cJSON_ParseWithLength((char *) ctx->call_reply->pos,
+    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
                                  ctx->call_reply->last - ctx->call_reply->pos);
     data = cJSON_GetObjectItemCaseSensitive(json, "data");
 

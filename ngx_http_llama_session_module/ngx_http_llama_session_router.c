@@ -203,7 +203,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         return ngx_http_llama_session_router_fail(r, ctx, "GET /models");
     }
 
-    json = cJSON_ParseWithLength((char *) ctx->call_reply->pos,
+    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
                                  ctx->call_reply->last - ctx->call_reply->pos);
 
     data = cJSON_GetObjectItemCaseSensitive(json, "data");
@@ -417,7 +417,7 @@ ngx_http_llama_session_router_props(ngx_http_request_t *r,
         return ngx_http_llama_session_router_fail(r, ctx, "GET /props");
     }
 
-    json = cJSON_ParseWithLength((char *) ctx->call_reply->pos,
+    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
                                  ctx->call_reply->last - ctx->call_reply->pos);
 
     role = cJSON_GetObjectItemCaseSensitive(json, "role");

@@ -508,6 +508,25 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
 }
 
 
+/*
+ * A tree of untrusted JSON (a client's, a backend's): counted first, as
+ * cJSON's tree costs some 64 bytes a value; NULL past
+ * NGX_HTTP_LLAMA_SESSION_JSON_VALUES values or if it is not JSON.
+ */
+
+cJSON *
+ngx_http_llama_session_json_tree(u_char *p, size_t len)
+{
+    if (ngx_http_llama_session_json_values(p, len)
+        > NGX_HTTP_LLAMA_SESSION_JSON_VALUES)
+    {
+        return NULL;
+    }
+
+    return cJSON_ParseWithLength((const char *) p, len);
+}
+
+
 static cJSON *
 ngx_http_llama_session_reply_json(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx)
@@ -520,13 +539,14 @@ ngx_http_llama_session_reply_json(ngx_log_t *log,
         return NULL;
     }
 
-    json = cJSON_ParseWithLength((const char *) ctx->call_reply->pos,
+    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
                                  ctx->call_reply->last - ctx->call_reply->pos);
 
     if (json == NULL) {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: the reply to a slot call is not "
-                      "JSON: \"%*s\"",
+                      "JSON of at most %d values: \"%*s\"",
+                      NGX_HTTP_LLAMA_SESSION_JSON_VALUES,
                       ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
                               200),
                       ctx->call_reply->pos);

@@ -447,16 +447,16 @@ ngx_http_llama_session_prime_tokens(ngx_log_t *log, ngx_buf_t *b,
     cJSON       *json, *usage, *n, *timings;
     ngx_uint_t   i, tokens;
 
-    *cached = -1;
-
     static const char  *names[] = { "prompt_tokens", "input_tokens",
                                     "cache_read_input_tokens" };
+
+    *cached = -1;
 
     if (b == NULL) {
         return 0;
     }
 
-    json = cJSON_ParseWithLength((const char *) b->pos, b->last - b->pos);
+    json = ngx_http_llama_session_json_tree(b->pos, b->last - b->pos);
     if (json == NULL) {
         return 0;
     }

@@ -247,6 +247,52 @@ is($lines, 20000, "then it reads the whole stream: $lines lines");
 like($got, qr/"done":true/, 'to its last line');
 $t->fake_script({});
 
+# the isolation review: streamed tool-call arguments are put together in
+# linear time (20,000 pieces of 40 bytes: 5 s of the worker's CPU when
+# they were rebuilt as old + new), and a call's arguments are counted
+# before cJSON builds their tree (a 7 MB array took a worker to 317 MB)
+
+my $cpu = sub { my $t = 0; for (@workers) { my @f = split ' ', `cat /proc/$_/stat`;
+                                            $t += $f[13] + $f[14] } $t / 100 };
+my $piece = '"' . ('a' x 38) . '"';
+my %spent;
+for my $n (10000, 40000) {
+    $t->fake_script({ completion => { events => [
+        { choices => [ { delta => { tool_calls => [ { index => 0, id => 'c1', type => 'function',
+            function => { name => 'f', arguments => '{"k":[' } } ] } } ] },
+        (map { { choices => [ { delta => { tool_calls => [ { index => 0,
+            function => { arguments => $piece . ',' } } ] } } ] } } 1 .. $n),
+        { choices => [ { delta => { tool_calls => [ { index => 0,
+            function => { arguments => '"z"]}' } } ] } } ] },
+        { choices => [ { delta => {}, finish_reason => 'tool_calls' } ] } ] } });
+    my $c0 = $cpu->();
+    $r = $t->post('/api/chat', { model => 'm', messages => [ { role => 'user', content => 'x' } ] });
+    $spent{$n} = $cpu->() - $c0;
+    my @tl = grep { $_->{message}{tool_calls} } lines($r);
+    is(scalar @{ $tl[0]{message}{tool_calls}[0]{function}{arguments}{k} // [] }, $n + 1,
+       "a call streamed in $n pieces is put together whole");
+}
+# linear: four times the pieces, about four times the time (quadratic: 16)
+my $ratio = $spent{40000} / ($spent{10000} || 0.01);
+ok($ratio < 6, sprintf('four times the pieces took %.1f times the CPU '
+                       . '(%.2f s, %.2f s; < 6)', $ratio, $spent{10000},
+                       $spent{40000}));
+
+$before = 0; $before += $rss->($_) for @workers;
+$t->fake_script({ completion => { reply => { choices => [ { index => 0,
+    finish_reason => 'tool_calls', message => { role => 'assistant', content => '',
+        tool_calls => [ { id => 'c2', type => 'function', function => { name => 'g',
+            arguments => '[' . join(',', ('[]') x 2_000_000) . ']' } } ] } } ] } } });
+$r = $t->post('/api/chat', { model => 'm', stream => \0,
+                             messages => [ { role => 'user', content => 'x' } ] });
+$after = 0; $after += $rss->($_) for @workers;
+is($r->{status}, 200, 'a reply whose call has 2,000,000 values as arguments');
+is_deeply($r->{json}{message}{tool_calls}[0]{function}{arguments}, {},
+          'its arguments are not parsed');
+ok($after - $before < 64 * 1024, 'the workers grew by '
+   . int(($after - $before) / 1024) . ' MB (< 64)');
+$t->fake_script({});
+
 # an error of llama-server, and the module's own
 
 $t->fake_script({ completion => { status => 500 } });
