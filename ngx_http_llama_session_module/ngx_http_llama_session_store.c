@@ -66,8 +66,14 @@ static void ngx_http_llama_session_doomed_handler(ngx_event_t *ev);
 typedef struct {
     ngx_queue_t                     queue;
     off_t                           size;
+    dev_t                           dev;        /* the file renamed, */
+    ino_t                           ino;        /* not what has its name */
     u_char                          path[1];
 } ngx_http_llama_session_doomed_t;
+
+
+static ngx_int_t ngx_http_llama_session_doomed_cut(
+    ngx_http_llama_session_doomed_t *d, ngx_log_t *log);
 
 
 static ngx_queue_t  ngx_http_llama_session_doomed = {
@@ -1072,6 +1078,8 @@ ngx_http_llama_session_store_delete(u_char *file)
     }
 
     d->size = ngx_file_size(&fi);
+    d->dev = fi.st_dev;
+    d->ino = fi.st_ino;
 
     ngx_queue_insert_tail(&ngx_http_llama_session_doomed, &d->queue);
 
@@ -1091,6 +1099,64 @@ ngx_http_llama_session_store_delete(u_char *file)
 }
 
 
+/*
+ * Cuts the renamed file to d->size: through a descriptor of the very file
+ * renamed (no link followed, the same device and inode), never through
+ * its name, which llama-server (the folder's owner) could have swapped for
+ * a link to any file the worker may write.  NGX_DECLINED: not that file,
+ * its name goes (unlink takes a link itself, not what it points at).
+ */
+
+static ngx_int_t
+ngx_http_llama_session_doomed_cut(ngx_http_llama_session_doomed_t *d,
+    ngx_log_t *log)
+{
+    ngx_fd_t         fd;
+    ngx_int_t        rc;
+    ngx_file_info_t  fi;
+
+    fd = open((char *) d->path, O_WRONLY|O_NOFOLLOW|O_NONBLOCK|O_CLOEXEC);
+
+    if (fd == NGX_INVALID_FILE) {
+        if (ngx_errno == NGX_ELOOP) {
+            ngx_log_error(NGX_LOG_WARN, log, 0,
+                          "llama_session: \"%s\" is no longer the file the "
+                          "module renamed (a link): only its name is "
+                          "removed", d->path);
+        }
+
+        return NGX_DECLINED;
+    }
+
+    rc = NGX_DECLINED;
+
+    if (ngx_fd_info(fd, &fi) != NGX_FILE_ERROR
+        && ngx_is_file(&fi) && fi.st_dev == d->dev && fi.st_ino == d->ino)
+    {
+        if (ftruncate(fd, d->size) == 0) {
+            rc = NGX_OK;
+
+        } else {
+            ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                          "ftruncate(\"%s\") failed", d->path);
+        }
+
+    } else {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: \"%s\" is no longer the file the "
+                      "module renamed (a link, or another file): only its "
+                      "name is removed", d->path);
+    }
+
+    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
+                      ngx_close_file_n " \"%s\" failed", d->path);
+    }
+
+    return rc;
+}
+
+
 static void
 ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
 {
@@ -1107,7 +1173,9 @@ ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
     d->size = (d->size > NGX_HTTP_LLAMA_SESSION_DELETE_STEP)
               ? d->size - NGX_HTTP_LLAMA_SESSION_DELETE_STEP : 0;
 
-    if (d->size == 0 || truncate((char *) d->path, d->size) == -1) {
+    if (d->size == 0
+        || ngx_http_llama_session_doomed_cut(d, ev->log) != NGX_OK)
+    {
 
         if (ngx_delete_file(d->path) == NGX_FILE_ERROR
             && ngx_errno != NGX_ENOENT)

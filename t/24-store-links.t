@@ -1,0 +1,82 @@
+#!/usr/bin/perl
+
+# The isolation review: a large store file is deleted in steps (renamed to
+# ".del", cut by 64 MB every 10 ms).  A llama-server (the folder's owner)
+# that swaps that name for a link must not make the worker (www-data) cut
+# the file the link points at: it is cut through a descriptor of the very
+# file renamed (O_NOFOLLOW, the same inode), else only the name goes.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2);
+$t->fake(np => 1);
+$t->nginx(<<'EOF2');
+    llama_session_zone zone=llama:1m store=%%SLOTS%%;
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session llama;
+            proxy_pass http://127.0.0.1:%%LLAMA%%;
+        }
+
+        location /api/ {
+            llama_session_api llama;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA%%/;
+        }
+    }
+EOF2
+
+my $slots = $t->{slots};
+my $fp = LlamaTest::fake_fp();
+my $key = 'big-' . ('0' x 24);
+my $file = "$slots/$key.$fp.bin";
+my $size = 4 * 1024 * 1024 * 1024;
+
+# a 4 GB state (sparse), known to the zone
+open my $fh, '>', $file or die;
+truncate $fh, $size or die;
+close $fh;
+
+# a file the workers may write, which the link will point at
+my $victim = $t->dir . '/victim.log';
+open $fh, '>', $victim or die;
+truncate $fh, $size or die;
+close $fh;
+my $uid = (getpwnam($LlamaTest::USER))[2];
+chown $uid, -1, $victim;
+
+is($t->post('/completion', { prompt => 'x', n_predict => 2 },
+            headers => { 'X-Session-Id' => 'warmup' })->{status}, 200,
+   'the zone knows the backend');
+my $r = $t->get("/api/sessions/$key");
+is($r->{status}, 200, 'the 4 GB file is in the index');
+
+$r = $t->request('DELETE', "/api/sessions/$key");
+is($r->{status}, 200, 'DELETE it');
+
+# the name it was renamed to becomes a link to the victim
+my $del = "$file.del";
+ok(-e $del, 'it was renamed to .del, to be cut in steps');
+symlink $victim, "$del.link" or die;
+rename "$del.link", $del or die;
+
+ok($t->wait_for(sub { !-e $del && !-l $del }, 10), 'the .del name goes');
+is(-s $victim, $size, 'the file the link pointed at is whole');
+ok($t->log_lines(qr/is no longer the file the module renamed/),
+   'the error log says why only the name went');
+
+$t->stop;
+done_testing;
