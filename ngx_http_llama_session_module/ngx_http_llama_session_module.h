@@ -337,6 +337,7 @@ typedef struct {
      * reply shows no cached tokens): after a few in a row, saves and
      * restores stop for that backend configuration
      */
+    u_char                          evicting_full; /* said once */
     ngx_uint_t                      ineffective_run;
     u_char                          restores_off;
     u_char                          restores_off_fp[

@@ -2048,8 +2048,8 @@ ngx_http_llama_session_rbtree_insert(ngx_rbtree_node_t *temp,
 /*
  * Finds or adds a record, and makes it the most recently used of its
  * kind.  When the zone is full, the least recently used record without
- * a file is forgotten, else the oldest with one (its file stays on disk:
- * the folder says it exists, and the next index finds it again).
+ * a file is forgotten, else the oldest with one, and its file is deleted
+ * (an eviction): the folder never holds files the zone does not count.
  */
 
 ngx_http_llama_session_node_t *
@@ -2091,12 +2091,38 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
         q = ngx_queue_last(queue);
 
         sn = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+
+        if (sn->saved && zone->store.len) {
+            /*
+             * the index cannot hold every file: the least recently used
+             * file goes with its record (renamed aside, cut and unlinked
+             * in steps when large), so that the folder holds what the
+             * zone counts, and max_files and max_size still bound it
+             */
+
+            if (!sh->evicting_full) {
+                sh->evicting_full = 1;
+                ngx_log_error(NGX_LOG_WARN, ngx_cycle->log, 0,
+                              "llama_session zone \"%V\" is full of "
+                              "records: the least recently used files are "
+                              "deleted before max_files or max_size is "
+                              "reached; make the zone larger", &zone->name);
+            }
+
+            (void) ngx_http_llama_session_store_unlink(zone, sn->name,
+                                                       sn->name_len,
+                                                       ngx_cycle->log);
+            sh->stats.evictions++;
+
+        } else {
+            sh->stats.forgotten++;
+        }
+
         ngx_http_llama_session_node_file(sh, sn, 0, 0);
         ngx_queue_remove(&sn->lru);
         ngx_rbtree_delete(&sh->rbtree, &sn->node);
         ngx_slab_free_locked(zone->shpool, sn);
         sh->nsessions--;
-        sh->stats.forgotten++;
         sn = NULL;
     }
 
