@@ -300,6 +300,8 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
     if (rc == NGX_OK) {
         /* Ollama's translation reads it again (ollama.c) */
         ctx->body = body;
+        ctx->body_copied = (r->request_body->bufs->next
+                            || !ngx_buf_in_memory(r->request_body->bufs->buf));
     }
 
     if (rc == NGX_DECLINED || body.len == 0) {
@@ -432,6 +434,100 @@ fallback:
             ctx->base_len += ctx->zone->prefix.len;
         }
     }
+
+    return NGX_OK;
+}
+
+
+/*
+ * The body is read: a copy of one that nginx wrote to a file goes, so
+ * that a request waiting for its slot holds no more than nginx's buffers.
+ * What a warm start's prime takes from it later (the spans p_*) is kept as
+ * offsets, and read again from the file then (body_spans()).
+ */
+
+void
+ngx_http_llama_session_body_release(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_uint_t                      i;
+    ngx_http_llama_session_span_t  *sp[6];
+
+    if (!ctx->body_copied || ctx->body.data == NULL) {
+        return;
+    }
+
+    sp[0] = &ctx->p_model;
+    sp[1] = &ctx->p_system;
+    sp[2] = &ctx->p_leading;
+    sp[3] = &ctx->p_tools;
+    sp[4] = &ctx->p_tool_choice;
+    sp[5] = &ctx->p_kwargs;
+
+    for (i = 0; i < 6; i++) {
+        if (sp[i]->start) {
+            sp[i]->start = (u_char *) (sp[i]->start - ctx->body.data);
+            sp[i]->end = (u_char *) (sp[i]->end - ctx->body.data);
+        }
+    }
+
+    ctx->spans_off = 1;
+
+    /* larger than a pool's small block: its own allocation, freed now */
+    ngx_pfree(r->pool, ctx->body.data);
+
+    ngx_str_null(&ctx->body);
+}
+
+
+/*
+ * For a prime: the spans p_* as pointers again, into body: the request's
+ * body read again from its file if body_release() let it go (the caller
+ * frees body->data then, when it is not NULL).
+ */
+
+ngx_int_t
+ngx_http_llama_session_body_spans(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *body)
+{
+    ngx_int_t                       rc;
+    ngx_uint_t                      i;
+    ngx_http_llama_session_span_t  *sp[6];
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    ngx_str_null(body);
+
+    if (!ctx->spans_off) {
+        return NGX_OK;
+    }
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    rc = ngx_http_llama_session_read_body(r, llcf->body_max, body);
+
+    if (rc != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    sp[0] = &ctx->p_model;
+    sp[1] = &ctx->p_system;
+    sp[2] = &ctx->p_leading;
+    sp[3] = &ctx->p_tools;
+    sp[4] = &ctx->p_tool_choice;
+    sp[5] = &ctx->p_kwargs;
+
+    for (i = 0; i < 6; i++) {
+        if (sp[i]->start) {
+            if ((size_t) sp[i]->end > body->len) {
+                return NGX_ERROR;
+            }
+
+            sp[i]->start = body->data + (size_t) sp[i]->start;
+            sp[i]->end = body->data + (size_t) sp[i]->end;
+        }
+    }
+
+    ctx->spans_off = 0;
 
     return NGX_OK;
 }

@@ -541,6 +541,9 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
         } else {
             ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
 
+            /* a body in a file waits there, not in memory */
+            ngx_http_llama_session_body_release(r, ctx);
+
             if (ctx->probe) {
                 ngx_http_llama_session_stat(ctx,
                                             &ctx->zone->sh->stats.probes);

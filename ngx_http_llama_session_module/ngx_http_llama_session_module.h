@@ -593,6 +593,8 @@ struct ngx_http_llama_session_ctx_s {
 
     /* the body in one piece, as identify read it (NULL data: none) */
     ngx_str_t                       body;
+    unsigned                        body_copied:1; /* from its file */
+    unsigned                        spans_off:1;   /* p_*: offsets */
 
     /* the prompt's messages, and the session's previous prompt (miss.c) */
     ngx_http_llama_session_msg_t   *msgs;
@@ -729,6 +731,10 @@ ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
     char *suffix);
 ngx_int_t ngx_http_llama_session_ns_digest(ngx_http_request_t *r,
     ngx_str_t *ns, u_char *out);
+void ngx_http_llama_session_body_release(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_body_spans(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *body);
 ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
 void ngx_http_llama_session_sha256_free(void);

@@ -355,6 +355,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out)
 {
     size_t                          len;
+    ngx_str_t                       body;
     ngx_buf_t                      *b;
     ngx_uint_t                      i;
     ngx_http_llama_session_span_t  *sp;
@@ -371,6 +372,12 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
         { "chat_template_kwargs",
           offsetof(ngx_http_llama_session_ctx_t, p_kwargs) }
     };
+
+    /* a body nginx keeps in a file is read again for the prime */
+
+    if (ngx_http_llama_session_body_spans(r, ctx, &body) != NGX_OK) {
+        return NGX_ERROR;
+    }
 
     len = sizeof("{\"messages\":[],\"max_tokens\":1,\"temperature\":0,"
                  "\"stream\":false,\"id_slot\":}") - 1 + NGX_INT_T_LEN;
@@ -427,6 +434,12 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
 
     b->last_buf = 1;
     b->last_in_chain = 1;
+
+    if (body.data) {
+        /* and let go again */
+        ctx->body = body;
+        ngx_http_llama_session_body_release(r, ctx);
+    }
 
     *out = b;
 
