@@ -117,6 +117,7 @@ static ngx_str_t  ngx_http_llama_session_no_session[] = {
     ngx_string("/rerank"),
     ngx_string("/reranking"),
     ngx_string("/api/embed"),
+    ngx_string("/audio/transcriptions"),
     ngx_null_string
 };
 

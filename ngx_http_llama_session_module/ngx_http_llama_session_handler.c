@@ -592,11 +592,13 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
     }
 
     if (!ctx->queued && ctx->zone->sh->nslots > 1
-        && ngx_http_llama_session_uri_ends(r, "/messages"))
+        && (ngx_http_llama_session_uri_ends(r, "/messages")
+            || ngx_http_llama_session_uri_ends(r, "/audio/transcriptions")))
     {
         /*
-         * llama-server's Anthropic conversion drops "id_slot": the
-         * request could run on any slot, on another session's cache
+         * llama-server's Anthropic and transcription conversions drop
+         * "id_slot" (a transcription is a form, not JSON): the request
+         * could run on any slot, on another session's cache
          */
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,

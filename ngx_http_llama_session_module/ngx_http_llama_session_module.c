@@ -210,6 +210,7 @@ static ngx_str_t  ngx_http_llama_session_default_endpoints[] = {
     ngx_string("/api/chat"),
     ngx_string("/api/generate"),
     ngx_string("/api/embed"),
+    ngx_string("/audio/transcriptions"),
     ngx_null_string
 };
 

@@ -122,5 +122,17 @@ like($t->read_file('site-error.log'),
      'the error log names the call and the directive to raise');
 $t->fake_script({});
 
+# OpenAI's transcriptions take a slot too: through the queue, as "default"
+is(turn('eve', 'one')->{status}, 200, 'eve in the slot');
+my $form = "--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+         . "Content-Type: audio/wav\r\n\r\nRIFF....WAVE\r\n--XyZ--\r\n";
+my $tr = $t->request('POST', '/v1/audio/transcriptions', body => $form,
+                     headers => { 'Content-Type' => 'multipart/form-data; boundary=XyZ' });
+ok($tr->{headers}{'x-s-action'} && $tr->{headers}{'x-s-action'} ne 'bypass',
+   'a transcription goes through the slot\'s queue: '
+   . ($tr->{headers}{'x-s-action'} // 'none'));
+like($t->read_file('site-error.log'), qr/out "eve-\w+" saved .* in "default"/,
+     'eve is saved before it runs');
+
 $t->stop;
 done_testing;
