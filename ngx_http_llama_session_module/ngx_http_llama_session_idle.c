@@ -137,6 +137,14 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
     step = ngx_http_llama_session_idle_step(zone);
     ngx_add_timer(ev, step);
 
+    if (zone->store.len
+        && (ngx_msec_int_t) (ngx_current_msec - zone->reaped) >= 300000)
+    {
+        /* every 5 minutes: the folder again, and its leftovers reaped */
+        zone->reaped = ngx_current_msec;
+        (void) ngx_http_llama_session_store_sync(zone, ev->log);
+    }
+
     if (zone->idle_busy
         || (ngx_msec_int_t) (ngx_current_msec - zone->idle_next) < 0)
     {

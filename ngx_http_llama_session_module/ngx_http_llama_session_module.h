@@ -381,6 +381,7 @@ struct ngx_http_llama_session_zone_s {
     ngx_uint_t                      idle_busy;
     ngx_msec_t                      idle_backoff;
     ngx_msec_t                      idle_next;
+    ngx_msec_t                      reaped;     /* the folder looked at */
     ngx_shm_zone_t                 *shm_zone;
     ngx_cycle_t                    *cycle;      /* of the configuration */
     ngx_http_llama_session_sh_t    *sh;

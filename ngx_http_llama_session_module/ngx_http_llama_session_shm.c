@@ -108,6 +108,19 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
             return NGX_ERROR;
         }
 
+        if (ozone->model.len != zone->model.len
+            || ngx_strncmp(ozone->model.data, zone->model.data,
+                           zone->model.len) != 0)
+        {
+            /* its slots' contents and fingerprint are the old model's */
+            ngx_log_error(NGX_LOG_EMERG, shm_zone->shm.log, 0,
+                          "llama_session zone \"%V\" drives model \"%V\" "
+                          "while previously it drove \"%V\": restart nginx "
+                          "to change it", &shm_zone->shm.name, &zone->model,
+                          &ozone->model);
+            return NGX_ERROR;
+        }
+
         zone->sh = ozone->sh;
         zone->shpool = ozone->shpool;
 

@@ -162,8 +162,13 @@ ngx_http_llama_session_store_name(ngx_http_llama_session_zone_t *zone,
 
 /*
  * Lists the session files of the folder with their size and time.  At
- * start (clean), leftover temporary files of interrupted saves go.
+ * start (clean), leftover temporary files of interrupted saves go; while
+ * running, those that nothing wrote to for NGX_HTTP_LLAMA_SESSION_TMP_AGE
+ * (a save whose client left: its .tmp was deleted at once, but llama-server
+ * may have written it after).
  */
+
+#define NGX_HTTP_LLAMA_SESSION_TMP_AGE  600
 
 static ngx_int_t
 ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
@@ -227,7 +232,12 @@ ngx_http_llama_session_store_scan(ngx_http_llama_session_zone_t *zone,
                      ngx_de_name(&dir));
 
         if (rc == NGX_AGAIN) {
-            if (clean) {
+            if (clean
+                || (ngx_link_info(file, &fi) != NGX_FILE_ERROR
+                    && ngx_is_file(&fi)
+                    && ngx_time() - ngx_file_mtime(&fi)
+                       > NGX_HTTP_LLAMA_SESSION_TMP_AGE))
+            {
                 ngx_log_error(NGX_LOG_NOTICE, log, 0,
                               "llama_session: deleting \"%s\", left by an "
                               "interrupted save", file);

@@ -78,5 +78,15 @@ is(-s $victim, $size, 'the file the link pointed at is whole');
 ok($t->log_lines(qr/is no longer the file the module renamed/),
    'the error log says why only the name went');
 
+# a save's .tmp that llama-server wrote after its client left: reaped
+# while running once nothing wrote to it for 10 minutes; a fresh one stays
+my $old = "$slots/gone-" . ('1' x 24) . ".$fp.bin.tmp";
+my $new = "$slots/busy-" . ('2' x 24) . ".$fp.bin.tmp";
+for ($old, $new) { open my $f, '>', $_ or die; print $f 'x' x 100; close $f }
+utime time - 1200, time - 1200, $old;
+is($t->get('/api/sessions')->{status}, 200, 'the folder is looked at again');
+ok(!-e $old, 'a .tmp left for 20 minutes is deleted');
+ok(-e $new, 'a fresh one stays');
+
 $t->stop;
 done_testing;

@@ -46,4 +46,41 @@ ok(!(grep { $_->{method} eq 'POST' } @{ $t->fake_calls }),
    'nothing ran on the backend');
 
 $t->stop;
+
+# a reload that gives a zone another model= is refused, as one of slots=:
+# its slots' contents and fingerprint are the old model's
+
+$t = LlamaTest->new(workers => 2);
+$t->fake(script => { router => 1 });
+$t->nginx(<<'EOF2');
+    llama_session_zone zone=small:1m model=small store=%%SLOTS%%
+                       backend=127.0.0.1:%%LLAMA%%;
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session small;
+            proxy_pass http://127.0.0.1:%%LLAMA%%;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA%%/;
+        }
+    }
+EOF2
+
+my $conf = $t->read_file('nginx.conf');
+$conf =~ s/model=small/model=big/ or die;
+open my $fh, '>', $t->dir . '/nginx.conf' or die;
+print $fh $conf;
+close $fh;
+$t->allow_alerts(qr/drives model "big" while previously it drove "small"/);
+kill 'HUP', $t->{pids}{nginx};
+ok($t->wait_for(sub { $t->log_lines(
+    qr/\[emerg\].*llama_session zone "small" drives model "big" while previously it drove "small": restart nginx/) }, 10),
+   'a reload that changes a zone\'s model= is refused, with both models');
+
+$t->stop;
 done_testing;
