@@ -85,8 +85,10 @@ is($r->{status}, 200, 'alpha is served');
 is($r->{action}, 'fresh', 'alpha starts fresh');
 my @calls = map { what($_) } grep { what($_) ne 'other' && what($_) ne 'get' }
             @{ $t->fake_calls };
-is_deeply(\@calls, [ qw(prime save completion) ],
-          'the prime, the base\'s save, then alpha\'s request');
+is_deeply(\@calls, [ qw(erase prime save completion) ],
+          'an erase (a slot GET /slots shows without n_prompt_tokens may '
+          . 'hold a restored state), the prime, the base\'s save, then '
+          . 'alpha\'s request');
 my ($prime) = grep { what($_) eq 'prime' } @{ $t->fake_calls };
 my $pb = $JSON->decode($prime->{body});
 is_deeply($pb->{messages}, [ { role => 'system', content => $system } ],
