@@ -21,6 +21,7 @@ use lib "$FindBin::Bin/lib";
 use LlamaTest;
 use POSIX qw(:sys_wait_h);
 use Test::More;
+use IO::Handle;
 use Time::HiRes qw(sleep time);
 
 my $JSON = $LlamaTest::JSON;
@@ -92,6 +93,9 @@ for my $c (0 .. $CLIENTS - 1) {
         $t->{stopped} = 1;
         srand($c + 1);
         open my $out, '>', $file or die;
+        # each record as it is made: the parent counts them to restart
+        # llama-server half way
+        $out->autoflush(1);
         my %turns;
         my @mine = @names[ $c * 5 .. $c * 5 + 4 ];
         for my $i (1 .. int($N / $CLIENTS)) {
