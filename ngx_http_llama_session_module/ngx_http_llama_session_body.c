@@ -38,6 +38,8 @@ static ngx_int_t ngx_http_llama_session_digest_text(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_digest_string(ngx_http_request_t *r,
     u_char *start, u_char *end, size_t *found, ngx_uint_t billing,
     size_t *budget);
+static void ngx_http_llama_session_body_span_list(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t **sp);
 static ngx_uint_t ngx_http_llama_session_probe(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
@@ -440,6 +442,21 @@ fallback:
 }
 
 
+/* the spans a warm start's prime takes from the body */
+
+static void
+ngx_http_llama_session_body_span_list(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_span_t **sp)
+{
+    sp[0] = &ctx->p_model;
+    sp[1] = &ctx->p_system;
+    sp[2] = &ctx->p_leading;
+    sp[3] = &ctx->p_tools;
+    sp[4] = &ctx->p_tool_choice;
+    sp[5] = &ctx->p_kwargs;
+}
+
+
 /*
  * The body is read: a copy of one that nginx wrote to a file goes, so
  * that a request waiting for its slot holds no more than nginx's buffers.
@@ -458,12 +475,7 @@ ngx_http_llama_session_body_release(ngx_http_request_t *r,
         return;
     }
 
-    sp[0] = &ctx->p_model;
-    sp[1] = &ctx->p_system;
-    sp[2] = &ctx->p_leading;
-    sp[3] = &ctx->p_tools;
-    sp[4] = &ctx->p_tool_choice;
-    sp[5] = &ctx->p_kwargs;
+    ngx_http_llama_session_body_span_list(ctx, sp);
 
     for (i = 0; i < 6; i++) {
         if (sp[i]->start) {
@@ -510,12 +522,7 @@ ngx_http_llama_session_body_spans(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    sp[0] = &ctx->p_model;
-    sp[1] = &ctx->p_system;
-    sp[2] = &ctx->p_leading;
-    sp[3] = &ctx->p_tools;
-    sp[4] = &ctx->p_tool_choice;
-    sp[5] = &ctx->p_kwargs;
+    ngx_http_llama_session_body_span_list(ctx, sp);
 
     for (i = 0; i < 6; i++) {
         if (sp[i]->start) {

@@ -66,6 +66,9 @@ for (@h) {
     $ok++ if $r->{status} == 200 && ($r->{headers}{'x-s-slot'} // '') eq '0';
 }
 is($ok, 3, 'three sessions at once: each answered 200, on slot 0');
+is($t->post('/v1/chat/completions', body('z'),
+            headers => { 'X-Session-Id' => 'z' })->{status}, 200,
+   'a fourth session takes the slot (whichever of them came last)');
 
 for my $sid (qw(a b c)) {
     my $r = $t->post('/v1/chat/completions', body($sid),
