@@ -229,6 +229,89 @@ ngx_read_file(ngx_file_t *file, u_char *buf, size_t size, off_t offset)
 }
 
 
+/* arrays in the harness's pool (ngx_array.c's, without the pool's tricks) */
+
+ngx_array_t *
+ngx_array_create(ngx_pool_t *p, ngx_uint_t n, size_t size)
+{
+    ngx_array_t  *a;
+
+    a = ngx_palloc(p, sizeof(ngx_array_t));
+    if (a == NULL) {
+        return NULL;
+    }
+
+    a->elts = ngx_palloc(p, n * size);
+    if (a->elts == NULL) {
+        return NULL;
+    }
+
+    a->nelts = 0;
+    a->size = size;
+    a->nalloc = n;
+    a->pool = p;
+
+    return a;
+}
+
+
+void *
+ngx_array_push(ngx_array_t *a)
+{
+    void  *elts;
+
+    if (a->nelts == a->nalloc) {
+        elts = ngx_palloc(a->pool, 2 * a->nalloc * a->size);
+        if (elts == NULL) {
+            return NULL;
+        }
+
+        ngx_memcpy(elts, a->elts, a->nelts * a->size);
+        a->elts = elts;
+        a->nalloc *= 2;
+    }
+
+    return (u_char *) a->elts + a->size * a->nelts++;
+}
+
+
+/* the body filters' chains: the harnesses call no filter */
+
+ngx_int_t
+ngx_chain_add_copy(ngx_pool_t *pool, ngx_chain_t **chain, ngx_chain_t *in)
+{
+    fuzz_unexpected("ngx_chain_add_copy");
+    return NGX_ERROR;
+}
+
+
+void
+ngx_chain_update_chains(ngx_pool_t *p, ngx_chain_t **free,
+    ngx_chain_t **busy, ngx_chain_t **out, ngx_buf_tag_t tag)
+{
+    fuzz_unexpected("ngx_chain_update_chains");
+}
+
+
+/* the pool's memory goes at fuzz_pool_reset(), all of it */
+
+ngx_int_t
+ngx_pfree(ngx_pool_t *pool, void *p)
+{
+    return NGX_DECLINED;
+}
+
+
+/* the harnesses' requests have no arguments */
+
+ngx_int_t
+ngx_http_arg(ngx_http_request_t *r, u_char *name, size_t len,
+    ngx_str_t *value)
+{
+    return NGX_DECLINED;
+}
+
+
 ngx_uint_t
 ngx_hash_key(u_char *data, size_t len)
 {

@@ -202,7 +202,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             }
         }
 
-        (void) ngx_http_llama_session_ollama_emit(&r,
+        (void) ngx_http_llama_session_ollama_emit(&r, &o,
                           ngx_http_llama_session_ollama_object(&r, &o, 1), 1,
                           &ll);
 

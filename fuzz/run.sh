@@ -62,16 +62,16 @@ build() {
     local t=$1 files
     case $t in
     json)     files="$here/fuzz/json_fuzz.c $mod/ngx_http_llama_session_json.c"
-              libs= ;;
+              libs=-lcjson ;;
     identity) files="$here/fuzz/identity_fuzz.c $here/fuzz/fuzz_ngx.c
                      $mod/ngx_http_llama_session_json.c
                      $mod/ngx_http_llama_session_miss.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     replies)  files="$here/fuzz/replies_fuzz.c $here/fuzz/fuzz_ngx.c
-                     $(ngx_string_c)"
+                     $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     ollama)   files="$here/fuzz/ollama_fuzz.c $here/fuzz/fuzz_ngx.c
-                     $(ngx_string_c)"
+                     $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     differential)
               # C for the module's side, C++ for llama-server's library

@@ -6,7 +6,8 @@
  * JSON object without building a tree, skipping everything else (long
  * prompts, histories, images) with memchr().  The few values the module
  * needs are decoded from their spans by cJSON.  Pure functions over
- * bytes, so they can be fuzzed alone.
+ * bytes, so they can be fuzzed alone; and the one way to a cJSON tree of
+ * untrusted JSON, counted first.
  */
 
 
@@ -154,8 +155,9 @@ ngx_http_llama_session_json_skip(u_char *p, u_char *end)
 static ngx_uint_t
 ngx_http_llama_session_json_key_is(u_char *key, u_char *kend, ngx_str_t *name)
 {
-    u_char      c, *n, *last;
+    u_char      c, h, *n, *last;
     ngx_int_t   code;
+    ngx_uint_t  i;
 
     if (memchr(key, '\\', kend - key) == NULL) {
         return (size_t) (kend - key) == name->len
@@ -189,10 +191,27 @@ ngx_http_llama_session_json_key_is(u_char *key, u_char *kend, ngx_str_t *name)
                     return 0;
                 }
 
-                code = ngx_hextoi(key, 4);
+                /* four hex digits (by hand: the scanner needs no libc) */
+
+                code = 0;
+
+                for (i = 0; i < 4; i++) {
+                    h = key[i] | 0x20;
+
+                    if (key[i] >= '0' && key[i] <= '9') {
+                        code = code * 16 + (key[i] - '0');
+
+                    } else if (h >= 'a' && h <= 'f') {
+                        code = code * 16 + (h - 'a' + 10);
+
+                    } else {
+                        return 0;
+                    }
+                }
+
                 key += 4;
 
-                if (code == NGX_ERROR || code == 0 || code > 0x7f) {
+                if (code == 0 || code > 0x7f) {
                     return 0;
                 }
 
@@ -416,4 +435,23 @@ ngx_http_llama_session_json_values(u_char *p, size_t len)
     }
 
     return n;
+}
+
+
+/*
+ * A tree of untrusted JSON (a client's, a backend's): counted first, as
+ * cJSON's tree costs some 64 bytes a value; NULL past
+ * NGX_HTTP_LLAMA_SESSION_JSON_VALUES values or if it is not JSON.
+ */
+
+cJSON *
+ngx_http_llama_session_json_tree(u_char *p, size_t len)
+{
+    if (ngx_http_llama_session_json_values(p, len)
+        > NGX_HTTP_LLAMA_SESSION_JSON_VALUES)
+    {
+        return NULL;
+    }
+
+    return cJSON_ParseWithLength((const char *) p, len);
 }

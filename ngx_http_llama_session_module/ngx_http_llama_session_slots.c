@@ -508,25 +508,6 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
 }
 
 
-/*
- * A tree of untrusted JSON (a client's, a backend's): counted first, as
- * cJSON's tree costs some 64 bytes a value; NULL past
- * NGX_HTTP_LLAMA_SESSION_JSON_VALUES values or if it is not JSON.
- */
-
-cJSON *
-ngx_http_llama_session_json_tree(u_char *p, size_t len)
-{
-    if (ngx_http_llama_session_json_values(p, len)
-        > NGX_HTTP_LLAMA_SESSION_JSON_VALUES)
-    {
-        return NULL;
-    }
-
-    return cJSON_ParseWithLength((const char *) p, len);
-}
-
-
 static cJSON *
 ngx_http_llama_session_reply_json(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx)
