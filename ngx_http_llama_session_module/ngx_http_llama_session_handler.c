@@ -907,7 +907,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t   rc;
-    ngx_uint_t  processing;
+    ngx_uint_t  processing, lost;
     ngx_msec_t  delay;
 
     if (ctx->call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len
@@ -930,6 +930,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     }
 
     processing = 0;
+    lost = 0;
 
     if (ctx->call_status == NGX_HTTP_OK) {
         rc = ngx_http_llama_session_parse_slots(r->connection->log, ctx,
@@ -937,19 +938,14 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         if (rc == NGX_DECLINED) {
             /* no such slot now: llama-server restarted with fewer */
-            ngx_http_llama_session_slot_lost(ctx);
-            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
-            return ngx_http_llama_session_call(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
-                                           NULL, 0);
-        }
+            lost = 1;
 
-        if (rc != NGX_OK) {
+        } else if (rc != NGX_OK) {
             return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
-        }
 
-        ctx->slots_checked = 1;
+        } else {
+            ctx->slots_checked = 1;
+        }
 
     } else {
         /*
@@ -973,7 +969,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    if (ctx->call_status == NGX_HTTP_OK
+    if (!lost && ctx->call_status == NGX_HTTP_OK
         && ngx_http_llama_session_slot_task(ctx, ctx->slot_task)
         && !processing)
     {
@@ -983,6 +979,12 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                       ctx->slot, ctx->slot_task,
                       ctx->out_len ? ctx->out_len : 1,
                       ctx->out_len ? ctx->out_key : (u_char *) "-");
+
+        lost = 1;
+    }
+
+    if (lost) {
+        /* its configuration again, the session from its file */
 
         ngx_http_llama_session_slot_lost(ctx);
 
