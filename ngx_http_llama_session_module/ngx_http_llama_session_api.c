@@ -17,6 +17,14 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_api.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_handler.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_slots.h"
+#include "ngx_http_llama_session_store.h"
 
 #include <cjson/cJSON.h>
 
@@ -112,6 +120,12 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
     clcf->handler = ngx_http_llama_session_api_handler;
+
+    if (llcf->api_zone->log_conf == NULL) {
+        /* a zone of the API alone: its idle saves run here (job.c) */
+        llcf->api_zone->log_conf = clcf;
+        llcf->api_zone->conf_ctx = cf->ctx;
+    }
 
     return NGX_CONF_OK;
 }
@@ -1104,7 +1118,8 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             }
 
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
             ctx->slots_checked = 0;
             ctx->restarted = 0;
             ctx->slot_tokens = -1;
@@ -1136,13 +1151,15 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
                 && !ngx_http_llama_session_fingerprint(ctx))
             {
-                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+                ngx_http_llama_session_job_state(ctx,
+                   NGX_HTTP_LLAMA_SESSION_ST_PROPS);
                 rc = ngx_http_llama_session_call(r, ctx,
                                              NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
                                              NULL, 0);
 
             } else {
-                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+                ngx_http_llama_session_job_state(ctx,
+                   NGX_HTTP_LLAMA_SESSION_ST_CHECK);
                 rc = ngx_http_llama_session_call(r, ctx,
                                              NGX_HTTP_LLAMA_SESSION_CALL_GET,
                                              NULL, 0);
@@ -1170,7 +1187,8 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
             if (rc == NGX_ERROR) {
                 api->failed = 1;
-                ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+                ngx_http_llama_session_job_state(ctx,
+                   NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
                 ngx_http_llama_session_release(ctx,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 break;
@@ -1181,7 +1199,8 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             }
 
             ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
             rc = ngx_http_llama_session_call(r, ctx,
                                              NGX_HTTP_LLAMA_SESSION_CALL_GET,
@@ -1266,16 +1285,16 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
     ngx_int_t                      rc;
-    ngx_uint_t                     processing;
+    ngx_uint_t                     verdict;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = api->ctx;
-    processing = 0;
 
-    if (ctx->call_status != NGX_HTTP_OK
-        || ngx_http_llama_session_parse_slots(r->connection->log, ctx,
-                                              &processing)
-           != NGX_OK)
+    verdict = ngx_http_llama_session_slots_verdict(r->connection->log, ctx);
+
+    if (verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_ERROR
+        || verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_NO_API
+        || verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE)
     {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API's GET /slots for slot %ui "
@@ -1283,33 +1302,25 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
                       ctx->call_status);
 
         api->failed = 1;
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+        ngx_http_llama_session_job_state(ctx,
+           NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
         ngx_http_llama_session_release(ctx,
                                        NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
         api->slot++;
         return NGX_DECLINED;
     }
 
-    ctx->slots_checked = 1;
-
-    if (ngx_http_llama_session_slot_task(ctx, ctx->slot_task) && !processing)
-    {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: llama-server restarted (slot %ui shows "
-                      "task %i), the slot no longer holds \"%*s\", nothing "
-                      "is saved", ctx->slot, ctx->slot_task,
-                      ctx->out_len ? ctx->out_len : 1,
-                      ctx->out_len ? ctx->out_key : (u_char *) "-");
-
-        ctx->restarted = 1;
-        ctx->save_pending = 0;
+    if (verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED) {
+        /* nothing of the session to save; a clear erases what is there */
+        ngx_http_llama_session_slot_lost(ctx);
     }
 
-    if (processing
+    if (verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY
         || (ngx_msec_int_t) (ctx->quiet_until - ngx_current_msec) > 0)
     {
         /* llama-server runs the slot, or may start a request on it */
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+        ngx_http_llama_session_job_state(ctx,
+           NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
         ngx_http_llama_session_release(ctx,
                                        NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
 
@@ -1329,7 +1340,8 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
     if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
 
         if (!ngx_http_llama_session_may_save(ctx)) {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
             ngx_http_llama_session_release(ctx, ctx->restarted
                                           ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
                                           : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
@@ -1337,13 +1349,13 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
             return NGX_DECLINED;
         }
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_SAVE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
         rc = ngx_http_llama_session_call(r, ctx,
                                          NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
                                          ctx->out_key, ctx->out_len);
 
     } else {
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_LOAD;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);
         ctx->load_file = 0;
         rc = ngx_http_llama_session_call(r, ctx,
                                          NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
@@ -1432,7 +1444,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
                       ctx->call_status);
     }
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     ngx_http_llama_session_release(ctx, state);
@@ -1559,7 +1571,6 @@ static ngx_int_t
 ngx_http_llama_session_api_error(ngx_http_request_t *r, ngx_uint_t status,
     char *message, char *allow)
 {
-    cJSON            *json, *error;
     ngx_table_elt_t  *h;
 
     if (allow) {
@@ -1574,24 +1585,9 @@ ngx_http_llama_session_api_error(ngx_http_request_t *r, ngx_uint_t status,
         h->value.len = ngx_strlen(allow);
     }
 
-    json = cJSON_CreateObject();
-    if (json == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    error = cJSON_AddObjectToObject(json, "error");
-
-    if (error == NULL
-        || cJSON_AddNumberToObject(error, "code", status) == NULL
-        || cJSON_AddStringToObject(error, "message", message) == NULL
-        || cJSON_AddStringToObject(error, "type",
-                                   status == NGX_HTTP_NOT_FOUND
-                                   ? "not_found_error"
-                                   : "invalid_request_error") == NULL)
-    {
-        cJSON_Delete(json);
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    return ngx_http_llama_session_api_send(r, status, json);
+    return ngx_http_llama_session_send_error(r, status,
+                                             status == NGX_HTTP_NOT_FOUND
+                                             ? "not_found_error"
+                                             : "invalid_request_error",
+                                             message, 0);
 }

@@ -17,6 +17,10 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_router.h"
 
 #include <cjson/cJSON.h>
 #include <openssl/evp.h>

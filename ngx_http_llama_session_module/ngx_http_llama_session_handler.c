@@ -16,6 +16,18 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_handler.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_ollama.h"
+#include "ngx_http_llama_session_pin.h"
+#include "ngx_http_llama_session_router.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_slots.h"
+#include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_warm.h"
 
 
 #define NGX_HTTP_LLAMA_SESSION_POLL_MIN    2
@@ -50,38 +62,21 @@ static ngx_int_t ngx_http_llama_session_loaded(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_pinned(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static void ngx_http_llama_session_wake(ngx_event_t *ev);
+static ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static void ngx_http_llama_session_cleanup(void *data);
 static ngx_int_t ngx_http_llama_session_subrequest(ngx_http_request_t *r);
 static void ngx_http_llama_session_drop_headers(ngx_http_request_t *r);
 
 
-static ngx_str_t  ngx_http_llama_session_call_names[] = {
-    ngx_null_string,
-    ngx_string("GET /slots"),
-    ngx_string("save"),
-    ngx_string("restore"),
-    ngx_string("erase"),
-    ngx_string("GET /props"),
-    ngx_string("GET /v1/models"),
-    ngx_string("prime"),
-    ngx_string("GET /models"),
-    ngx_string("GET /props"),
-    ngx_string("POST /models/load"),
-    ngx_string("POST /models/unload")
-};
-
-
-/* requests of this worker that wait for a slot, woken on a local release */
-
-static ngx_queue_t  ngx_http_llama_session_waiting = {
-    &ngx_http_llama_session_waiting, &ngx_http_llama_session_waiting
-};
 
 
 ngx_int_t
 ngx_http_llama_session_handler(ngx_http_request_t *r)
 {
+    ngx_int_t                           rc;
     ngx_uint_t                          status;
     ngx_http_llama_session_ctx_t       *ctx;
     ngx_http_llama_session_loc_conf_t  *llcf;
@@ -122,7 +117,10 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
             return NGX_AGAIN;
         }
 
-        return ngx_http_llama_session_routed(r, ctx);
+        rc = ngx_http_llama_session_routed(r, ctx);
+
+        /* NGX_OK: the model is up, the swap goes on */
+        return (rc == NGX_OK) ? ngx_http_llama_session_plan(r, ctx) : rc;
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROPS:
         if (!ctx->call_done) {
@@ -144,7 +142,7 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         }
 
         /* after a pause while the backend still ran the slot */
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_GET,
@@ -169,7 +167,10 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
             return NGX_AGAIN;
         }
 
-        return ngx_http_llama_session_warm_done(r, ctx);
+        rc = ngx_http_llama_session_warm_done(r, ctx);
+
+        /* NGX_OK: the warm start is over, the slot is ready */
+        return (rc == NGX_OK) ? ngx_http_llama_session_proxy(r, ctx) : rc;
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
         return NGX_DECLINED;
@@ -338,9 +339,7 @@ ngx_http_llama_session_create_ctx(ngx_http_request_t *r,
     ctx->slot_tokens = -1;
     ctx->slot_task = -1;
 
-    ctx->wait_ev.handler = ngx_http_llama_session_wake;
-    ctx->wait_ev.data = r;
-    ctx->wait_ev.log = r->connection->log;
+    ngx_http_llama_session_job_timer(ctx);
 
     cln = ngx_pool_cleanup_add(r->pool, 0);
     if (cln == NULL) {
@@ -376,7 +375,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
          * it answers itself ends the request (ctx is not touched after)
          */
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
         ctx->status = NGX_DONE;
 
         rc = ngx_http_llama_session_ollama_start(r, ctx);
@@ -413,7 +412,8 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
         ctx->identity = 1;
 
         if (!ngx_http_llama_session_uses_slot(r, ctx)) {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
             return NGX_DECLINED;
         }
@@ -429,7 +429,8 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
             ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
 
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+                NGX_HTTP_LLAMA_SESSION_ST_DONE);
 
             if (ngx_http_discard_request_body(r) != NGX_OK) {
                 ctx->status = NGX_HTTP_FORBIDDEN;
@@ -443,7 +444,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
         }
 
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROXY);
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bypass);
         return NGX_DECLINED;
     }
@@ -467,7 +468,7 @@ ngx_http_llama_session_read(ngx_http_request_t *r,
                                          ngx_http_llama_session_body_handler);
 
     if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
         return rc;
     }
 
@@ -492,7 +493,8 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 
         if (ctx->identity) {
             /* an edge node: its owner node needs the request as it came */
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_DONE);
 
             if (rc == NGX_ERROR) {
                 ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -508,21 +510,24 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
         ngx_http_llama_session_drop_headers(r);
 
         if (rc == NGX_ABORT) {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->fail_status = NGX_HTTP_BAD_REQUEST;
             ctx->fail_type = "invalid_request_error";
             ctx->fail_message = "the session id is too long";
 
         } else if (rc == NGX_DECLINED) {
             /* router mode: no zone of the location drives the model */
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->fail_status = NGX_HTTP_BAD_REQUEST;
             ctx->fail_type = "invalid_request_error";
             ctx->fail_message = "the request's model is not one this "
                                 "server keeps sessions for";
 
         } else if (rc != NGX_OK) {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
         } else if (ctx->ollama
@@ -535,11 +540,13 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
                 return;
             }
 
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+            ngx_http_llama_session_job_state(ctx,
+                NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
         } else {
-            ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
 
             /* a body in a file waits there, not in memory */
             ngx_http_llama_session_body_release(r, ctx);
@@ -584,7 +591,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
          */
 
         ctx->learn_slots = 1;
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
 
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
@@ -627,10 +634,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ngx_http_llama_session_observe(&ctx->zone->sh->metrics.wait,
                                        (double) ctx->wait_ms);
 
-        if (ctx->local.next) {
-            ngx_queue_remove(&ctx->local);
-            ctx->local.next = NULL;
-        }
+        ngx_http_llama_session_wait_end(ctx);
 
         return ngx_http_llama_session_plan(r, ctx);
     }
@@ -647,10 +651,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 
         ngx_http_llama_session_dequeue(ctx);
 
-        if (ctx->local.next) {
-            ngx_queue_remove(&ctx->local);
-            ctx->local.next = NULL;
-        }
+        ngx_http_llama_session_wait_end(ctx);
 
         ctx->wait_ms = now - ctx->start;
 
@@ -675,7 +676,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ctx->waiting = 1;
         ctx->delay = NGX_HTTP_LLAMA_SESSION_POLL_MIN;
 
-        ngx_queue_insert_tail(&ngx_http_llama_session_waiting, &ctx->local);
+        ngx_http_llama_session_wait_local(ctx);
 
         ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: session \"%*s\" waits, ticket %uA",
@@ -691,74 +692,9 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 }
 
 
-/*
- * Is there a file to restore?  The zone's record says; without one, the
- * store folder says; without a store folder, a restore is tried (a missing
- * file only costs a 400 and leaves the slot empty, as an erase would).
- */
-
-ngx_uint_t
-ngx_http_llama_session_has_file(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
-{
-    u_char           *path;
-    ngx_int_t         rc;
-    ngx_str_t        *store;
-    ngx_file_info_t   fi;
-
-    rc = ngx_http_llama_session_file_known(ctx, key, len);
-
-    if (rc != -1) {
-        return rc;
-    }
-
-    store = &ctx->zone->store;
-
-    if (store->len == 0) {
-        return 1;
-    }
-
-    path = ngx_pnalloc(r->pool, store->len + len
-                                + NGX_HTTP_LLAMA_SESSION_FP_LEN
-                                + sizeof("/..bin"));
-    if (path == NULL) {
-        return 1;
-    }
-
-    ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, len, key,
-                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
-
-    /* a regular file: a link is never restored (nor committed) */
-
-    return ngx_link_info(path, &fi) != NGX_FILE_ERROR && ngx_is_file(&fi);
-}
-
-
-/*
- * The slot no longer holds what the zone thought (llama-server restarted,
- * the router's model went): no hit after all, nothing to save, and the
- * session comes back from its file.
- */
-
-void
-ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
-{
-    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
-        ctx->verify = 0;
-        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
-        ctx->swapped = 1;
-        ctx->swap_start = ngx_current_msec;
-    }
-
-    ctx->restarted = 1;
-    ctx->save_pending = 0;
-    ctx->out_len = 0;
-}
-
-
 /* the request holds the slot: decide what the swap needs */
 
-ngx_int_t
+static ngx_int_t
 ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
@@ -774,7 +710,7 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
 
         /* the slot was idle a while: has llama-server restarted? */
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_GET,
                                            NULL, 0);
@@ -792,7 +728,7 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
     if (!ngx_http_llama_session_fingerprint(ctx)
         || ctx->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
     {
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
                                            NULL, 0);
@@ -812,8 +748,7 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
 
     if (rc == NGX_ERROR) {
         return ngx_http_llama_session_backend_error(r, ctx,
-                          (char *) ngx_http_llama_session_call_names[ctx->call]
-                                                                   .data);
+                    (char *) ngx_http_llama_session_call_name(ctx->call)->data);
     }
 
     if (rc != NGX_OK) {
@@ -824,7 +759,8 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
 
     if (ctx->learn_slots) {
         ctx->learn_slots = 0;
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE;
+        ngx_http_llama_session_job_state(ctx,
+           NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
 
         if (ctx->zone->sh->nslots == 0 || ctx->zone->sh->total_slots == 0) {
             return ngx_http_llama_session_backend_error(r, ctx,
@@ -869,7 +805,7 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     if (!ctx->default_session) {
         ngx_http_llama_session_remember(ctx, ctx->key, ctx->key_len,
                                         &ctx->id);
-        ctx->load_file = ngx_http_llama_session_has_file(r, ctx, ctx->key,
+        ctx->load_file = ngx_http_llama_session_store_has_file(r, ctx, ctx->key,
                                                          ctx->key_len);
     }
 
@@ -895,7 +831,7 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
      * it when the slot really holds tokens
      */
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_CHECK;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
     return ngx_http_llama_session_call(r, ctx, NGX_HTTP_LLAMA_SESSION_CALL_GET,
                                        NULL, 0);
@@ -906,48 +842,30 @@ static ngx_int_t
 ngx_http_llama_session_checked(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_int_t   rc;
-    ngx_uint_t  processing, lost;
+    ngx_uint_t  processing;
     ngx_msec_t  delay;
 
-    if (ctx->call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len
-        && !ctx->rerouted)
-    {
-        /* router mode: the model went since the router's look: again */
-        ctx->rerouted = 1;
-        ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-        ctx->routed = 0;
-        return ngx_http_llama_session_route(r, ctx);
-    }
-
-    /* 501: --no-slots, see below */
-
-    if (ngx_http_llama_session_backend_failed(ctx->call_status)
-        || (ctx->call_status >= NGX_HTTP_INTERNAL_SERVER_ERROR
-            && ctx->call_status != NGX_HTTP_NOT_IMPLEMENTED))
-    {
-        return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
-    }
-
     processing = 0;
-    lost = 0;
 
-    if (ctx->call_status == NGX_HTTP_OK) {
-        rc = ngx_http_llama_session_parse_slots(r->connection->log, ctx,
-                                                &processing);
+    switch (ngx_http_llama_session_slots_verdict(r->connection->log, ctx)) {
 
-        if (rc == NGX_DECLINED) {
-            /* no such slot now: llama-server restarted with fewer */
-            lost = 1;
+    case NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE:
 
-        } else if (rc != NGX_OK) {
-            return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
-
-        } else {
-            ctx->slots_checked = 1;
+        if (!ctx->rerouted) {
+            /* router mode: the model went since the router's look: again */
+            ctx->rerouted = 1;
+            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->routed = 0;
+            return ngx_http_llama_session_route(r, ctx);
         }
 
-    } else {
+        return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
+
+    case NGX_HTTP_LLAMA_SESSION_SLOTS_ERROR:
+        return ngx_http_llama_session_backend_error(r, ctx, "GET /slots");
+
+    case NGX_HTTP_LLAMA_SESSION_SLOTS_NO_API:
+
         /*
          * --no-slots: the module cannot look, so it assumes the slot holds
          * tokens, and saves nothing: what is there may be empty, or a
@@ -962,37 +880,31 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                           ctx->call_status, ctx->out_len, ctx->out_key);
         }
 
-        ctx->slot_tokens = -1;
-        ctx->slots_checked = 0;
         ctx->save_pending = 0;
-    }
+        break;
 
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    case NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED:
 
-    if (!lost && ctx->call_status == NGX_HTTP_OK
-        && ngx_http_llama_session_slot_task(ctx, ctx->slot_task)
-        && !processing)
-    {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: llama-server restarted (slot %ui shows "
-                      "task %i), the slot no longer holds \"%*s\"",
-                      ctx->slot, ctx->slot_task,
-                      ctx->out_len ? ctx->out_len : 1,
-                      ctx->out_len ? ctx->out_key : (u_char *) "-");
-
-        lost = 1;
-    }
-
-    if (lost) {
         /* its configuration again, the session from its file */
 
         ngx_http_llama_session_slot_lost(ctx);
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROPS;
+        ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
+
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
                                            NULL, 0);
+
+    case NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY:
+        processing = 1;
+        break;
+
+    default: /* NGX_HTTP_LLAMA_SESSION_SLOTS_IDLE */
+        break;
     }
+
+    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ctx->verify && !processing) {
         /* the hit is one */
@@ -1021,7 +933,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         ctx->delay = (ctx->polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
                      : ngx_min(ctx->delay * 2, NGX_HTTP_LLAMA_SESSION_BUSY_MAX);
 
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PAUSE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
 
         return ngx_http_llama_session_sleep(r, ctx,
                                       ngx_min(ctx->delay,
@@ -1041,13 +953,13 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         delay = ctx->quiet_until - ngx_current_msec;
         ctx->quiet_until = 0;
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PAUSE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
 
         return ngx_http_llama_session_sleep(r, ctx, delay);
     }
 
     if (ngx_http_llama_session_may_save(ctx)) {
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_SAVE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
                                            ctx->out_key, ctx->out_len);
@@ -1085,52 +997,13 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
 }
 
 
-/*
- * The outgoing session's file is in place: record it, write its .json,
- * mark the slot clean if the session is still there, and keep the folder
- * within max_files and max_size (never evicting the session coming in).
- */
-
-void
-ngx_http_llama_session_saved_ok(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
-    ngx_uint_t tokens, off_t bytes)
-{
-    u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t  n;
-
-    ngx_http_llama_session_file_saved(ctx, key, len, 1, tokens, bytes);
-    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
-
-    if (ctx->zone->store.len) {
-        n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
-        (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n,
-                                                 ctx->slot);
-    }
-
-    ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, key, len);
-
-    if (key != ctx->out_key) {
-        /* a base: it goes before the session that starts from it */
-        ngx_http_llama_session_store_evict(log, ctx->zone, key, len);
-
-    } else if (ctx->key_len) {
-        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->key, ctx->key_len);
-
-    } else {
-        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->out_key,
-                                     ctx->out_len);
-    }
-}
-
-
 static ngx_int_t
 ngx_http_llama_session_load(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t  rc;
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_LOAD;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);
 
     if (ctx->load_file) {
         return ngx_http_llama_session_call(r, ctx,
@@ -1139,6 +1012,11 @@ ngx_http_llama_session_load(ngx_http_request_t *r,
     }
 
     rc = ngx_http_llama_session_warm(r, ctx);
+
+    if (rc == NGX_OK) {
+        /* warm from the slot itself: ready */
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
 
     if (rc != NGX_DECLINED) {
         return rc;
@@ -1171,8 +1049,7 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
         || ctx->call_status == NGX_HTTP_NOT_IMPLEMENTED)
     {
         return ngx_http_llama_session_backend_error(r, ctx,
-                               (char *) ngx_http_llama_session_call_names[call]
-                                                                   .data);
+                          (char *) ngx_http_llama_session_call_name(call)->data);
     }
 
     tokens = 0;
@@ -1251,7 +1128,7 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
 
 /* the slot is ready: record it and let proxy_pass carry the request */
 
-ngx_int_t
+static ngx_int_t
 ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
@@ -1261,7 +1138,7 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     sh = ctx->zone->sh;
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_PROXY;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROXY);
     ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (!ctx->swapped) {
@@ -1389,227 +1266,6 @@ ngx_http_llama_session_pinned(ngx_http_request_t *r,
 }
 
 
-ngx_int_t
-ngx_http_llama_session_sleep(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay)
-{
-    /* a client that leaves while waiting ends the request (499) */
-
-    r->read_event_handler = ngx_http_test_reading;
-    r->write_event_handler = ngx_http_core_run_phases;
-
-    ngx_add_timer(&ctx->wait_ev, delay ? delay : 1);
-
-    return NGX_AGAIN;
-}
-
-
-static void
-ngx_http_llama_session_wake(ngx_event_t *ev)
-{
-    ngx_connection_t    *c;
-    ngx_http_request_t  *r;
-
-    r = ev->data;
-    c = r->connection;
-
-    if (ev->timer_set) {
-        ngx_del_timer(ev);
-    }
-
-    if (ev->posted) {
-        ngx_delete_posted_event(ev);
-    }
-
-    ngx_http_set_log_request(c->log, r);
-
-    r->write_event_handler(r);
-
-    ngx_http_run_posted_requests(c);
-}
-
-
-void
-ngx_http_llama_session_wake_local(void)
-{
-    ngx_queue_t                   *q;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    for (q = ngx_queue_head(&ngx_http_llama_session_waiting);
-         q != ngx_queue_sentinel(&ngx_http_llama_session_waiting);
-         q = ngx_queue_next(q))
-    {
-        ctx = ngx_queue_data(q, ngx_http_llama_session_ctx_t, local);
-
-        if (!ctx->wait_ev.posted) {
-            ngx_post_event(&ctx->wait_ev, &ngx_posted_events);
-        }
-    }
-}
-
-
-/* the backend could not be reached or refused a slot call: 502 */
-
-ngx_int_t
-ngx_http_llama_session_backend_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, const char *what)
-{
-    u_char  *message;
-
-    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
-
-    if (ctx->call_timed_out
-        || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
-    {
-        /* a prime, save or restore of a large state can take minutes */
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: slot call \"%s\" for session \"%*s\" "
-                      "timed out in the location of \"%V\": raise "
-                      "proxy_read_timeout there (like the inference "
-                      "location's)", what, ctx->key_len, ctx->key,
-                      &ctx->call_uri);
-
-    } else if (ctx->call_status == 0) {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: slot call \"%s\" for session \"%*s\" "
-                      "got no answer from the backend through \"%V\"",
-                      what, ctx->key_len, ctx->key, &ctx->call_uri);
-
-    } else {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: slot call \"%s\" for session \"%*s\" "
-                      "through \"%V\" answered %i: \"%*s\"",
-                      what, ctx->key_len, ctx->key, &ctx->call_uri,
-                      ctx->call_status,
-                      ctx->call_reply
-                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
-                                200)
-                      : 0,
-                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
-    }
-
-    /* a failed call leaves a slot nobody can vouch for */
-
-    ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
-    ngx_http_llama_session_wake_local();
-
-    if (ctx->call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {
-        /* llama-server starts ("Loading model") or sleeps: retry soon */
-        return ngx_http_llama_session_error(r, ctx,
-                                        NGX_HTTP_SERVICE_UNAVAILABLE,
-                                        "unavailable_error",
-                                        "the model server is not ready, "
-                                        "retry later", 1);
-    }
-
-    message = ngx_pnalloc(r->pool, ngx_strlen(what) + 64);
-    if (message == NULL) {
-        ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
-        return NGX_DONE;
-    }
-
-    /* what: the module's own names of its calls, no client text */
-
-    ngx_sprintf(message, "the model server did not answer a slot call "
-                "(%s)%s%Z", what,
-                (ctx->call_timed_out
-                 || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
-                ? " in time" : "");
-
-    return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
-                                        "server_error", (char *) message, 0);
-}
-
-
-/* an OpenAI-style JSON error to the client */
-
-ngx_int_t
-ngx_http_llama_session_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
-    char *message, time_t retry_after)
-{
-    size_t            len;
-    ngx_buf_t        *b;
-    ngx_table_elt_t  *h;
-
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
-    ctx->status = NGX_DONE;
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-
-    if (ctx->ollama && ctx->ollama <= NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED) {
-        /* an Ollama client reads {"error": "..."} */
-        return ngx_http_llama_session_ollama_error(r, ctx, status, message);
-    }
-
-    len = sizeof("{\"error\":{\"code\":,\"message\":\"\",\"type\":\"\"}}\n")
-          - 1 + NGX_INT_T_LEN + ngx_strlen(message) + ngx_strlen(type);
-
-    b = ngx_create_temp_buf(r->pool, len);
-    if (b == NULL) {
-        ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
-        return NGX_DONE;
-    }
-
-    b->last = ngx_sprintf(b->last,
-                          "{\"error\":{\"code\":%ui,\"message\":\"%s\","
-                          "\"type\":\"%s\"}}\n", status, message, type);
-    if (retry_after) {
-        h = ngx_list_push(&r->headers_out.headers);
-        if (h == NULL) {
-            ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
-            return NGX_DONE;
-        }
-
-        h->hash = 1;
-        ngx_str_set(&h->key, "Retry-After");
-        h->value.data = ngx_pnalloc(r->pool, NGX_TIME_T_LEN);
-        if (h->value.data == NULL) {
-            ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);
-            return NGX_DONE;
-        }
-
-        h->value.len = ngx_sprintf(h->value.data, "%T", retry_after)
-                       - h->value.data;
-    }
-
-    ngx_http_finalize_request(r, ngx_http_llama_session_send_json(r, status,
-                                                                  b));
-
-    return NGX_DONE;
-}
-
-
-/* sends a JSON body in b as the whole response; returns for finalizing */
-
-ngx_int_t
-ngx_http_llama_session_send_json(ngx_http_request_t *r, ngx_uint_t status,
-    ngx_buf_t *b)
-{
-    ngx_int_t    rc;
-    ngx_chain_t  out;
-
-    b->last_buf = (r == r->main) ? 1 : 0;
-    b->last_in_chain = 1;
-
-    r->headers_out.status = status;
-    r->headers_out.content_length_n = b->last - b->pos;
-    ngx_str_set(&r->headers_out.content_type, "application/json");
-    r->headers_out.content_type_len = r->headers_out.content_type.len;
-    r->headers_out.content_type_lowcase = NULL;
-
-    rc = ngx_http_send_header(r);
-
-    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
-        return rc;
-    }
-
-    out.buf = b;
-    out.next = NULL;
-
-    return ngx_http_output_filter(r, &out);
-}
-
-
 /*
  * The context survives internal redirects, which wipe r->ctx, through its
  * pool cleanup (as the realip module does), so no request acquires twice.
@@ -1656,137 +1312,14 @@ ngx_http_llama_session_cleanup(void *data)
         ngx_delete_posted_event(&ctx->wait_ev);
     }
 
-    if (ctx->local.next) {
-        ngx_queue_remove(&ctx->local);
-        ctx->local.next = NULL;
-    }
+    ngx_http_llama_session_wait_end(ctx);
 
     ngx_http_llama_session_dequeue(ctx);
 
     ngx_http_llama_session_route_end(ctx);
-    ngx_http_llama_session_finish(ctx);
+    ngx_http_llama_session_job_finish(ctx);
 
     if (ctx->old_len) {
         ngx_http_llama_session_store_drop_old(r->connection->log, ctx);
     }
-}
-
-
-/*
- * Gives the slot back, once: when the response ends (the last buffer
- * passes the body filter) or when the request goes, whatever ended it.
- * What the slot holds then is decided from the stage the request reached,
- * never from the flags of a slot call that its end may have cleared:
- *
- *   waiting, GET /props, GET /slots   untouched: as the zone says
- *   a save in flight                  the slot still holds the session
- *                                     leaving; its temporary file goes
- *   a restore or an erase             anything: unknown
- *   proxying                          this session, unless the backend
- *                                     failed or vanished: unknown
- */
-
-void
-ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
-{
-    ngx_uint_t           state;
-    ngx_http_request_t  *r;
-
-    if (!ctx->acquired || ctx->released) {
-        return;
-    }
-
-    r = ctx->request;
-    state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
-
-    switch (ctx->state) {
-
-    case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
-
-        if (ctx->zone->store.len == 0) {
-            /* llama-server writes over the session's file itself */
-            ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len,
-                                              0, 0, 0);
-
-        } else {
-            ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                                  ctx->out_key, ctx->out_len);
-        }
-
-        break;
-
-    case NGX_HTTP_LLAMA_SESSION_ST_LOAD:
-        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        break;
-
-    case NGX_HTTP_LLAMA_SESSION_ST_WARM:
-        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-
-        if (ctx->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
-            if (ctx->zone->store.len == 0) {
-                ngx_http_llama_session_file_saved(ctx, ctx->base_key,
-                                                  ctx->base_len, 0, 0, 0);
-
-            } else {
-                ngx_http_llama_session_store_drop_tmp(r->connection->log,
-                                                      ctx, ctx->base_key,
-                                                      ctx->base_len);
-            }
-
-        } else if (ctx->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_PRIME) {
-            /* llama-server may still run the prime, as any completion */
-            ctx->quarantine = 1;
-        }
-
-        break;
-
-    case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
-
-        if (r->upstream
-            && (r->upstream->headers_in.status_n == 0
-                || r->upstream->headers_in.status_n
-                   >= NGX_HTTP_INTERNAL_SERVER_ERROR))
-        {
-            state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        }
-
-        if (r->upstream && r->upstream->headers_in.status_n == 0) {
-            /*
-             * no reply yet: llama-server may run the request later, on
-             * whatever the slot holds by then (another session's)
-             */
-            ctx->quarantine = 1;
-        }
-
-        break;
-
-    default:
-        break;
-    }
-
-    ngx_log_debug5(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                   "llama_session: session \"%*s\" releases slot %ui "
-                   "at stage %ui (%ui)", ctx->key_len, ctx->key, ctx->slot,
-                   ctx->state, state);
-
-    if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_WARM) {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: the request of session \"%*s\" ended "
-                      "during the warm start's %V of slot %ui, whose content "
-                      "is unknown now", ctx->key_len, ctx->key,
-                      &ngx_http_llama_session_call_names[ctx->call],
-                      ctx->slot);
-
-    } else if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
-               && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
-    {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: the request of session \"%*s\" ended "
-                      "during a %s of slot %ui, whose content is unknown now",
-                      ctx->key_len, ctx->key,
-                      ctx->load_file ? "restore" : "erase", ctx->slot);
-    }
-
-    ngx_http_llama_session_release(ctx, state);
-    ngx_http_llama_session_wake_local();
 }

@@ -12,6 +12,7 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_json.h"
 
 
 #define NGX_HTTP_LLAMA_SESSION_JSON_DEPTH  512

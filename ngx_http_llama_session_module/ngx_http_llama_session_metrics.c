@@ -13,6 +13,8 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_shm.h"
 
 
 #define NGX_HTTP_LLAMA_SESSION_METRICS_BUF  16384

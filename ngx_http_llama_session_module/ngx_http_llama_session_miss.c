@@ -19,6 +19,9 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_shm.h"
 
 
 static void ngx_http_llama_session_msg(ngx_http_llama_session_msg_t *m,

@@ -8,9 +8,22 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_api.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_handler.h"
+#include "ngx_http_llama_session_idle.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_ollama.h"
+#include "ngx_http_llama_session_reply.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_var.h"
 
 
 static ngx_int_t ngx_http_llama_session_init(ngx_conf_t *cf);
+static ngx_int_t ngx_http_llama_session_zone_start(ngx_shm_zone_t *shm_zone,
+    void *data);
 static ngx_int_t ngx_http_llama_session_init_process(ngx_cycle_t *cycle);
 static void ngx_http_llama_session_exit_process(ngx_cycle_t *cycle);
 static void *ngx_http_llama_session_create_main_conf(ngx_conf_t *cf);
@@ -391,8 +404,8 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
- *     [max_size=size] [save_idle=time backend=host:port [api_key=key]]
- *     [model=name];
+ *     [max_size=size] [save_idle=time] [model=name];
+ * (backend= and api_key=: deprecated, ignored)
  */
 
 static char *
@@ -404,12 +417,9 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     off_t                            max_size;
     ssize_t                          size;
     ngx_int_t                        n;
-    ngx_str_t                       *value, name, s, store, api_key;
-    ngx_str_t                        backend_name, model;
-    ngx_url_t                        u;
+    ngx_str_t                       *value, name, s, store, model;
     ngx_uint_t                       i, nslots, max_files, max_waiting;
     ngx_msec_t                       save_idle;
-    ngx_addr_t                      *backend;
     ngx_shm_zone_t                  *shm_zone;
     ngx_http_llama_session_zone_t   *zone, **zp;
 
@@ -422,10 +432,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     max_waiting = 0;
     max_size = 0;
     save_idle = 0;
-    backend = NULL;
     ngx_str_null(&store);
-    ngx_str_null(&api_key);
-    ngx_str_null(&backend_name);
     ngx_str_null(&model);
 
     for (i = 1; i < cf->args->nelts; i++) {
@@ -590,23 +597,19 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
-        if (ngx_strncmp(value[i].data, "backend=", 8) == 0) {
-
-            ngx_memzero(&u, sizeof(ngx_url_t));
-
-            u.url.data = value[i].data + 8;
-            u.url.len = value[i].len - 8;
-            u.no_resolve = 0;
-
-            if (ngx_parse_url(cf->pool, &u) != NGX_OK || u.naddrs == 0) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid backend \"%V\"%s%s", &value[i],
-                                   u.err ? ": " : "", u.err ? u.err : "");
-                return NGX_CONF_ERROR;
-            }
-
-            backend = &u.addrs[0];
-            backend_name = u.url;
+        if (ngx_strncmp(value[i].data, "backend=", 8) == 0
+            || ngx_strncmp(value[i].data, "api_key=", 8) == 0)
+        {
+            /*
+             * deprecated: idle saves go through the slots location as
+             * every other slot call, with its address, TLS and API key
+             */
+            ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                               "\"%*s\" is deprecated and ignored: idle "
+                               "saves go through llama_session_slots_uri's "
+                               "location, as every slot call; give its API "
+                               "key there with proxy_set_header "
+                               "Authorization", (size_t) 8, value[i].data);
             continue;
         }
 
@@ -620,12 +623,6 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                 return NGX_CONF_ERROR;
             }
 
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "api_key=", 8) == 0) {
-            api_key.data = value[i].data + 8;
-            api_key.len = value[i].len - 8;
             continue;
         }
 
@@ -706,14 +703,6 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_ERROR;
     }
 
-    if (save_idle && backend == NULL) {
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "\"save_idle=\" needs \"backend=host:port\": "
-                           "idle saves have no client request to go through "
-                           "nginx's slots location");
-        return NGX_CONF_ERROR;
-    }
-
     if (model.len) {
         /* its sessions' keys start with "<zone>@" in a shared folder */
 
@@ -744,13 +733,12 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             return NGX_CONF_ERROR;
         }
 
-        if (backend == NULL || store.len == 0) {
+        if (store.len == 0) {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "zone \"%V\" with \"model=\" needs "
-                               "\"backend=host:port\" and \"store=\": the "
-                               "sessions of a model that llama-server's "
-                               "router unloads are saved first, as idle "
-                               "saves are", &name);
+                               "\"store=\": the sessions of a model that "
+                               "llama-server's router unloads are saved "
+                               "first, as idle saves are", &name);
             return NGX_CONF_ERROR;
         }
 
@@ -784,10 +772,10 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     zone->max_files = max_files;
     zone->max_size = max_size;
     zone->save_idle = save_idle;
-    zone->backend = backend;
-    zone->backend_name = backend_name;
-    zone->api_key = api_key;
     zone->shm_zone = shm_zone;
+
+    /* shm.c drops a file whose record it must recycle through the store */
+    zone->unlink = ngx_http_llama_session_store_unlink;
     zone->cycle = cf->cycle;
     zone->group = zone;
 
@@ -799,7 +787,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         }
     }
 
-    shm_zone->init = ngx_http_llama_session_init_zone;
+    shm_zone->init = ngx_http_llama_session_zone_start;
     shm_zone->data = zone;
 
     zp = ngx_array_push(&lmcf->zones);
@@ -979,8 +967,10 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     llcf->enable = 1;
 
     if (llcf->zone->log_conf == NULL) {
+        /* the zone's own requests (idle saves) run in this location */
         llcf->zone->log_conf = ngx_http_conf_get_module_loc_conf(cf,
                                                        ngx_http_core_module);
+        llcf->zone->conf_ctx = cf->ctx;
     }
 
     if (cf->args->nelts == 2 && llcf->zone->model.len == 0) {
@@ -1035,41 +1025,11 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         if (zone->log_conf == NULL) {
             zone->log_conf = ngx_http_conf_get_module_loc_conf(cf,
                                                        ngx_http_core_module);
+            zone->conf_ctx = cf->ctx;
         }
     }
 
     return NGX_CONF_OK;
-}
-
-
-/* a zone declared before, by name; logs the error when there is none */
-
-ngx_http_llama_session_zone_t *
-ngx_http_llama_session_find_zone(ngx_conf_t *cf, ngx_str_t *name)
-{
-    ngx_uint_t                           i;
-    ngx_http_llama_session_zone_t      **zp;
-    ngx_http_llama_session_main_conf_t  *lmcf;
-
-    lmcf = ngx_http_conf_get_module_main_conf(cf,
-                                              ngx_http_llama_session_module);
-
-    zp = lmcf->zones.elts;
-
-    for (i = 0; i < lmcf->zones.nelts; i++) {
-        if (zp[i]->name.len == name->len
-            && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
-        {
-            return zp[i];
-        }
-    }
-
-    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                       "unknown llama_session zone \"%V\": declare it with "
-                       "\"llama_session_zone zone=%V:size\" before use",
-                       name, name);
-
-    return NULL;
 }
 
 
@@ -1198,13 +1158,69 @@ ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 }
 
 
+/*
+ * The zone's shared memory, with its store: the folder checked first,
+ * then the zone made (or taken over on a reload), then the folder indexed.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_zone_start(ngx_shm_zone_t *shm_zone, void *data)
+{
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = shm_zone->data;
+
+    if (zone->store.len
+        && ngx_http_llama_session_store_check(zone, shm_zone->shm.log)
+           != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    if (ngx_http_llama_session_init_zone(shm_zone, data) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (zone->store.len && data == NULL && !shm_zone->shm.exists) {
+        return ngx_http_llama_session_store_index(zone, shm_zone->shm.log);
+    }
+
+    return NGX_OK;
+}
+
+
 static ngx_int_t
 ngx_http_llama_session_init(ngx_conf_t *cf)
 {
-    ngx_http_handler_pt        *h;
-    ngx_http_core_main_conf_t  *cmcf;
+    ngx_uint_t                           i;
+    ngx_http_handler_pt                 *h;
+    ngx_http_core_main_conf_t           *cmcf;
+    ngx_http_llama_session_zone_t      **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
 
     cmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_core_module);
+    lmcf = ngx_http_conf_get_module_main_conf(cf,
+                                              ngx_http_llama_session_module);
+
+    /* a zone's idle saves run in a location of the zone, see job.c */
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if ((zp[i]->save_idle || zp[i]->model.len)
+            && zp[i]->conf_ctx == NULL)
+        {
+            ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
+                          "llama_session zone \"%V\" has \"%s\" but no "
+                          "location has \"llama_session %V\" or "
+                          "\"llama_session_api %V\": its saves go through "
+                          "such a location's llama_session_slots_uri",
+                          &zp[i]->name,
+                          zp[i]->save_idle ? "save_idle=" : "model=",
+                          &zp[i]->name, &zp[i]->name);
+            return NGX_ERROR;
+        }
+    }
 
     /*
      * the precontent phase runs after the whole access phase, so a request

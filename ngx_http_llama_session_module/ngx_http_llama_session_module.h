@@ -127,6 +127,22 @@ typedef enum {
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_SHOW      6
 
 
+/* what GET /slots said of a slot (job.c) */
+
+typedef enum {
+    NGX_HTTP_LLAMA_SESSION_SLOTS_IDLE = 0,      /* slot_tokens: what it holds,
+                                                   -1: not proven */
+    NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY,          /* a task runs on it */
+    NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED,     /* its task id went back, or
+                                                   the slot is gone */
+    NGX_HTTP_LLAMA_SESSION_SLOTS_NO_API,        /* 501: --no-slots */
+    NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE,    /* router mode: 400, the
+                                                   model is not running */
+    NGX_HTTP_LLAMA_SESSION_SLOTS_ERROR          /* no answer, or none to
+                                                   read */
+} ngx_http_llama_session_slots_e;
+
+
 /* slot calls */
 
 typedef enum {
@@ -371,13 +387,14 @@ struct ngx_http_llama_session_zone_s {
     ngx_uint_t                      max_files;  /* 0: no limit */
     off_t                           max_size;   /* 0: no limit */
     ngx_msec_t                      save_idle;  /* 0: off */
-    ngx_addr_t                     *backend;    /* for idle saves */
-    ngx_str_t                       backend_name;
-    ngx_str_t                       api_key;
     ngx_event_t                     idle_ev;    /* this worker's */
     ngx_http_core_loc_conf_t       *log_conf;   /* the first location with
                                                    the zone: its error_log
                                                    is the idle saver's */
+    ngx_http_conf_ctx_t            *conf_ctx;   /* ... and its server and
+                                                   location, where the
+                                                   module's own requests
+                                                   run (job.c) */
     ngx_uint_t                      idle_busy;
     ngx_msec_t                      idle_backoff;
     ngx_msec_t                      idle_next;
@@ -386,6 +403,11 @@ struct ngx_http_llama_session_zone_s {
     ngx_cycle_t                    *cycle;      /* of the configuration */
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
+
+    /* deletes a file of the store (store.c), for shm.c's full index */
+    ngx_int_t                     (*unlink)(ngx_http_llama_session_zone_t *zone,
+                                      u_char *name, size_t len,
+                                      ngx_log_t *log);
 
     /*
      * router mode (model=): the model every slot call names, its name
@@ -458,6 +480,9 @@ struct ngx_http_llama_session_ctx_s {
     ngx_str_t                       source;     /* where it came from */
     char                           *refuse_why; /* for the log */
     unsigned                        has_nsk:1;  /* nsk[] is known */
+    unsigned                        own:1;      /* the module's own request
+                                                   (an idle save), no
+                                                   client's */
     ngx_str_t                       model;
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          key_len;
@@ -526,6 +551,7 @@ struct ngx_http_llama_session_ctx_s {
     ngx_int_t                       call_status;
     ngx_buf_t                      *call_reply;
     ngx_buf_t                      *capture;   /* reused across calls */
+    ngx_buf_t                      *call_body; /* a prime's, warm.c's */
     ngx_uint_t                      polls;
     ngx_msec_t                      quiet_until;
 
@@ -626,251 +652,6 @@ struct ngx_http_llama_session_ctx_s {
 
     void                           *api;        /* the management API's */
 };
-
-
-ngx_int_t ngx_http_llama_session_handler(ngx_http_request_t *r);
-ngx_int_t ngx_http_llama_session_add_variables(ngx_conf_t *cf);
-ngx_int_t ngx_http_llama_session_capture_init(ngx_conf_t *cf);
-ngx_http_llama_session_ctx_t *ngx_http_llama_session_get_ctx(
-    ngx_http_request_t *r);
-ngx_http_llama_session_ctx_t *ngx_http_llama_session_create_ctx(
-    ngx_http_request_t *r, ngx_http_llama_session_zone_t *zone);
-void ngx_http_llama_session_wake_local(void);
-ngx_int_t ngx_http_llama_session_send_json(ngx_http_request_t *r,
-    ngx_uint_t status, ngx_buf_t *b);
-void ngx_http_llama_session_saved_ok(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
-    ngx_uint_t tokens, off_t bytes);
-ngx_uint_t ngx_http_llama_session_has_file(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
-ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, const char *what);
-ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
-    char *message, time_t retry_after);
-ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
-
-/* pin.c: the request runs on the module's slot */
-ngx_int_t ngx_http_llama_session_pin(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-
-/* warm.c: what a session without a file of its own starts from */
-ngx_int_t ngx_http_llama_session_warm(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_warm_done(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
-
-/* ollama.c: Ollama's API */
-ngx_int_t ngx_http_llama_session_ollama_init(ngx_conf_t *cf);
-ngx_int_t ngx_http_llama_session_ollama_start(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_ollama_error(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *message);
-
-/* miss.c: why a prompt missed the cache */
-ngx_int_t ngx_http_llama_session_msgs(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *system,
-    ngx_http_llama_session_span_t *messages);
-void ngx_http_llama_session_miss(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached, ngx_int_t evaluated);
-ngx_int_t ngx_http_llama_session_msgs_encode(u_char *dst, size_t size,
-    ngx_http_llama_session_msg_t *msgs, ngx_uint_t n);
-ngx_int_t ngx_http_llama_session_msgs_decode(ngx_pool_t *pool, u_char *text,
-    size_t len, ngx_http_llama_session_msg_t **msgs, ngx_uint_t *n);
-
-/* reply.c: what the reply says of the cache */
-ngx_int_t ngx_http_llama_session_reply_init(ngx_conf_t *cf);
-
-/* metrics.c: the Prometheus text format */
-char *ngx_http_llama_session_metrics(ngx_conf_t *cf, ngx_command_t *cmd,
-    void *conf);
-void ngx_http_llama_session_observe(ngx_http_llama_session_hist_t *h,
-    double ms);
-void ngx_http_llama_session_save_stat(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t reason, ngx_uint_t ok, off_t bytes, double ms);
-
-/* router.c: llama-server's router mode, a zone per model */
-ngx_int_t ngx_http_llama_session_route(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_routed(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-
-/* module.c */
-ngx_http_llama_session_zone_t *ngx_http_llama_session_find_zone(
-    ngx_conf_t *cf, ngx_str_t *name);
-
-/* idle.c: idle saves */
-ngx_int_t ngx_http_llama_session_idle_init(ngx_cycle_t *cycle);
-
-/* api.c: the management API */
-char *ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd,
-    void *conf);
-
-/* body.c: identity */
-ngx_int_t ngx_http_llama_session_identify(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
-    ngx_str_t *body);
-ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
-    char *suffix);
-ngx_int_t ngx_http_llama_session_ns_digest(ngx_http_request_t *r,
-    ngx_str_t *ns, u_char *out);
-void ngx_http_llama_session_body_release(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_body_spans(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *body);
-ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
-void ngx_http_llama_session_sha256_free(void);
-
-/* json.c: the body scanner */
-u_char *ngx_http_llama_session_json_skip(u_char *p, u_char *end);
-ngx_uint_t ngx_http_llama_session_json_values(u_char *p, size_t len);
-cJSON *ngx_http_llama_session_json_tree(u_char *p, size_t len);
-ngx_uint_t ngx_http_llama_session_json_string_is(
-    ngx_http_llama_session_span_t *span, ngx_str_t *s);
-u_char *ngx_http_llama_session_json_object(u_char *p, u_char *end,
-    ngx_str_t *names, ngx_http_llama_session_span_t *values, ngx_uint_t n);
-ngx_int_t ngx_http_llama_session_json_next(u_char **pos, u_char *end,
-    ngx_http_llama_session_span_t *elt);
-ngx_int_t ngx_http_llama_session_json_body(u_char *p, u_char *end,
-    ngx_str_t *names, ngx_http_llama_session_span_t *values, ngx_uint_t n);
-
-/* shm.c: shared state */
-ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,
-    void *data);
-ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_process_init(void);
-ngx_int_t ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_base_claim(
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
-    ngx_msec_t save_idle);
-void ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t slot, u_char *key, size_t len);
-ngx_uint_t ngx_http_llama_session_in_use(ngx_http_llama_session_zone_t *zone,
-    u_char *key, size_t len);
-void ngx_http_llama_session_dequeue(ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t state);
-void ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t state, u_char *key, size_t len, ngx_uint_t dirty);
-ngx_int_t ngx_http_llama_session_file_known(
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
-void ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
-    u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens,
-    off_t bytes);
-void ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx,
-    u_char *key, size_t len, ngx_str_t *id);
-ngx_uint_t ngx_http_llama_session_fingerprint(
-    ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_set_fingerprint(
-    ngx_http_llama_session_ctx_t *ctx, u_char *fp, ngx_uint_t n_ctx,
-    ngx_uint_t total_slots, ngx_str_t *model_path);
-void ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t prompt_tokens);
-size_t ngx_http_llama_session_slot_msgs_text(
-    ngx_http_llama_session_zone_t *zone, ngx_uint_t n, u_char *key,
-    size_t len, u_char *dst, size_t size, ngx_uint_t *tokens);
-ngx_uint_t ngx_http_llama_session_restores_off(
-    ngx_http_llama_session_zone_t *zone, u_char *fp);
-ngx_uint_t ngx_http_llama_session_unloading_locked(
-    ngx_http_llama_session_zone_t *zone);
-ngx_uint_t ngx_http_llama_session_model_reset(
-    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t state);
-ngx_int_t ngx_http_llama_session_switch_take(
-    ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_switch_end(ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_victim_end(ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_victim_clean(
-    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_zone_t *zone);
-ngx_uint_t ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
-    ngx_int_t task);
-ngx_int_t ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
-    u_char *name, size_t len, ngx_http_llama_session_node_t *copy);
-ngx_uint_t ngx_http_llama_session_evict_pick(
-    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len,
-    ngx_http_llama_session_evicted_t *out, ngx_uint_t max);
-ngx_http_llama_session_node_t *ngx_http_llama_session_node(
-    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
-ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(
-    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
-void ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
-    ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes);
-ngx_uint_t ngx_http_llama_session_slots_usable(ngx_http_llama_session_sh_t *sh);
-ngx_uint_t ngx_http_llama_session_slot_of_tenant(
-    ngx_http_llama_session_zone_t *zone, ngx_uint_t n, u_char *ns);
-size_t ngx_http_llama_session_file_name(u_char *buf, u_char *key,
-    size_t len, u_char *fp);
-void ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
-    ngx_atomic_uint_t *counter);
-
-/* slots.c: slot calls */
-ngx_uint_t ngx_http_llama_session_own_call(ngx_http_request_t *r);
-void ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_call(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
-    size_t len);
-ngx_int_t ngx_http_llama_session_parse_slots(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing);
-ngx_int_t ngx_http_llama_session_parse_action(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *tokens, off_t *bytes,
-    double *ms);
-ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
-    size_t len);
-ngx_uint_t ngx_http_llama_session_may_save(
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_parse_props(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_parse_models(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_learn(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_backend_failed(ngx_int_t status);
-
-/* store.c: the store folder, the index kept true to it */
-ngx_int_t ngx_http_llama_session_store_sync(
-    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
-ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
-void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
-void ngx_http_llama_session_store_evict(ngx_log_t *log,
-    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
-ngx_int_t ngx_http_llama_session_store_check(
-    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
-ngx_int_t ngx_http_llama_session_store_index(
-    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
-ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
-    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
-    ngx_uint_t slot);
-ngx_int_t ngx_http_llama_session_store_prev(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
-ngx_int_t ngx_http_llama_session_store_unlink(
-    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
-    ngx_log_t *log);
 
 
 extern ngx_module_t  ngx_http_llama_session_module;

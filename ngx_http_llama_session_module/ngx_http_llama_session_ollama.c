@@ -24,6 +24,10 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_ollama.h"
 
 #include <cjson/cJSON.h>
 #include <openssl/evp.h>
@@ -233,7 +237,7 @@ ngx_http_llama_session_ollama_error(ngx_http_request_t *r,
     q = ngx_cpymem(q, "\"}\n", 3);
 
     if (ctx) {
-        ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
         ctx->status = NGX_DONE;
     }
 
@@ -1994,7 +1998,7 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
     ngx_memcpy(p, text, len);
     cJSON_free(text);
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_DONE;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
     ctx->status = NGX_DONE;
 
     ngx_http_finalize_request(r, ngx_http_llama_session_ollama_answer(r,

@@ -16,6 +16,7 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_pin.h"
 
 
 #define NGX_HTTP_LLAMA_SESSION_TAIL  256

@@ -17,6 +17,8 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_reply.h"
 
 
 static ngx_int_t ngx_http_llama_session_reply_header(ngx_http_request_t *r);

@@ -35,6 +35,12 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_router.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_slots.h"
 
 #include <cjson/cJSON.h>
 
@@ -112,7 +118,7 @@ ngx_int_t
 ngx_http_llama_session_route(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_ROUTER;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ROUTER);
 
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,
@@ -520,7 +526,8 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
         ctx->slot_has_base = 0;
     }
 
-    return ngx_http_llama_session_plan(r, ctx);
+    /* the handler goes on with its plan */
+    return NGX_OK;
 }
 
 

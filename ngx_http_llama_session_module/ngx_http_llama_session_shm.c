@@ -9,6 +9,9 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_store.h"
 
 
 static ngx_http_llama_session_node_t *ngx_http_llama_session_lookup(
@@ -70,13 +73,6 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     ngx_http_llama_session_zone_t  *zone;
 
     zone = shm_zone->data;
-
-    if (zone->store.len
-        && ngx_http_llama_session_store_check(zone, shm_zone->shm.log)
-           != NGX_OK)
-    {
-        return NGX_ERROR;
-    }
 
     if (ozone) {
         if (ozone->sh->magic != NGX_HTTP_LLAMA_SESSION_MAGIC
@@ -193,10 +189,6 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
                 &shm_zone->shm.name);
 
     zone->shpool->log_nomem = 0;
-
-    if (zone->store.len) {
-        return ngx_http_llama_session_store_index(zone, shm_zone->shm.log);
-    }
 
     return NGX_OK;
 }
@@ -636,7 +628,7 @@ ngx_http_llama_session_granted_locked(ngx_http_llama_session_ctx_t *ctx,
         ctx->hit_dirty = slot->dirty;
         slot->dirty = 1;
 
-        if (slot->msgs && ctx->request && ctx->api == NULL) {
+        if (slot->msgs && ctx->request && ctx->api == NULL && !ctx->own) {
             /* the session's last prompt, to explain a miss (miss.c) */
             ctx->prev = ngx_palloc(ctx->request->pool, slot->nmsgs
                                    * sizeof(ngx_http_llama_session_msg_t));
@@ -1177,7 +1169,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
 
     slot->saving_base = 0;
 
-    if (ctx->request && ctx->api == NULL) {
+    if (ctx->request && ctx->api == NULL && !ctx->own) {
         /* a request's use (not an idle save's, nor the API's) */
         slot->last_used = ngx_current_msec;
         slot->used_at = ngx_time();
@@ -2122,9 +2114,8 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
                               "reached; make the zone larger", &zone->name);
             }
 
-            (void) ngx_http_llama_session_store_unlink(zone, sn->name,
-                                                       sn->name_len,
-                                                       ngx_cycle->log);
+            /* the store's handler (store.c), set by module.c */
+            (void) zone->unlink(zone, sn->name, sn->name_len, ngx_cycle->log);
             sh->stats.evictions++;
 
         } else {
@@ -2301,4 +2292,35 @@ ngx_http_llama_session_process_init(void)
 {
     ngx_http_llama_session_self_start =
                               ngx_http_llama_session_proc_start(ngx_getpid());
+}
+
+
+/* a zone declared before, by name; logs the error when there is none */
+
+ngx_http_llama_session_zone_t *
+ngx_http_llama_session_find_zone(ngx_conf_t *cf, ngx_str_t *name)
+{
+    ngx_uint_t                           i;
+    ngx_http_llama_session_zone_t      **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    lmcf = ngx_http_conf_get_module_main_conf(cf,
+                                              ngx_http_llama_session_module);
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->name.len == name->len
+            && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
+        {
+            return zp[i];
+        }
+    }
+
+    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                       "unknown llama_session zone \"%V\": declare it with "
+                       "\"llama_session_zone zone=%V:size\" before use",
+                       name, name);
+
+    return NULL;
 }

@@ -12,6 +12,9 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_store.h"
 
 #include <cjson/cJSON.h>
 
@@ -1272,7 +1275,9 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    if (aside && ctx->request && !ctx->api && ctx->old_len == 0) {
+    if (aside && ctx->request && !ctx->api && !ctx->own
+        && ctx->old_len == 0)
+    {
         /* deleting a large file takes its time: after the request */
         ngx_memcpy(ctx->old_name, name, n);
         ctx->old_len = n;
@@ -1370,5 +1375,87 @@ ngx_http_llama_session_store_evict(ngx_log_t *log,
 
         (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
                                                    out[i].len, log);
+    }
+}
+
+
+/*
+ * Is there a file to restore?  The zone's record says; without one, the
+ * store folder says; without a store folder, a restore is tried (a missing
+ * file only costs a 400 and leaves the slot empty, as an erase would).
+ */
+
+ngx_uint_t
+ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    u_char           *path;
+    ngx_int_t         rc;
+    ngx_str_t        *store;
+    ngx_file_info_t   fi;
+
+    rc = ngx_http_llama_session_file_known(ctx, key, len);
+
+    if (rc != -1) {
+        return rc;
+    }
+
+    store = &ctx->zone->store;
+
+    if (store->len == 0) {
+        return 1;
+    }
+
+    path = ngx_pnalloc(r->pool, store->len + len
+                                + NGX_HTTP_LLAMA_SESSION_FP_LEN
+                                + sizeof("/..bin"));
+    if (path == NULL) {
+        return 1;
+    }
+
+    ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, len, key,
+                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
+
+    /* a regular file: a link is never restored (nor committed) */
+
+    return ngx_link_info(path, &fi) != NGX_FILE_ERROR && ngx_is_file(&fi);
+}
+
+
+/*
+ * The outgoing session's file is in place: record it, write its .json,
+ * mark the slot clean if the session is still there, and keep the folder
+ * within max_files and max_size (never evicting the session coming in).
+ */
+
+void
+ngx_http_llama_session_store_saved(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t tokens, off_t bytes)
+{
+    u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t  n;
+
+    ngx_http_llama_session_file_saved(ctx, key, len, 1, tokens, bytes);
+    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
+
+    if (ctx->zone->store.len) {
+        n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+        (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n,
+                                                 ctx->slot);
+    }
+
+    ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, key, len);
+
+    if (key != ctx->out_key) {
+        /* a base: it goes before the session that starts from it */
+        ngx_http_llama_session_store_evict(log, ctx->zone, key, len);
+
+    } else if (ctx->key_len) {
+        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->key, ctx->key_len);
+
+    } else {
+        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->out_key,
+                                     ctx->out_len);
     }
 }

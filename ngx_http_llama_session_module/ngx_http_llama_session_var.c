@@ -9,6 +9,8 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_handler.h"
+#include "ngx_http_llama_session_var.h"
 
 
 static ngx_int_t ngx_http_llama_session_var(ngx_http_request_t *r,

@@ -32,6 +32,14 @@
 
 
 #include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_slots.h"
+#include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_warm.h"
 
 #include <cjson/cJSON.h>
 
@@ -40,6 +48,8 @@ static ngx_int_t ngx_http_llama_session_warm_call(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t step);
 static ngx_int_t ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action);
+static ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
 static ngx_uint_t ngx_http_llama_session_prime_tokens(ngx_log_t *log,
     ngx_buf_t *b, ngx_int_t *cached);
 
@@ -49,7 +59,8 @@ static ngx_str_t  ngx_http_llama_session_base_id = ngx_string("base");
 
 /*
  * NGX_DECLINED: no warm start for this request (off, no system prompt or
- * a short one, an endpoint without a prime); else the first call is made.
+ * a short one, an endpoint without a prime); NGX_OK: the slot is ready as
+ * it is (the handler proxies); else the first call is made.
  */
 
 ngx_int_t
@@ -97,7 +108,7 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
         }
 
         ctx->trimmed = 1;
-        ctx->base_file = (ngx_http_llama_session_has_file(r, ctx,
+        ctx->base_file = (ngx_http_llama_session_store_has_file(r, ctx,
                                                           ctx->base_key,
                                                           ctx->base_len)
                           == 1);
@@ -108,7 +119,7 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* 2. the base's file */
 
-    ctx->base_file = (ngx_http_llama_session_has_file(r, ctx, ctx->base_key,
+    ctx->base_file = (ngx_http_llama_session_store_has_file(r, ctx, ctx->base_key,
                                                       ctx->base_len)
                       == 1
                       && !ngx_http_llama_session_restores_off(ctx->zone,
@@ -137,7 +148,7 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 {
     ngx_uint_t  call;
 
-    ctx->state = NGX_HTTP_LLAMA_SESSION_ST_WARM;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_WARM);
     ctx->warm_step = step;
 
     switch (step) {
@@ -148,6 +159,14 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_WARM_PRIME:
         call = NGX_HTTP_LLAMA_SESSION_CALL_PRIME;
+
+        /* the call sends the body made here */
+        if (ngx_http_llama_session_prime_body(r, ctx, &ctx->call_body)
+            != NGX_OK)
+        {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
         break;
 
     case NGX_HTTP_LLAMA_SESSION_WARM_SAVE:
@@ -163,7 +182,10 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 }
 
 
-/* a call of the warm start is over: the next step, or the proxy */
+/*
+ * A call of the warm start is over: the next step, or NGX_OK when the
+ * slot is ready (the handler proxies).
+ */
 
 ngx_int_t
 ngx_http_llama_session_warm_done(ngx_http_request_t *r,
@@ -339,7 +361,8 @@ ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ctx->warm_step = NGX_HTTP_LLAMA_SESSION_WARM_NONE;
     ctx->action = action;
 
-    return ngx_http_llama_session_proxy(r, ctx);
+    /* the slot is ready: the handler lets proxy_pass carry the request */
+    return NGX_OK;
 }
 
 
@@ -350,7 +373,7 @@ ngx_http_llama_session_warm_go(ngx_http_request_t *r,
  * or Anthropic's for /v1/messages.
  */
 
-ngx_int_t
+static ngx_int_t
 ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out)
 {

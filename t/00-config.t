@@ -119,9 +119,8 @@ my @bad = (
     [ 'llama_session_zone zone=llama:1m save_idle=never;',
       qr/invalid time "save_idle=never"/, 'save_idle=never' ],
     [ 'llama_session_zone zone=llama:1m save_idle=30s;',
-      qr/"save_idle=" needs "backend=host:port"/, 'save_idle without backend' ],
-    [ 'llama_session_zone zone=llama:1m backend=no.such.host.invalid:80;',
-      qr/invalid backend "backend=no.such.host.invalid:80"/, 'bad backend' ],
+      qr/llama_session zone "llama" has "save_idle=" but no location has "llama_session llama" or "llama_session_api llama": its saves go through such a location's llama_session_slots_uri/,
+      'save_idle without a location of the zone' ],
     [ "llama_session_zone zone=llama:1m;\nllama_session_zone zone=llama:1m;",
       qr/duplicate llama_session_zone "llama"/, 'duplicate zone' ],
     [ 'llama_session nope;',
@@ -169,35 +168,35 @@ my @bad = (
       . "llama_session_zone zone=b:1m store=%%DIR%%;",
       qr/llama_session zones "a" and "b" have the same store/,
       'two zones, one store' ],
-    [ 'llama_session_zone zone=a:1m model=m store=%%DIR%%;',
-      qr/zone "a" with "model=" needs "backend=host:port" and "store="/,
-      'model= without backend=' ],
-    [ 'llama_session_zone zone=a.b:1m model=m store=%%DIR%% backend=127.0.0.1:1;',
+    [ 'llama_session_zone zone=a:1m model=m;',
+      qr/zone "a" with "model=" needs "store="/,
+      'model= without store=' ],
+    [ 'llama_session_zone zone=a.b:1m model=m store=%%DIR%%;',
       qr/zone "a\.b" with "model=" needs a name of 1 to 16 letters/,
       'model= zone with a dot in its name' ],
-    [ 'llama_session_zone zone=a:1m model=m"x store=%%DIR%% backend=127.0.0.1:1;',
+    [ 'llama_session_zone zone=a:1m model=m"x store=%%DIR%%;',
       qr/invalid model "m"x": 1 to 64 letters, digits or "\._:\/\+@-"/,
       'a model name with a quote' ],
     [ "server { listen 127.0.0.1:%%PORT%%; location / { llama_session_ollama on; } }",
       qr/"llama_session_ollama" needs "llama_session zone" in the same location/,
       'llama_session_ollama without a zone' ],
-    [ 'llama_session_zone zone=a:1m model=m slots=auto store=%%DIR%% backend=127.0.0.1:1;',
+    [ 'llama_session_zone zone=a:1m model=m slots=auto store=%%DIR%%;',
       qr/zone "a" with "model=" cannot have "slots=auto"/,
       'model= with slots=auto' ],
-    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
-      . "llama_session_zone zone=b:1m model=m store=%%DIR%% backend=127.0.0.1:1;",
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%%;\n"
+      . "llama_session_zone zone=b:1m model=m store=%%DIR%%;",
       qr/llama_session zones "a" and "b" drive the same model "m" of one router/,
       'two zones, one model' ],
-    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%%;\n"
       . "llama_session_zone zone=b:1m store=%%DIR%%;",
       qr/llama_session zones "a" and "b" have the same store/,
       'a router\'s store and a zone without model=' ],
-    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%%;\n"
       . "llama_session_zone zone=b:1m;\nllama_session a b;",
       qr/zone "b" has no "model=": several zones in "llama_session" are the models of llama-server's router/,
       'several zones, one without model=' ],
-    [ "llama_session_zone zone=a:1m model=m store=%%DIR%% backend=127.0.0.1:1;\n"
-      . "llama_session_zone zone=b:1m model=m store=%%DIR%%/x backend=127.0.0.1:1;\n"
+    [ "llama_session_zone zone=a:1m model=m store=%%DIR%%;\n"
+      . "llama_session_zone zone=b:1m model=m store=%%DIR%%/x;\n"
       . "llama_session a b;",
       qr/zones "a" and "b" both drive the model "m"/,
       'two zones of one model in one location' ],
@@ -225,6 +224,22 @@ for my $case (@bad) {
     }
 EOF
 is($rc, 0, 'every identity directive can be set') or diag $msg;
+
+# backend= and api_key= of earlier releases: accepted, said to be ignored
+($rc, $msg) = $t->nginx_test(<<'EOF');
+    llama_session_zone zone=llama:1m save_idle=30s backend=127.0.0.1:1
+                       api_key=secret;
+    server {
+        listen 127.0.0.1:%%PORT%%;
+        location / { llama_session llama; proxy_pass http://127.0.0.1:1; }
+    }
+EOF
+is($rc, 0, 'nginx -t accepts the deprecated backend= and api_key=')
+    or diag $msg;
+like($msg, qr/"backend=" is deprecated and ignored: idle saves go through llama_session_slots_uri's location/,
+     'nginx -t says backend= is ignored');
+like($msg, qr/"api_key=" is deprecated and ignored: .*proxy_set_header Authorization/,
+     'nginx -t says where the API key goes');
 
 $t->stop;
 done_testing;

@@ -1,0 +1,46 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * The store folder (store= on the zone: the functions of ngx_http_llama_session_store.c.
+ */
+
+
+#ifndef _NGX_HTTP_LLAMA_SESSION_STORE_H_INCLUDED_
+#define _NGX_HTTP_LLAMA_SESSION_STORE_H_INCLUDED_
+
+
+#include "ngx_http_llama_session_module.h"
+
+
+ngx_int_t ngx_http_llama_session_store_sync(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
+void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+void ngx_http_llama_session_store_evict(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
+ngx_int_t ngx_http_llama_session_store_check(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_index(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
+    ngx_uint_t slot);
+ngx_int_t ngx_http_llama_session_store_prev(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
+void ngx_http_llama_session_store_saved(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t tokens, off_t bytes);
+ngx_uint_t ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
+ngx_int_t ngx_http_llama_session_store_unlink(
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
+    ngx_log_t *log);
+
+
+#endif /* _NGX_HTTP_LLAMA_SESSION_STORE_H_INCLUDED_ */

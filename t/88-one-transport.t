@@ -1,0 +1,106 @@
+#!/usr/bin/perl
+
+# One transport for every slot call: the idle saver, with no client request
+# behind it, talks to llama-server through the slots location as requests
+# do.  llama-server here wants an API key, which only the slots location
+# gives (proxy_set_header Authorization); the zone has no backend= and no
+# api_key=.  The session saved while idle comes back after llama-server
+# restarts, and the saves show in the slots location's access log.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $key = 'sekrit-' . $$;
+
+my $t = LlamaTest->new(workers => 2);
+my $llama = $t->llama(args => [ '--api-key', $key ]);
+
+my $conf = <<"EOF";
+    llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=300ms;
+
+    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 4; }
+
+    log_format slots '\$uri?\$args \$status';
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session llama;
+            proxy_pass http://llama;
+            proxy_set_header Authorization "Bearer $key";
+            proxy_read_timeout 300s;
+            add_header X-S-Action \$llama_session_action always;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://llama/;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Authorization "Bearer $key";
+            log_subrequest on;
+            access_log %%DIR%%/slots.log slots;
+        }
+    }
+EOF
+
+$t->nginx($conf);
+
+# without the key llama-server refuses the slot calls: only the slots
+# location can make them
+my $direct = $t->get('/slots', port => $llama);
+is($direct->{status}, 401, 'llama-server refuses GET /slots without its key');
+
+my $system = join ' ', map { "Rule $_ holds for every answer." } 1 .. 80;
+my $text = join ' ', map { "Dana keeps note $_." } 1 .. 60;
+
+sub ask {
+    my $r = $t->post('/v1/chat/completions',
+                     { messages => [ { role => 'system', content => $system },
+                                     { role => 'user', content => $text } ],
+                       max_tokens => 2, temperature => 0 },
+                     headers => { 'X-Session-Id' => 'dana' });
+    die "dana: $r->{status} $r->{content}\n" unless $r->{status} == 200;
+    return ($r->{json}{usage}{prompt_tokens},
+            $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
+            $r->{headers}{'x-s-action'});
+}
+
+my ($prompt) = ask();
+cmp_ok($prompt, '>', 500, "dana's first turn: $prompt prompt tokens");
+
+# dana never leaves the slot: the idle saver keeps her, with the key
+ok($t->wait_for(sub { $t->log_lines(qr/idle save of "dana-\w+" from slot 0 of zone "llama": \d+ tokens/) }, 20),
+   'the idle save of dana is logged');
+my @files = glob($t->dir . '/slots/dana-*.bin');
+is(scalar @files, 1, 'dana has a file in the store');
+cmp_ok(-s $files[0], '>', 100_000, 'a whole state: ' . (-s $files[0])
+                                    . ' bytes');
+ok(!$t->log_lines(qr/\[(?:error|crit|alert)\]/),
+   'no error on the way (no 401 from llama-server)');
+
+my $log = $t->read_file($t->dir . '/slots.log');
+like($log, qr{^/_llama_slots/slots\?- 200\n/_llama_slots/slots/0\?action=save 200$}m,
+     "the idle saver's GET /slots and save went through the slots "
+     . 'location');
+
+# a reboot: the slot is empty, dana comes back from her idle-saved file
+$t->stop_nginx;
+$t->stop_llama;
+$t->llama(port => $llama, args => [ '--api-key', $key ]);
+$t->start_nginx;
+
+my ($p2, $cached, $action) = ask();
+is($action, 'restore', 'after the reboot dana is restored');
+cmp_ok($cached, '>=', $prompt - 4,
+       "dana's cache is back: $cached of $p2 tokens cached");
+
+$t->stop;
+done_testing;
