@@ -324,8 +324,8 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
 
     ngx_memzero(ctx, sizeof(ngx_http_llama_session_ctx_t));
     ctx->request = &r;
-    ctx->slot_tokens = -1;
-    ctx->slot_task = -1;
+    ctx->job.slot_tokens = -1;
+    ctx->job.slot_task = -1;
 
     return ngx_http_llama_session_identify(&r, ctx);
 }

@@ -6,7 +6,8 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_json.h"
 
 
 int

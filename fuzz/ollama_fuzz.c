@@ -94,6 +94,14 @@ ngx_http_weak_etag(ngx_http_request_t *r)
 }
 
 
+void
+ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state)
+{
+    ctx->job.state = state;
+}
+
+
 static void
 fuzz_print(cJSON *json)
 {

@@ -1,7 +1,8 @@
 
 /*
- * libFuzzer harness for the slot replies (ngx_http_llama_session_slots.c,
- * #included here so its statics are at hand): any bytes as what a broken
+ * libFuzzer harness for the slot replies (ngx_http_llama_session_slots.c
+ * and the capture of ngx_http_llama_session_call.c, #included here so
+ * their statics are at hand): any bytes as what a broken
  * or hostile backend answers to a slot call.  The reply goes through the
  * module's own capture (ngx_http_llama_session_capture_append(), in
  * chunks of a size taken from the first byte, then call_done()), must come
@@ -22,6 +23,7 @@
 
 
 #include "ngx_http_llama_session_slots.c"
+#include "ngx_http_llama_session_call.c"
 
 #include "fuzz_ngx.h"
 
@@ -75,44 +77,14 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
         fuzz_sink ^= model_path->data[i];
     }
 
-    ngx_memcpy(ctx->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    ngx_memcpy(ctx->job.fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     fuzz_fingerprints++;
 }
 
 
-void
-ngx_http_llama_session_finish(ngx_http_llama_session_ctx_t *ctx)
-{
-    fuzz_unexpected("ngx_http_llama_session_finish");
-}
 
 
-void
-ngx_http_llama_session_saved_ok(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
-    ngx_uint_t tokens, off_t bytes)
-{
-    fuzz_unexpected("ngx_http_llama_session_saved_ok");
-}
-
-
-ngx_int_t
-ngx_http_llama_session_prime_body(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out)
-{
-    fuzz_unexpected("ngx_http_llama_session_prime_body");
-    return NGX_ERROR;
-}
-
-
-size_t
-ngx_http_llama_session_file_name(u_char *buf, u_char *key, size_t len,
-    u_char *fp)
-{
-    fuzz_unexpected("ngx_http_llama_session_file_name");
-    return 0;
-}
 
 
 void
@@ -132,29 +104,7 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
-void
-ngx_http_llama_session_save_stat(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t reason, ngx_uint_t ok, off_t bytes, double ms)
-{
-    fuzz_unexpected("ngx_http_llama_session_save_stat");
-}
 
-
-ngx_int_t
-ngx_http_llama_session_store_delete(u_char *file)
-{
-    fuzz_unexpected("ngx_http_llama_session_store_delete");
-    return NGX_ERROR;
-}
-
-
-ngx_int_t
-ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size)
-{
-    fuzz_unexpected("ngx_http_llama_session_store_commit");
-    return NGX_ERROR;
-}
 
 
 void
@@ -162,6 +112,21 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
     fuzz_unexpected("ngx_http_llama_session_store_drop_tmp");
+}
+
+
+void
+ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state)
+{
+    fuzz_unexpected("ngx_http_llama_session_release");
+}
+
+
+void
+ngx_http_llama_session_wake_local(void)
+{
+    fuzz_unexpected("ngx_http_llama_session_wake_local");
 }
 
 
@@ -176,7 +141,7 @@ fuzz_props_reply(ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *b, u_char *p,
     b->end = b->last;
     b->temporary = 1;
 
-    ctx->call_reply = size ? b : NULL;
+    ctx->job.call_reply = size ? b : NULL;
 }
 
 
@@ -208,10 +173,10 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ngx_memzero(&ctx, sizeof(ngx_http_llama_session_ctx_t));
     ctx.request = &r;
     ctx.zone = &zone;
-    ctx.slot_tokens = -1;
-    ctx.slot_task = -1;
-    ctx.call = NGX_HTTP_LLAMA_SESSION_CALL_GET;
-    ctx.call_inflight = 1;
+    ctx.job.slot_tokens = -1;
+    ctx.job.slot_task = -1;
+    ctx.job.call = NGX_HTTP_LLAMA_SESSION_CALL_GET;
+    ctx.job.call_inflight = 1;
 
     /* the reply as the capture filter collects it, in chunks */
 
@@ -247,11 +212,11 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     (void) ngx_http_llama_session_call_done(&sr, &ctx, NGX_OK);
 
-    if (size == 0 ? ctx.call_reply != NULL
-        : (ctx.call_reply == NULL
-           || (size_t) (ctx.call_reply->last - ctx.call_reply->pos) != size
-           || ngx_memcmp(ctx.call_reply->pos, data, size) != 0
-           || ctx.call_status != NGX_HTTP_OK || ctx.call_inflight))
+    if (size == 0 ? ctx.job.call_reply != NULL
+        : (ctx.job.call_reply == NULL
+           || (size_t) (ctx.job.call_reply->last - ctx.job.call_reply->pos) != size
+           || ngx_memcmp(ctx.job.call_reply->pos, data, size) != 0
+           || ctx.job.call_status != NGX_HTTP_OK || ctx.job.call_inflight))
     {
         fprintf(stderr, "fuzz: the captured reply is not the reply\n");
         __builtin_trap();
@@ -263,9 +228,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_props_reply(&ctx, &reply, copy, size);
 
     for (i = 0; i < sizeof(slots) / sizeof(ngx_uint_t); i++) {
-        ctx.slot = slots[i];
-        ctx.slot_tokens = -1;
-        ctx.slot_task = -1;
+        ctx.job.slot = slots[i];
+        ctx.job.slot_tokens = -1;
+        ctx.job.slot_task = -1;
         processing = 2;
 
         rc = ngx_http_llama_session_parse_slots(fuzz_log, &ctx, &processing);
@@ -296,15 +261,15 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* GET /props, then GET /v1/models with it or with a real /props */
 
-    ctx.call_status = NGX_HTTP_OK;
-    ngx_str_null(&ctx.props_text);
+    ctx.job.call_status = NGX_HTTP_OK;
+    ngx_str_null(&ctx.job.props_text);
 
     rc = ngx_http_llama_session_parse_props(&r, &ctx);
 
     if (rc == NGX_OK) {
-        if (ctx.props_text.len == 0 || ctx.props_text.len > 1024
-            || ctx.props_model.len > NGX_HTTP_LLAMA_SESSION_PATH_SHOW
-            || ctx.props_slots < 1 || ctx.props_slots > 1000000)
+        if (ctx.job.props_text.len == 0 || ctx.job.props_text.len > 1024
+            || ctx.job.props_model.len > NGX_HTTP_LLAMA_SESSION_PATH_SHOW
+            || ctx.job.props_slots < 1 || ctx.job.props_slots > 1000000)
         {
             __builtin_trap();
         }
@@ -328,7 +293,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         __builtin_trap();
     }
 
-    ctx.call_status = NGX_HTTP_BAD_GATEWAY;
+    ctx.job.call_status = NGX_HTTP_BAD_GATEWAY;
 
     if (ngx_http_llama_session_parse_models(&r, &ctx) != NGX_OK
         || fuzz_fingerprints != 2)

@@ -16,9 +16,10 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_api.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
@@ -1102,9 +1103,9 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             break;
         }
 
-        ctx->slot = api->slot;
+        ctx->job.slot = api->slot;
 
-        if (!ctx->acquired || ctx->released) {
+        if (!ctx->job.acquired || ctx->job.released) {
             if (ngx_http_llama_session_try_slot(ctx) != NGX_OK) {
 
                 if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
@@ -1117,13 +1118,13 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                                   "later", NULL);
             }
 
-            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ctx->slots_checked = 0;
-            ctx->restarted = 0;
-            ctx->slot_tokens = -1;
-            ctx->slot_task = -1;
+            ctx->job.slots_checked = 0;
+            ctx->job.restarted = 0;
+            ctx->job.slot_tokens = -1;
+            ctx->job.slot_task = -1;
 
             if (api->tenant
                 && !ngx_http_llama_session_slot_of_tenant(ctx->zone,
@@ -1137,10 +1138,10 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             }
         }
 
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
 
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                && !ctx->save_pending)
+                && !ctx->job.save_pending)
             {
                 ngx_http_llama_session_release(ctx,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
@@ -1172,12 +1173,12 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             goto wait;
         }
 
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             goto wait;
         }
 
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
-            || ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
+        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
+            || ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
         {
             rc = ngx_http_llama_session_learn(r, ctx);
 
@@ -1198,7 +1199,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 return rc;
             }
 
-            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
@@ -1212,7 +1213,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             goto wait;
         }
 
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
             rc = ngx_http_llama_session_api_checked(r, api);
 
             if (rc == NGX_AGAIN) {
@@ -1299,7 +1300,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API's GET /slots for slot %ui "
                       "failed (%i): nothing is done to it", api->slot,
-                      ctx->call_status);
+                      ctx->job.call_status);
 
         api->failed = 1;
         ngx_http_llama_session_job_state(ctx,
@@ -1316,7 +1317,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
     }
 
     if (verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY
-        || (ngx_msec_int_t) (ctx->quiet_until - ngx_current_msec) > 0)
+        || (ngx_msec_int_t) (ctx->job.quiet_until - ngx_current_msec) > 0)
     {
         /* llama-server runs the slot, or may start a request on it */
         ngx_http_llama_session_job_state(ctx,
@@ -1333,7 +1334,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
 
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API left slot %ui alone: "
-                      "llama-server kept running it", ctx->slot);
+                      "llama-server kept running it", ctx->job.slot);
         return NGX_DECLINED;
     }
 
@@ -1342,7 +1343,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         if (!ngx_http_llama_session_may_save(ctx)) {
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ngx_http_llama_session_release(ctx, ctx->restarted
+            ngx_http_llama_session_release(ctx, ctx->job.restarted
                                           ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
                                           : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             api->slot++;
@@ -1352,11 +1353,11 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
         rc = ngx_http_llama_session_call(r, ctx,
                                          NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                         ctx->out_key, ctx->out_len);
+                                         ctx->job.out_key, ctx->job.out_len);
 
     } else {
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);
-        ctx->load_file = 0;
+        ctx->job.load_file = 0;
         rc = ngx_http_llama_session_call(r, ctx,
                                          NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
                                          NULL, 0);
@@ -1381,7 +1382,8 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
 
     if (cJSON_AddNumberToObject(item, "slot", api->slot) == NULL
-        || cJSON_AddNumberToObject(item, "status", ctx->call_status) == NULL)
+        || cJSON_AddNumberToObject(item, "status", ctx->job.call_status)
+            == NULL)
     {
         return NGX_ERROR;
     }
@@ -1390,16 +1392,18 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 
         if (ngx_http_llama_session_save_done(r->connection->log, ctx,
                                              NGX_HTTP_LLAMA_SESSION_SAVE_API,
-                                             ctx->out_key, ctx->out_len)
+                                             ctx->job.out_key,
+                                                 ctx->job.out_len)
             == NGX_OK)
         {
-            if (ngx_http_llama_session_api_str(item, "key", ctx->out_key,
-                                               ctx->out_len) == NULL
-                || cJSON_AddNumberToObject(item, "tokens", ctx->saved_tokens)
+            if (ngx_http_llama_session_api_str(item, "key", ctx->job.out_key,
+                                               ctx->job.out_len) == NULL
+                || cJSON_AddNumberToObject(item, "tokens",
+                                           ctx->job.saved_tokens)
                    == NULL
-                || cJSON_AddNumberToObject(item, "bytes", ctx->saved_bytes)
+                || cJSON_AddNumberToObject(item, "bytes", ctx->job.saved_bytes)
                    == NULL
-                || cJSON_AddNumberToObject(item, "save_ms", ctx->save_ms)
+                || cJSON_AddNumberToObject(item, "save_ms", ctx->job.save_ms)
                    == NULL)
             {
                 return NGX_ERROR;
@@ -1408,12 +1412,12 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         } else {
             api->failed = 1;
 
-            if (ctx->call_status == 0) {
+            if (ctx->job.call_status == 0) {
                 state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
             }
         }
 
-    } else if (ctx->call_status == NGX_HTTP_OK
+    } else if (ctx->job.call_status == NGX_HTTP_OK
                && ngx_http_llama_session_parse_action(r->connection->log,
                                                       ctx, &tokens, &bytes,
                                                       &ms)
@@ -1441,11 +1445,11 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API's erase of slot %ui failed "
                       "(%i), its content is unknown now", api->slot,
-                      ctx->call_status);
+                      ctx->job.call_status);
     }
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     ngx_http_llama_session_release(ctx, state);
     ngx_http_llama_session_wake_local();
@@ -1486,7 +1490,8 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
     if (ctx == NULL || ctx->api == NULL
-        || (ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE && !ctx->call_done)
+        || (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+            && !ctx->job.call_done)
         || ctx->wait_ev.timer_set)
     {
         return;

@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * The management API, a content handler (llama_session_api <zone>): the functions of ngx_http_llama_session_api.c.
+ * The management API, a content handler: the functions of ngx_http_llama_session_api.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_API_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 char *ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd,

@@ -8,7 +8,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_ollama.h"
@@ -25,8 +25,8 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
 
-    if (ctx->call_timed_out
-        || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+    if (ctx->job.call_timed_out
+        || ctx->job.call_status == NGX_HTTP_GATEWAY_TIME_OUT)
     {
         /* a prime, save or restore of a large state can take minutes */
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
@@ -34,25 +34,27 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
                       "timed out in the location of \"%V\": raise "
                       "proxy_read_timeout there (like the inference "
                       "location's)", what, ctx->key_len, ctx->key,
-                      &ctx->call_uri);
+                      &ctx->job.call_uri);
 
-    } else if (ctx->call_status == 0) {
+    } else if (ctx->job.call_status == 0) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: slot call \"%s\" for session \"%*s\" "
                       "got no answer from the backend through \"%V\"",
-                      what, ctx->key_len, ctx->key, &ctx->call_uri);
+                      what, ctx->key_len, ctx->key, &ctx->job.call_uri);
 
     } else {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: slot call \"%s\" for session \"%*s\" "
                       "through \"%V\" answered %i: \"%*s\"",
-                      what, ctx->key_len, ctx->key, &ctx->call_uri,
-                      ctx->call_status,
-                      ctx->call_reply
-                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                      what, ctx->key_len, ctx->key, &ctx->job.call_uri,
+                      ctx->job.call_status,
+                      ctx->job.call_reply
+                      ? ngx_min(ctx->job.call_reply->last
+                                - ctx->job.call_reply->pos,
                                 200)
                       : 0,
-                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
+                      ctx->job.call_reply ? ctx->job.call_reply->pos
+                          : (u_char *) "");
     }
 
     /* a failed call leaves a slot nobody can vouch for */
@@ -60,7 +62,7 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
     ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
     ngx_http_llama_session_wake_local();
 
-    if (ctx->call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {
+    if (ctx->job.call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {
         /* llama-server starts ("Loading model") or sleeps: retry soon */
         return ngx_http_llama_session_error(r, ctx,
                                         NGX_HTTP_SERVICE_UNAVAILABLE,
@@ -79,8 +81,8 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
     ngx_sprintf(message, "the model server did not answer a slot call "
                 "(%s)%s%Z", what,
-                (ctx->call_timed_out
-                 || ctx->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+                (ctx->job.call_timed_out
+                 || ctx->job.call_status == NGX_HTTP_GATEWAY_TIME_OUT)
                 ? " in time" : "");
 
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
@@ -100,9 +102,12 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
 {
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
     ctx->status = NGX_DONE;
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    if (ctx->ollama && ctx->ollama <= NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED) {
+    if (ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
+        || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE
+        || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED)
+    {
         /* an Ollama client reads {"error": "..."} */
         return ngx_http_llama_session_ollama_error(r, ctx, status, message);
     }

@@ -11,12 +11,13 @@
  *   -> give the slot back when the request's pool goes (any end).
  *
  * The handler is re-entered by ngx_http_core_run_phases() after the body,
- * after each timer and after each subrequest; ctx->state says where it is.
+ * after each timer and after each subrequest; ctx->job.state says where it is.
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
@@ -97,7 +98,7 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_start(r, llcf);
     }
 
-    switch (ctx->state) {
+    switch (ctx->job.state) {
 
     case NGX_HTTP_LLAMA_SESSION_ST_BODY:
         return NGX_DONE;
@@ -111,8 +112,8 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
 
     case NGX_HTTP_LLAMA_SESSION_ST_ROUTER:
         if (ctx->wait_ev.timer_set || ctx->wait_ev.posted
-            || (ctx->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
-                && !ctx->call_done))
+            || (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+                && !ctx->job.call_done))
         {
             return NGX_AGAIN;
         }
@@ -123,14 +124,14 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return (rc == NGX_OK) ? ngx_http_llama_session_plan(r, ctx) : rc;
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROPS:
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_props(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_CHECK:
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             return NGX_AGAIN;
         }
 
@@ -149,21 +150,21 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
                                            NULL, 0);
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_saved(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_LOAD:
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_loaded(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_WARM:
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             return NGX_AGAIN;
         }
 
@@ -176,14 +177,14 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return NGX_DECLINED;
 
     case NGX_HTTP_LLAMA_SESSION_ST_OLLAMA:
-        if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
             /* the body is in */
             return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
                                            NULL, 0);
         }
 
-        if (!ctx->call_done) {
+        if (!ctx->job.call_done) {
             return NGX_AGAIN;
         }
 
@@ -336,8 +337,8 @@ ngx_http_llama_session_create_ctx(ngx_http_request_t *r,
     ctx->request = r;
     ctx->zone = zone;
     ctx->start = ngx_current_msec;
-    ctx->slot_tokens = -1;
-    ctx->slot_task = -1;
+    ctx->job.slot_tokens = -1;
+    ctx->job.slot_task = -1;
 
     ngx_http_llama_session_job_timer(ctx);
 
@@ -462,7 +463,7 @@ ngx_http_llama_session_read(ngx_http_request_t *r,
 {
     ngx_int_t  rc;
 
-    ctx->state = state;
+    ctx->job.state = state;
 
     rc = ngx_http_read_client_request_body(r,
                                          ngx_http_llama_session_body_handler);
@@ -487,7 +488,7 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
+    if (ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
 
         rc = ngx_http_llama_session_identify(r, ctx);
 
@@ -530,8 +531,9 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
                NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
-        } else if (ctx->ollama
-                   && ctx->ollama <= NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED
+        } else if ((ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
+                    || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE
+                    || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED)
                    && (rc = ngx_http_llama_session_ollama_request(r, ctx))
                       != NGX_OK)
         {
@@ -661,7 +663,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                       "llama_session: session \"%*s\" waited %M ms for slot "
                       "%ui of zone \"%V\" in vain", ctx->key_len, ctx->key,
                       ctx->wait_ms,
-                      ctx->slot, &ctx->zone->name);
+                      ctx->job.slot, &ctx->zone->name);
 
         return ngx_http_llama_session_error(r, ctx,
                                   NGX_HTTP_SERVICE_UNAVAILABLE,
@@ -680,7 +682,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 
         ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: session \"%*s\" waits, ticket %uA",
-                       ctx->key_len, ctx->key, ctx->ticket);
+                       ctx->key_len, ctx->key, ctx->job.ticket);
 
     } else if (ctx->delay < NGX_HTTP_LLAMA_SESSION_POLL_MAX) {
         ctx->delay *= 2;
@@ -698,7 +700,7 @@ static ngx_int_t
 ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->zone->model.len && !ctx->routed) {
+    if (ctx->zone->model.len && !ctx->route.routed) {
         /* router mode: the model is up first, see router.c */
         return ngx_http_llama_session_route(r, ctx);
     }
@@ -726,7 +728,7 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
      */
 
     if (!ngx_http_llama_session_fingerprint(ctx)
-        || ctx->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
+        || ctx->job.slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
     {
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
         return ngx_http_llama_session_call(r, ctx,
@@ -748,14 +750,14 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
 
     if (rc == NGX_ERROR) {
         return ngx_http_llama_session_backend_error(r, ctx,
-                    (char *) ngx_http_llama_session_call_name(ctx->call)->data);
+                (char *) ngx_http_llama_session_call_name(ctx->job.call)->data);
     }
 
     if (rc != NGX_OK) {
         return rc;
     }
 
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ctx->learn_slots) {
         ctx->learn_slots = 0;
@@ -770,7 +772,7 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
         return ngx_http_llama_session_wait(r, ctx);
     }
 
-    if (ctx->slot >= ngx_http_llama_session_slots_usable(ctx->zone->sh)) {
+    if (ctx->job.slot >= ngx_http_llama_session_slots_usable(ctx->zone->sh)) {
         /*
          * llama-server came back with fewer slots than this request's:
          * it would run the request on another slot (it wraps the id)
@@ -779,7 +781,7 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: llama-server no longer has slot %ui "
                       "of zone \"%V\", session \"%*s\" is not sent there",
-                      ctx->slot, &ctx->zone->name, ctx->key_len, ctx->key);
+                      ctx->job.slot, &ctx->zone->name, ctx->key_len, ctx->key);
 
         ngx_http_llama_session_release(ctx,
                                        NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
@@ -805,22 +807,24 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     if (!ctx->default_session) {
         ngx_http_llama_session_remember(ctx, ctx->key, ctx->key_len,
                                         &ctx->id);
-        ctx->load_file = ngx_http_llama_session_store_has_file(r, ctx, ctx->key,
-                                                         ctx->key_len);
+        ctx->job.load_file = ngx_http_llama_session_store_has_file(r, ctx,
+                                                      ctx->key, ctx->key_len);
     }
 
-    if (ngx_http_llama_session_restores_off(ctx->zone, ctx->fp)) {
+    if (ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)) {
         /* restores bring nothing on this backend: neither save nor load */
-        ctx->load_file = 0;
-        ctx->save_pending = 0;
+        ctx->job.load_file = 0;
+        ctx->job.save_pending = 0;
     }
 
-    if (ctx->restarted) {
+    if (ctx->job.restarted) {
         /* the slot was checked already: llama-server restarted */
         return ngx_http_llama_session_load(r, ctx);
     }
 
-    if (!ctx->save_pending && !ctx->load_file && ctx->slot_tokens == 0) {
+    if (!ctx->job.save_pending && !ctx->job.load_file
+        && ctx->job.slot_tokens == 0)
+    {
         /* a known empty slot and nothing of its own to bring in */
         return ngx_http_llama_session_load(r, ctx);
     }
@@ -851,11 +855,11 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE:
 
-        if (!ctx->rerouted) {
+        if (!ctx->route.rerouted) {
             /* router mode: the model went since the router's look: again */
-            ctx->rerouted = 1;
-            ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ctx->routed = 0;
+            ctx->route.rerouted = 1;
+            ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->route.routed = 0;
             return ngx_http_llama_session_route(r, ctx);
         }
 
@@ -872,15 +876,16 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
          * restarted llama-server's other state
          */
 
-        if (ctx->save_pending) {
+        if (ctx->job.save_pending) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                           "llama_session: GET /slots answered %i, the module "
                           "cannot check the slot and does not save "
                           "\"%*s\": start llama-server with --slots",
-                          ctx->call_status, ctx->out_len, ctx->out_key);
+                          ctx->job.call_status, ctx->job.out_len,
+                              ctx->job.out_key);
         }
 
-        ctx->save_pending = 0;
+        ctx->job.save_pending = 0;
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED:
@@ -889,7 +894,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         ngx_http_llama_session_slot_lost(ctx);
 
-        ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+        ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
 
         return ngx_http_llama_session_call(r, ctx,
@@ -904,7 +909,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         break;
     }
 
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ctx->verify && !processing) {
         /* the hit is one */
@@ -929,8 +934,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                                   "retry later", 1);
         }
 
-        ctx->polls++;
-        ctx->delay = (ctx->polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
+        ctx->job.polls++;
+        ctx->delay = (ctx->job.polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
                      : ngx_min(ctx->delay * 2, NGX_HTTP_LLAMA_SESSION_BUSY_MAX);
 
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
@@ -941,7 +946,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                                                          - ngx_current_msec)));
     }
 
-    if ((ngx_msec_int_t) (ctx->quiet_until - ngx_current_msec) > 0) {
+    if ((ngx_msec_int_t) (ctx->job.quiet_until - ngx_current_msec) > 0) {
         /*
          * a request whose client left may still start in llama-server:
          * look again once it would have started or been cancelled
@@ -949,10 +954,10 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         ngx_log_debug1(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: slot quiet for %M ms",
-                       ctx->quiet_until - ngx_current_msec);
+                       ctx->job.quiet_until - ngx_current_msec);
 
-        delay = ctx->quiet_until - ngx_current_msec;
-        ctx->quiet_until = 0;
+        delay = ctx->job.quiet_until - ngx_current_msec;
+        ctx->job.quiet_until = 0;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
 
         return ngx_http_llama_session_sleep(r, ctx, delay);
@@ -962,10 +967,10 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                           ctx->out_key, ctx->out_len);
+                                           ctx->job.out_key, ctx->job.out_len);
     }
 
-    ctx->save_pending = 0;
+    ctx->job.save_pending = 0;
 
     return ngx_http_llama_session_load(r, ctx);
 }
@@ -975,22 +980,22 @@ static ngx_int_t
 ngx_http_llama_session_saved(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->call_status == 0) {
+    if (ctx->job.call_status == 0) {
         /* llama-server may have died in the middle: its file stays whole */
         ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                              ctx->out_key,
-                                              ctx->out_len);
+                                              ctx->job.out_key,
+                                              ctx->job.out_len);
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
     if (ngx_http_llama_session_save_done(r->connection->log, ctx,
                                          NGX_HTTP_LLAMA_SESSION_SAVE_SWAP,
-                                         ctx->out_key, ctx->out_len)
+                                         ctx->job.out_key, ctx->job.out_len)
         != NGX_OK)
     {
         /* the session's previous file, if any, stays as it was */
-        ctx->save_pending = 0;
-        ctx->save_failed = 1;
+        ctx->job.save_pending = 0;
+        ctx->job.save_failed = 1;
     }
 
     return ngx_http_llama_session_load(r, ctx);
@@ -1005,7 +1010,7 @@ ngx_http_llama_session_load(ngx_http_request_t *r,
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);
 
-    if (ctx->load_file) {
+    if (ctx->job.load_file) {
         return ngx_http_llama_session_call(r, ctx,
                                           NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
                                           ctx->key, ctx->key_len);
@@ -1022,7 +1027,7 @@ ngx_http_llama_session_load(ngx_http_request_t *r,
         return rc;
     }
 
-    if (ctx->slot_tokens == 0) {
+    if (ctx->job.slot_tokens == 0) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
         return ngx_http_llama_session_proxy(r, ctx);
     }
@@ -1039,87 +1044,52 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
 {
     off_t       bytes;
     double      ms;
-    ngx_uint_t  tokens, call, level;
+    ngx_uint_t  tokens, call;
 
-    call = ctx->call;
+    call = ctx->job.call;
 
     /* 501: llama-server without --slot-save-path */
 
-    if (ngx_http_llama_session_backend_failed(ctx->call_status)
-        || ctx->call_status == NGX_HTTP_NOT_IMPLEMENTED)
+    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
+        || ctx->job.call_status == NGX_HTTP_NOT_IMPLEMENTED)
     {
         return ngx_http_llama_session_backend_error(r, ctx,
                           (char *) ngx_http_llama_session_call_name(call)->data);
     }
 
-    tokens = 0;
-    bytes = 0;
-    ms = 0;
+    ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
 
-    if (ctx->call_status == NGX_HTTP_OK
-        && ngx_http_llama_session_parse_action(r->connection->log, ctx,
-                                               &tokens, &bytes, &ms)
-           == NGX_OK)
-    {
-        if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE) {
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE) {
+
+        /*
+         * a failed restore leaves the slot empty in llama-server (missing,
+         * foreign or damaged file): the request goes on with a fresh slot
+         */
+
+        if (ngx_http_llama_session_restore_done(r->connection->log, ctx,
+                                                ctx->key, ctx->key_len)
+            == NGX_OK)
+        {
             ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE;
-            ctx->loaded_tokens = tokens;
-            ctx->loaded_bytes = bytes;
-            ctx->load_ms = ms;
+
             ngx_http_llama_session_stat(ctx,
                                         &ctx->zone->sh->stats.restores);
 
-            (void) ngx_atomic_fetch_add(
-                                   &ctx->zone->sh->metrics.bytes_restored,
-                                   (ngx_atomic_uint_t) bytes);
-            ngx_http_llama_session_observe(&ctx->zone->sh->metrics.restore,
-                                           ms);
-
             /* the session's last prompt, to explain a miss (miss.c) */
             (void) ngx_http_llama_session_store_prev(r, ctx);
-
-        } else {
-            ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
         }
 
         return ngx_http_llama_session_proxy(r, ctx);
     }
 
-    /*
-     * a failed restore leaves the slot empty in llama-server (missing,
-     * foreign or damaged file): the request goes on with a fresh slot
-     */
-
-    ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
-
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE) {
-        ngx_http_llama_session_file_saved(ctx, ctx->key, ctx->key_len, 0, 0,
-                                          0);
-
-        if (ctx->call_status != NGX_HTTP_BAD_REQUEST
-            || ngx_http_llama_session_file_known(ctx, ctx->key,
-                                                 ctx->key_len) != -1)
-        {
-            ngx_http_llama_session_stat(ctx,
-                                       &ctx->zone->sh->stats.restore_errors);
-        }
-
-        level = ctx->zone->store.len ? NGX_LOG_WARN : NGX_LOG_INFO;
-
-        ngx_log_error(level, r->connection->log, 0,
-                      "llama_session: restoring session \"%*s\" into slot "
-                      "%ui failed (%i: \"%*s\"), it starts fresh",
-                      ctx->key_len, ctx->key, ctx->slot, ctx->call_status,
-                      ctx->call_reply
-                      ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
-                                200)
-                      : 0,
-                      ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
-
-    } else {
+    if (ctx->job.call_status != NGX_HTTP_OK
+        || ngx_http_llama_session_parse_action(r->connection->log, ctx,
+                                               &tokens, &bytes, &ms)
+           != NGX_OK)
+    {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: erasing slot %ui failed (%i), the "
-                      "request goes on", ctx->slot, ctx->call_status);
+                      "request goes on", ctx->job.slot, ctx->job.call_status);
     }
 
     return ngx_http_llama_session_proxy(r, ctx);
@@ -1139,7 +1109,7 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     sh = ctx->zone->sh;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROXY);
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (!ctx->swapped) {
         /* a hit: the zone marked the slot changed already */
@@ -1166,21 +1136,22 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     p = out;
     last = out + sizeof(out);
 
-    if (ctx->out_len == 0) {
+    if (ctx->job.out_len == 0) {
         p = ngx_slprintf(p, last, "nothing known");
 
-    } else if (ctx->save_pending) {
+    } else if (ctx->job.save_pending) {
         p = ngx_slprintf(p, last, "\"%*s\" saved %ui tokens, %O bytes in "
-                         "%.1f ms", ctx->out_len, ctx->out_key,
-                         ctx->saved_tokens, ctx->saved_bytes, ctx->save_ms);
+                         "%.1f ms", ctx->job.out_len, ctx->job.out_key,
+                         ctx->job.saved_tokens, ctx->job.saved_bytes,
+                             ctx->job.save_ms);
 
     } else {
         p = ngx_slprintf(p, last, "\"%*s\" not saved (%s)",
-                         ctx->out_len, ctx->out_key,
-                         ctx->save_failed ? "the save failed"
-                         : (ctx->out_len == sizeof("default") - 1
-                            && ngx_strncmp(ctx->out_key, "default",
-                                           ctx->out_len) == 0)
+                         ctx->job.out_len, ctx->job.out_key,
+                         ctx->job.save_failed ? "the save failed"
+                         : (ctx->job.out_len == sizeof("default") - 1
+                            && ngx_strncmp(ctx->job.out_key, "default",
+                                           ctx->job.out_len) == 0)
                            ? "default" : "unchanged or empty");
     }
 
@@ -1193,37 +1164,40 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE) {
         p = ngx_slprintf(p, last, "restored %ui tokens, %O bytes in %.1f ms",
-                         ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms);
+                         ctx->job.loaded_tokens, ctx->job.loaded_bytes,
+                             ctx->job.load_ms);
 
     } else if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_WARM) {
         p = ngx_slprintf(p, last, "fresh");
 
-    } else if (ctx->trimmed) {
+    } else if (ctx->warm.trimmed) {
         p = ngx_slprintf(p, last, "warm from the slot's system prompt "
                          "(base \"%*s\"), 0 bytes read",
                          ctx->base_len, ctx->base_key);
 
-    } else if (ctx->history) {
+    } else if (ctx->warm.history) {
         p = ngx_slprintf(p, last, "warm from the slot, its history kept "
                          "(llama_session_warm history)");
 
     } else {
         p = ngx_slprintf(p, last, "warm from base \"%*s\", %ui tokens, %O "
                          "bytes read in %.1f ms", ctx->base_len, ctx->base_key,
-                         ctx->loaded_tokens, ctx->loaded_bytes, ctx->load_ms);
+                         ctx->job.loaded_tokens, ctx->job.loaded_bytes,
+                             ctx->job.load_ms);
     }
 
-    if (ctx->base_built) {
+    if (ctx->warm.base_built) {
         p = ngx_slprintf(p, last, ", base \"%*s\" primed (%i tokens from "
                          "the slot's cache) and saved: %ui tokens, %O bytes "
                          "in %.1f ms", ctx->base_len, ctx->base_key,
-                         ctx->base_cached, ctx->base_tokens, ctx->base_bytes,
-                         ctx->base_ms);
+                         ctx->warm.base_cached, ctx->warm.base_tokens,
+                             ctx->warm.base_bytes,
+                         ctx->warm.base_ms);
     }
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: swap on slot %ui of zone \"%V\": out %*s, "
-                  "in %*s, %M ms in all", ctx->slot, &ctx->zone->name,
+                  "in %*s, %M ms in all", ctx->job.slot, &ctx->zone->name,
                   out_len, out, p - in, in, ctx->swap_ms);
 
     return ngx_http_llama_session_pinned(r, ctx);
@@ -1258,7 +1232,7 @@ ngx_http_llama_session_pinned(ngx_http_request_t *r,
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: the body is no JSON object, it cannot be "
-                  "pinned to slot %ui", ctx->slot);
+                  "pinned to slot %ui", ctx->job.slot);
 
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
                                         "invalid_request_error",
@@ -1319,7 +1293,7 @@ ngx_http_llama_session_cleanup(void *data)
     ngx_http_llama_session_route_end(ctx);
     ngx_http_llama_session_job_finish(ctx);
 
-    if (ctx->old_len) {
+    if (ctx->job.old_len) {
         ngx_http_llama_session_store_drop_old(r->connection->log, ctx);
     }
 }

@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * The request's way through the module, in the precontent phase (after all of nginx's access control): the functions of ngx_http_llama_session_handler.c.
+ * The request's way through the module, in the precontent phase: the functions of ngx_http_llama_session_handler.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_HANDLER_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_handler(ngx_http_request_t *r);

@@ -13,7 +13,8 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_idle.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_shm.h"
@@ -153,9 +154,9 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
         ngx_memzero(&probe, sizeof(ngx_http_llama_session_ctx_t));
 
         probe.zone = zone;
-        probe.slot = n;
-        probe.slot_tokens = -1;
-        probe.slot_task = -1;
+        probe.job.slot = n;
+        probe.job.slot_tokens = -1;
+        probe.job.slot_task = -1;
 
         if (ngx_http_llama_session_try_idle(&probe, zone->save_idle)
             != NGX_OK)
@@ -213,7 +214,7 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
     ctx = &job->ctx;
     *ctx = *probe;
     ctx->request = r;
-    ctx->own = 1;
+    ctx->job.own = 1;
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
 
     job->failed = 1;
@@ -230,7 +231,7 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 
     ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: idle save of \"%*s\" from slot %ui starts",
-                   ctx->out_len, ctx->out_key, ctx->slot);
+                   ctx->job.out_len, ctx->job.out_key, ctx->job.slot);
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
@@ -257,13 +258,13 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 
     job = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (job == NULL || !job->ctx.call_done) {
+    if (job == NULL || !job->ctx.job.call_done) {
         return;
     }
 
     r->write_event_handler = ngx_http_request_empty_handler;
 
-    if (job->ctx.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+    if (job->ctx.job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
         ngx_http_llama_session_idle_checked(r, job);
         return;
     }
@@ -292,7 +293,8 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: idle save: the router's model \"%V\" "
                       "is not running, \"%*s\" lost its turns since its last "
-                      "save", &ctx->zone->model, ctx->out_len, ctx->out_key);
+                      "save", &ctx->zone->model, ctx->job.out_len,
+                          ctx->job.out_key);
 
         job->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
         job->model_gone = 1;
@@ -304,10 +306,11 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: idle save: GET /slots answered 501, "
                       "\"%*s\" is not saved: start llama-server with --slots",
-                      ctx->out_len, ctx->out_key);
+                      ctx->job.out_len, ctx->job.out_key);
 
-        ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, ctx->out_key,
-                                          ctx->out_len);
+        ngx_http_llama_session_slot_saved(ctx->zone, ctx->job.slot,
+                                          ctx->job.out_key,
+                                          ctx->job.out_len);
         job->failed = 0;
         break;
 
@@ -315,8 +318,9 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: idle save: GET /slots through \"%V\" "
                       "answered %i, \"%*s\" is not saved",
-                      &ctx->call_uri, ctx->call_status, ctx->out_len,
-                      ctx->out_key);
+                      &ctx->job.call_uri, ctx->job.call_status,
+                          ctx->job.out_len,
+                      ctx->job.out_key);
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED:
@@ -345,7 +349,7 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
 
         rc = ngx_http_llama_session_call(r, ctx,
                                          NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                         ctx->out_key, ctx->out_len);
+                                         ctx->job.out_key, ctx->job.out_len);
         if (rc == NGX_AGAIN) {
             return;
         }
@@ -368,7 +372,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
 
     ctx = &job->ctx;
 
-    if (ctx->call_status == 0) {
+    if (ctx->job.call_status == 0) {
         /* llama-server may have died in the middle, or not answered */
         job->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
     }
@@ -377,7 +381,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
                                       : NGX_HTTP_LLAMA_SESSION_SAVE_IDLE;
 
     if (ngx_http_llama_session_save_done(r->connection->log, ctx, reason,
-                                         ctx->out_key, ctx->out_len)
+                                         ctx->job.out_key, ctx->job.out_len)
         == NGX_OK)
     {
         job->failed = 0;
@@ -387,9 +391,10 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: idle save of \"%*s\" from slot %ui of "
                       "zone \"%V\": %ui tokens, %O bytes in %.1f ms",
-                      ctx->out_len, ctx->out_key, ctx->slot,
-                      &ctx->zone->name, ctx->saved_tokens, ctx->saved_bytes,
-                      ctx->save_ms);
+                      ctx->job.out_len, ctx->job.out_key, ctx->job.slot,
+                      &ctx->zone->name, ctx->job.saved_tokens,
+                          ctx->job.saved_bytes,
+                      ctx->job.save_ms);
     }
 
     ngx_http_llama_session_job_close(r);
@@ -409,11 +414,11 @@ ngx_http_llama_session_idle_end(void *data)
     ctx = &job->ctx;
     zone = ctx->zone;
 
-    if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
+    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
         /* committed (renamed) or not: no temporary file stays */
         ngx_http_llama_session_store_drop_tmp(ctx->request->connection->log,
-                                              ctx, ctx->out_key,
-                                              ctx->out_len);
+                                              ctx, ctx->job.out_key,
+                                              ctx->job.out_len);
     }
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);

@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * Idle save (save_idle= on the zone): the functions of ngx_http_llama_session_idle.c.
+ * Idle save: the functions of ngx_http_llama_session_idle.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_IDLE_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_idle_init(ngx_cycle_t *cycle);

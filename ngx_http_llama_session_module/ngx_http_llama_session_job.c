@@ -4,45 +4,52 @@
  *
  * The slot job: what every caller (a client's request, the management
  * API, the idle saver, the router's switch) does to one slot, and the one
- * way it talks to llama-server, the slot calls of slots.c: subrequests to
+ * way it talks to llama-server, the slot calls of call.c: subrequests to
  * the slots location (llama_session_slots_uri), with its proxy_pass, TLS,
  * keepalive and proxy_set_header Authorization.
  *
  * Work that no client asked for (an idle save) runs in a request of the
  * module's own: a connection with no client behind it (its descriptor is
  * /dev/null's, nothing is ever read from it or written to it, as the
- * slot calls' replies are captured by slots.c) and a main request in the
+ * slot calls' replies are captured by call.c) and a main request in the
  * server and location of the zone's first "llama_session" (or
  * "llama_session_api") location.  Its pool's cleanup ends the job, however
  * the request ends.
  *
- * A job's states (ctx->state) and what each may touch:
+ * A job's states (ctx->job.state, set only by job_state(), which logs
+ * each change at debug level) and what each may touch; identity (ctx's
+ * own fields) is set before ACQUIRE and only read after it:
  *
  *   state     slot held   call in flight          may change
  *   BODY      no          none                    identity (body.c)
- *   ACQUIRE   no (queue)  none                    ticket, waiter, local
- *   ROUTER    yes         GET /models, /props,    victim, switch_seq,
- *                         POST /models/(un)load   routed, model_reset
- *   PROPS     yes or no   GET /props, /v1/models  the zone's fingerprint
+ *   ACQUIRE   no (queue)  none                    ticket, ctx's waiter
+ *   ROUTER    yes         GET /models, /props,    ctx->route (router.c)
+ *                         POST /models/(un)load
+ *   PROPS     yes or no   GET /props, /v1/models  props_*, the zone's
+ *                                                 fingerprint, job.fp
  *   CHECK     yes         GET /slots              slot_tokens, slot_task,
  *                                                 slots_checked, restarted
- *   PAUSE     yes         none (a timer)          delay, polls
- *   SAVE      yes         POST ?action=save       out_key's file (.tmp)
- *   LOAD      yes         POST ?action=restore    the slot: unknown until
- *                         or erase                it answers
- *   WARM      yes         restore, erase, prime,  base_*, warm_step
- *                         save of a base (warm.c)
- *   PROXY     yes         none: proxy_pass runs   reply scan (reply.c)
+ *   PAUSE     yes         none (a timer)          polls, ctx->delay
+ *   SAVE      yes         POST ?action=save       out_key's file (.tmp),
+ *                                                 saved_*, save_failed
+ *   LOAD      yes         POST ?action=restore    loaded_*, the slot
+ *                         or erase                (unknown until it
+ *                                                 answers)
+ *   WARM      yes         restore, erase, prime,  ctx->warm (warm.c)
+ *                         save of a base
+ *   PROXY     yes         none: proxy_pass runs   ctx's r_* (reply.c)
  *   DONE      no          none                    nothing
- *   OLLAMA    no          GET /v1/models          ollama.c's reply
+ *   OLLAMA    no          GET /v1/models          ctx's ollama_reply
  *
- * The end of a job gives the slot back with what it holds decided from
- * its state (ngx_http_llama_session_finish() for a request, the idle
- * saver's end for its own).
+ * Every state may start a call (call, call_* and capture, call.c) and
+ * end the job (released, quarantine).  The end of a job gives the slot
+ * back with what it holds decided from its state (job_finish() in call.c
+ * for a request, the idle saver's end for its own).
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_shm.h"
@@ -50,17 +57,12 @@
 #include "ngx_http_llama_session_store.h"
 
 
-#define NGX_HTTP_LLAMA_SESSION_REPLY_MAX  (4 * 1024 * 1024)
-
-
-static ngx_int_t ngx_http_llama_session_call_done(ngx_http_request_t *sr,
-    void *data, ngx_int_t rc);
-static ngx_int_t ngx_http_llama_session_capture_filter(ngx_http_request_t *r,
-    ngx_chain_t *in);
-static ngx_int_t ngx_http_llama_session_capture_append(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t size);
 static u_char *ngx_http_llama_session_job_log(ngx_log_t *log, u_char *buf,
     size_t len);
+static ngx_connection_t *ngx_http_llama_session_job_connection(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+static void ngx_http_llama_session_job_drop(ngx_connection_t *c,
+    ngx_http_llama_session_zone_t *zone);
 static void ngx_http_llama_session_job_wake(ngx_event_t *ev);
 static void ngx_http_llama_session_job_event(ngx_event_t *ev);
 
@@ -70,81 +72,6 @@ static char  *ngx_http_llama_session_state_names[] = {
     "warm", "proxy", "done", "ollama"
 };
 
-
-static ngx_http_output_body_filter_pt  ngx_http_next_body_filter;
-
-
-/*
- * The slot calls, by ngx_http_llama_session_call_e: the name the log
- * gives, the backend's path (none: "/slots/N", or the prime's endpoint),
- * the query, the query in router mode (a call that looks or saves never
- * loads a model: the router would unload another for it; a restore does,
- * as the request needs the model anyway), and the method.
- */
-
-typedef struct {
-    ngx_str_t                       name;
-    ngx_str_t                       path;
-    ngx_str_t                       query;
-    ngx_str_t                       router_query;
-    ngx_uint_t                      method;
-} ngx_http_llama_session_call_t;
-
-
-static ngx_http_llama_session_call_t  ngx_http_llama_session_calls[] = {
-
-    { ngx_null_string, ngx_null_string, ngx_null_string, ngx_null_string,
-      NGX_HTTP_GET },
-
-    { ngx_string("GET /slots"), ngx_string("/slots"), ngx_null_string,
-      ngx_null_string /* ?model= */, NGX_HTTP_GET },
-
-    { ngx_string("save"), ngx_null_string, ngx_string("action=save"),
-      ngx_string("action=save&autoload=false"), NGX_HTTP_POST },
-
-    { ngx_string("restore"), ngx_null_string, ngx_string("action=restore"),
-      ngx_string("action=restore"), NGX_HTTP_POST },
-
-    { ngx_string("erase"), ngx_null_string, ngx_string("action=erase"),
-      ngx_string("action=erase&autoload=false"), NGX_HTTP_POST },
-
-    { ngx_string("GET /props"), ngx_string("/props"), ngx_null_string,
-      ngx_null_string /* ?model= */, NGX_HTTP_GET },
-
-    { ngx_string("GET /v1/models"), ngx_string("/v1/models"),
-      ngx_null_string, ngx_null_string, NGX_HTTP_GET },
-
-    { ngx_string("prime"), ngx_null_string, ngx_null_string,
-      ngx_null_string, NGX_HTTP_POST },
-
-    { ngx_string("GET /models"), ngx_string("/models"), ngx_null_string,
-      ngx_null_string, NGX_HTTP_GET },
-
-    { ngx_string("GET /props"), ngx_string("/props"), ngx_null_string,
-      ngx_null_string, NGX_HTTP_GET },
-
-    { ngx_string("POST /models/load"), ngx_string("/models/load"),
-      ngx_null_string, ngx_null_string, NGX_HTTP_POST },
-
-    { ngx_string("POST /models/unload"), ngx_string("/models/unload"),
-      ngx_null_string, ngx_null_string, NGX_HTTP_POST }
-};
-
-
-/* a slot call's name, for the log and the client's error */
-
-ngx_str_t *
-ngx_http_llama_session_call_name(ngx_uint_t call)
-{
-    return &ngx_http_llama_session_calls[call].name;
-}
-
-
-/* requests of this worker that wait for a slot, woken on a local release */
-
-static ngx_queue_t  ngx_http_llama_session_waiting = {
-    &ngx_http_llama_session_waiting, &ngx_http_llama_session_waiting
-};
 
 
 /* every change of a job's state goes through here, for the debug log */
@@ -157,13 +84,13 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
                    ctx->request ? ctx->request->connection->log
                                 : ngx_cycle->log, 0,
                    "llama_session: job of \"%*s\" on slot %ui: %s -> %s%s",
-                   ctx->key_len ? ctx->key_len : ctx->out_len,
-                   ctx->key_len ? ctx->key : ctx->out_key, ctx->slot,
-                   ngx_http_llama_session_state_names[ctx->state],
+                   ctx->key_len ? ctx->key_len : ctx->job.out_len,
+                   ctx->key_len ? ctx->key : ctx->job.out_key, ctx->job.slot,
+                   ngx_http_llama_session_state_names[ctx->job.state],
                    ngx_http_llama_session_state_names[state],
-                   ctx->own ? " (the module's own request)" : "");
+                   ctx->job.own ? " (the module's own request)" : "");
 
-    ctx->state = state;
+    ctx->job.state = state;
 }
 
 
@@ -180,20 +107,20 @@ ngx_http_llama_session_slots_verdict(ngx_log_t *log,
     ngx_int_t   rc;
     ngx_uint_t  processing;
 
-    ctx->slots_checked = 0;
+    ctx->job.slots_checked = 0;
 
-    if (ctx->call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len) {
+    if (ctx->job.call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len) {
         /* router mode: the model is not running (it went, or failed) */
         return NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE;
     }
 
-    if (ctx->call_status == NGX_HTTP_NOT_IMPLEMENTED) {
+    if (ctx->job.call_status == NGX_HTTP_NOT_IMPLEMENTED) {
         /* --no-slots: nothing can be looked at, nor vouched for */
-        ctx->slot_tokens = -1;
+        ctx->job.slot_tokens = -1;
         return NGX_HTTP_LLAMA_SESSION_SLOTS_NO_API;
     }
 
-    if (ctx->call_status != NGX_HTTP_OK) {
+    if (ctx->job.call_status != NGX_HTTP_OK) {
         return NGX_HTTP_LLAMA_SESSION_SLOTS_ERROR;
     }
 
@@ -215,19 +142,19 @@ ngx_http_llama_session_slots_verdict(ngx_log_t *log,
         return NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY;
     }
 
-    if (ngx_http_llama_session_slot_task(ctx, ctx->slot_task)) {
+    if (ngx_http_llama_session_slot_task(ctx, ctx->job.slot_task)) {
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: llama-server restarted (slot %ui shows "
                       "task %i), the slot no longer holds \"%*s\" (zone "
-                      "\"%V\")", ctx->slot, ctx->slot_task,
-                      ctx->out_len ? ctx->out_len : 1,
-                      ctx->out_len ? ctx->out_key : (u_char *) "-",
+                      "\"%V\")", ctx->job.slot, ctx->job.slot_task,
+                      ctx->job.out_len ? ctx->job.out_len : 1,
+                      ctx->job.out_len ? ctx->job.out_key : (u_char *) "-",
                       &ctx->zone->name);
 
         return NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED;
     }
 
-    ctx->slots_checked = 1;
+    ctx->job.slots_checked = 1;
 
     return NGX_HTTP_LLAMA_SESSION_SLOTS_IDLE;
 }
@@ -249,9 +176,9 @@ ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
         ctx->swap_start = ngx_current_msec;
     }
 
-    ctx->restarted = 1;
-    ctx->save_pending = 0;
-    ctx->out_len = 0;
+    ctx->job.restarted = 1;
+    ctx->job.save_pending = 0;
+    ctx->job.out_len = 0;
 }
 
 
@@ -264,444 +191,9 @@ ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
 ngx_uint_t
 ngx_http_llama_session_may_save(ngx_http_llama_session_ctx_t *ctx)
 {
-    return ctx->save_pending && ctx->slots_checked && ctx->slot_tokens > 0
-           && !ctx->restarted;
-}
-
-
-ngx_int_t
-ngx_http_llama_session_capture_init(ngx_conf_t *cf)
-{
-    ngx_http_next_body_filter = ngx_http_top_body_filter;
-    ngx_http_top_body_filter = ngx_http_llama_session_capture_filter;
-
-    return NGX_OK;
-}
-
-
-/*
- * Starts a slot call; the handler is run again when it is done.
- * key: the session to save or restore (the file is "<key>.bin").
- */
-
-ngx_int_t
-ngx_http_llama_session_call(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
-    size_t len)
-{
-    u_char                             *p;
-    size_t                              blen;
-    ngx_str_t                           uri, *args, *model;
-    ngx_buf_t                          *b;
-    ngx_chain_t                        *cl;
-    ngx_table_elt_t                    *h;
-    ngx_http_request_t                 *sr;
-    ngx_http_core_main_conf_t          *cmcf;
-    ngx_http_post_subrequest_t         *ps;
-    ngx_http_request_body_t            *rb;
-    ngx_http_llama_session_call_t      *c;
-    ngx_http_llama_session_loc_conf_t  *llcf;
-
-    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-
-    uri.len = llcf->slots_uri.len + sizeof("/v1/chat/completions") - 1
-              + NGX_INT_T_LEN;
-    uri.data = ngx_pnalloc(r->pool, uri.len);
-    if (uri.data == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    c = &ngx_http_llama_session_calls[call];
-
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
-        p = ngx_sprintf(uri.data, ctx->anthropic ? "%V/v1/messages"
-                                  : "%V/v1/chat/completions",
-                        &llcf->slots_uri);
-
-    } else if (c->path.len) {
-        p = ngx_sprintf(uri.data, "%V%V", &llcf->slots_uri, &c->path);
-
-    } else {
-        p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
-                        ctx->slot);
-    }
-
-    uri.len = p - uri.data;
-    args = &c->query;
-
-    /* router mode: every call names the zone's model */
-
-    model = ctx->zone->model.len ? &ctx->zone->model : NULL;
-
-    if (model) {
-        args = (call == NGX_HTTP_LLAMA_SESSION_CALL_GET
-                || call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS)
-               ? &ctx->zone->model_arg : &c->router_query;
-
-        if (call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD) {
-            model = &ctx->victim->model;
-        }
-    }
-
-    ctx->call_uri = uri;
-
-    ps = ngx_palloc(r->pool, sizeof(ngx_http_post_subrequest_t));
-    if (ps == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    ps->handler = ngx_http_llama_session_call_done;
-    ps->data = ctx;
-
-    if (ngx_http_subrequest(r, &uri, args->len ? args : NULL, &sr, ps,
-                            NGX_HTTP_SUBREQUEST_WAITED)
-        != NGX_OK)
-    {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    /* its own method, headers and body */
-
-    cmcf = ngx_http_get_module_main_conf(r, ngx_http_core_module);
-
-    sr->variables = ngx_pcalloc(r->pool, cmcf->variables.nelts
-                                         * sizeof(ngx_http_variable_value_t));
-    if (sr->variables == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    ngx_memzero(&sr->headers_in, sizeof(ngx_http_headers_in_t));
-
-    if (ngx_list_init(&sr->headers_in.headers, r->pool, 2,
-                      sizeof(ngx_table_elt_t))
-        != NGX_OK)
-    {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    sr->headers_in.server = r->headers_in.server;
-    sr->headers_in.content_length_n = -1;
-    sr->headers_in.keep_alive_n = -1;
-
-    rb = ngx_pcalloc(r->pool, sizeof(ngx_http_request_body_t));
-    if (rb == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    sr->request_body = rb;
-
-    if (c->method == NGX_HTTP_GET) {
-        sr->method = NGX_HTTP_GET;
-        ngx_str_set(&sr->method_name, "GET");
-
-    } else {
-        sr->method = NGX_HTTP_POST;
-        ngx_str_set(&sr->method_name, "POST");
-
-        blen = sizeof("{\"filename\":\"..bin\"}") - 1 + len
-               + NGX_HTTP_LLAMA_SESSION_FP_LEN
-               + sizeof(",\"model\":\"\"") + NGX_HTTP_LLAMA_SESSION_MODEL_SHOW;
-
-        if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && ctx->zone->store.len) {
-            blen += sizeof(".tmp") - 1;
-        }
-
-        b = ngx_create_temp_buf(r->pool, blen);
-        if (b == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        if (model
-            && (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE
-                || call == NGX_HTTP_LLAMA_SESSION_CALL_LOAD
-                || call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD))
-        {
-            /* the model's name has no character to escape (module.c) */
-            b->last = ngx_sprintf(b->last, "{\"model\":\"%V\"}", model);
-
-        } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE) {
-            b->last = ngx_cpymem(b->last, "{}", 2);
-
-        } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
-            /* warm.c made it */
-            b = ctx->call_body;
-            ctx->call_body = NULL;
-
-        } else {
-            /* the key has only [A-Za-z0-9_-] in it (and "@" in router mode) */
-
-            b->last = ngx_sprintf(b->last,
-                                  "{\"filename\":\"%*s.%*s.bin%s\"",
-                                  len, key,
-                                  (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                                  ctx->fp,
-                                  (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
-                                   && ctx->zone->store.len)
-                                  ? ".tmp" : "");
-
-            if (model) {
-                b->last = ngx_sprintf(b->last, ",\"model\":\"%V\"", model);
-            }
-
-            *b->last++ = '}';
-        }
-
-        b->last_buf = 1;
-        b->last_in_chain = 1;
-
-        cl = ngx_alloc_chain_link(r->pool);
-        if (cl == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        cl->buf = b;
-        cl->next = NULL;
-
-        rb->bufs = cl;
-        sr->headers_in.content_length_n = b->last - b->pos;
-
-        h = ngx_list_push(&sr->headers_in.headers);
-        if (h == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        ngx_str_set(&h->key, "Content-Type");
-        ngx_str_set(&h->value, "application/json");
-        h->lowcase_key = (u_char *) "content-type";
-        h->hash = ngx_hash_key(h->lowcase_key, h->key.len);
-#if (nginx_version >= 1023000)
-        h->next = NULL;
-#endif
-
-        sr->headers_in.content_type = h;
-    }
-
-    if (ctx->own) {
-        /* the module's own request: so it shows in llama-server's log */
-
-        h = ngx_list_push(&sr->headers_in.headers);
-        if (h == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        ngx_str_set(&h->key, "User-Agent");
-        ngx_str_set(&h->value, "nginx-llama-session (idle save)");
-        h->lowcase_key = (u_char *) "user-agent";
-        h->hash = ngx_hash_key(h->lowcase_key, h->key.len);
-#if (nginx_version >= 1023000)
-        h->next = NULL;
-#endif
-
-        sr->headers_in.user_agent = h;
-    }
-
-    /* the reply's buffer is kept from call to call */
-
-    if (ctx->capture) {
-        ctx->capture->pos = ctx->capture->start;
-        ctx->capture->last = ctx->capture->start;
-    }
-
-    ctx->call = call;
-    ctx->call_done = 0;
-    ctx->call_timed_out = 0;
-    ctx->call_inflight = 1;
-    ctx->call_status = 0;
-    ctx->call_reply = NULL;
-
-    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                   "llama_session: slot call %V?%V", &uri, args);
-
-    return NGX_AGAIN;
-}
-
-
-static ngx_int_t
-ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
-    ngx_int_t rc)
-{
-    ngx_http_llama_session_ctx_t *ctx = data;
-
-    if (ctx->call_done) {
-        return rc;
-    }
-
-    ctx->call_done = 1;
-    ctx->call_inflight = 0;
-
-    ctx->call_reply = (ctx->capture && ctx->capture->last > ctx->capture->pos)
-                      ? ctx->capture : NULL;
-
-    if (sr->upstream) {
-        /* 0: no answer from the backend (refused, reset, timed out) */
-        ctx->call_status = sr->upstream->headers_in.status_n;
-        ctx->call_timed_out = (ctx->call_status == 0
-                               && rc == NGX_HTTP_GATEWAY_TIME_OUT);
-
-    } else {
-        /* the location does not proxy: a misconfiguration */
-        ctx->call_status = sr->headers_out.status ? sr->headers_out.status
-                                                  : NGX_HTTP_NOT_FOUND;
-        if (ctx->call_status < NGX_HTTP_BAD_REQUEST) {
-            ctx->call_status = NGX_HTTP_NOT_FOUND;
-        }
-
-        ngx_log_error(NGX_LOG_ERR, sr->connection->log, 0,
-                      "llama_session: \"%V\" is not proxied to llama-server, "
-                      "check llama_session_slots_uri and its location",
-                      &sr->uri);
-    }
-
-    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, sr->connection->log, 0,
-                   "llama_session: slot call done: %i, rc %i",
-                   ctx->call_status, rc);
-
-    return rc;
-}
-
-
-/*
- * Keeps the reply of the module's own slot calls instead of sending it
- * anywhere.  They are known by their post-subrequest handler, which an
- * internal redirect (error_page in the slots location) does not change,
- * unlike the request's module context.  For the main request, the end of
- * the response gives the slot back.
- */
-
-static ngx_int_t
-ngx_http_llama_session_capture_filter(ngx_http_request_t *r, ngx_chain_t *in)
-{
-    off_t                          size;
-    ssize_t                        n;
-    u_char                        *p;
-    ngx_buf_t                     *b;
-    ngx_chain_t                   *cl;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    if (r == r->main) {
-        ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-        if (ctx && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
-            && ctx->acquired && !ctx->released)
-        {
-            for (cl = in; cl; cl = cl->next) {
-                if (cl->buf->last_buf) {
-                    ngx_http_llama_session_job_finish(ctx);
-                    break;
-                }
-            }
-        }
-
-        return ngx_http_next_body_filter(r, in);
-    }
-
-    if (!ngx_http_llama_session_own_call(r)) {
-        return ngx_http_next_body_filter(r, in);
-    }
-
-    ctx = r->post_subrequest->data;
-
-    for (cl = in; cl; cl = cl->next) {
-        b = cl->buf;
-
-        if (ngx_buf_in_memory(b)) {
-            if (ngx_http_llama_session_capture_append(r, ctx, b->pos,
-                                                      b->last - b->pos)
-                != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
-
-            b->pos = b->last;
-
-        } else if (b->in_file) {
-            size = b->file_last - b->file_pos;
-
-            if (size > NGX_HTTP_LLAMA_SESSION_REPLY_MAX) {
-                size = NGX_HTTP_LLAMA_SESSION_REPLY_MAX;
-            }
-
-            p = ngx_pnalloc(r->pool, size);
-            if (p == NULL) {
-                return NGX_ERROR;
-            }
-
-            n = ngx_read_file(b->file, p, size, b->file_pos);
-
-            if (n == NGX_ERROR) {
-                return NGX_ERROR;
-            }
-
-            if (ngx_http_llama_session_capture_append(r, ctx, p, n)
-                != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
-
-            b->file_pos = b->file_last;
-        }
-    }
-
-    return NGX_OK;
-}
-
-
-/* is this subrequest one of the module's slot calls? */
-
-ngx_uint_t
-ngx_http_llama_session_own_call(ngx_http_request_t *r)
-{
-    return r != r->main && r->post_subrequest
-           && r->post_subrequest->handler
-              == ngx_http_llama_session_call_done;
-}
-
-
-static ngx_int_t
-ngx_http_llama_session_capture_append(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t size)
-{
-    size_t      want;
-    ngx_buf_t  *b;
-
-    if (size == 0 || ctx->call_done) {
-        return NGX_OK;
-    }
-
-    b = ctx->capture;
-
-    if (b == NULL || (size_t) (b->end - b->last) < size) {
-
-        want = b ? (size_t) (b->last - b->pos) + size : size;
-
-        if (want > NGX_HTTP_LLAMA_SESSION_REPLY_MAX) {
-            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                          "llama_session: a slot call's reply is larger "
-                          "than %d bytes, the rest is dropped",
-                          NGX_HTTP_LLAMA_SESSION_REPLY_MAX);
-            return NGX_OK;
-        }
-
-        want = ngx_max(want * 2, 4096);
-
-        /* in the main request's pool: it outlives the subrequest */
-
-        b = ngx_create_temp_buf(r->main->pool, want);
-        if (b == NULL) {
-            return NGX_ERROR;
-        }
-
-        if (ctx->capture) {
-            b->last = ngx_cpymem(b->last, ctx->capture->pos,
-                                 ctx->capture->last - ctx->capture->pos);
-        }
-
-        ctx->capture = b;
-    }
-
-    b->last = ngx_cpymem(b->last, data, size);
-
-    return NGX_OK;
+    return ctx->job.save_pending && ctx->job.slots_checked
+        && ctx->job.slot_tokens > 0
+           && !ctx->job.restarted;
 }
 
 
@@ -733,7 +225,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
     bytes = 0;
     ms = 0;
 
-    if (ctx->call_status == NGX_HTTP_OK
+    if (ctx->job.call_status == NGX_HTTP_OK
         && ngx_http_llama_session_parse_action(log, ctx, &tokens, &bytes, &ms)
            == NGX_OK)
     {
@@ -741,21 +233,21 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
             ngx_log_error(NGX_LOG_ERR, log, 0,
                           "llama_session: %s: llama-server saved no tokens "
                           "of session \"%*s\" from slot %ui, nothing is "
-                          "kept of it", what, len, key, ctx->slot);
+                          "kept of it", what, len, key, ctx->job.slot);
 
         } else if (ngx_http_llama_session_store_commit(log, ctx, key, len,
                                                        bytes)
                    == NGX_OK)
         {
-            if (key == ctx->out_key) {
-                ctx->saved_tokens = tokens;
-                ctx->saved_bytes = bytes;
-                ctx->save_ms = ms;
+            if (key == ctx->job.out_key) {
+                ctx->job.saved_tokens = tokens;
+                ctx->job.saved_bytes = bytes;
+                ctx->job.save_ms = ms;
 
             } else {
-                ctx->base_tokens = tokens;
-                ctx->base_bytes = bytes;
-                ctx->base_ms = ms;
+                ctx->warm.base_tokens = tokens;
+                ctx->warm.base_bytes = bytes;
+                ctx->warm.base_ms = ms;
             }
 
             ngx_http_llama_session_store_saved(log, ctx, key, len, tokens,
@@ -766,7 +258,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
         }
     }
 
-    if (ctx->zone->store.len == 0 && ctx->call_status == NGX_HTTP_OK) {
+    if (ctx->zone->store.len == 0 && ctx->job.call_status == NGX_HTTP_OK) {
         /* llama-server wrote over the file itself: it cannot be trusted */
         ngx_http_llama_session_file_saved(ctx, key, len, 0, 0, 0);
     }
@@ -780,11 +272,75 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
                   "llama_session: %s: saving session \"%*s\" from slot %ui "
                   "failed (%i: \"%*s\"), its previous file is kept and its "
                   "latest turns are lost", what,
-                  len, key, ctx->slot, ctx->call_status,
-                  ctx->call_reply
-                  ? ngx_min(ctx->call_reply->last - ctx->call_reply->pos, 200)
+                  len, key, ctx->job.slot, ctx->job.call_status,
+                  ctx->job.call_reply
+                  ? ngx_min(ctx->job.call_reply->last
+                            - ctx->job.call_reply->pos, 200)
                   : 0,
-                  ctx->call_reply ? ctx->call_reply->pos : (u_char *) "");
+                  ctx->job.call_reply ? ctx->job.call_reply->pos
+                      : (u_char *) "");
+
+    return NGX_ERROR;
+}
+
+
+/*
+ * The end of a restore, the same for a session and a warm start's base:
+ * the reply's figures kept (loaded_*), the bytes and time counted; or the
+ * file forgotten (a missing, foreign or damaged file: llama-server left
+ * the slot empty) and the failure logged.  NGX_OK: restored.
+ */
+
+ngx_int_t
+ngx_http_llama_session_restore_done(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    off_t        bytes;
+    double       ms;
+    ngx_uint_t   tokens, level;
+    ngx_buf_t   *b;
+
+    tokens = 0;
+    bytes = 0;
+    ms = 0;
+
+    if (ctx->job.call_status == NGX_HTTP_OK
+        && ngx_http_llama_session_parse_action(log, ctx, &tokens, &bytes, &ms)
+           == NGX_OK)
+    {
+        ctx->job.loaded_tokens = tokens;
+        ctx->job.loaded_bytes = bytes;
+        ctx->job.load_ms = ms;
+
+        (void) ngx_atomic_fetch_add(&ctx->zone->sh->metrics.bytes_restored,
+                                    (ngx_atomic_uint_t) bytes);
+        ngx_http_llama_session_observe(&ctx->zone->sh->metrics.restore, ms);
+
+        return NGX_OK;
+    }
+
+    ngx_http_llama_session_file_saved(ctx, key, len, 0, 0, 0);
+
+    /* a 400 for a file the zone never knew is no error: it may not exist */
+
+    if (ctx->job.call_status != NGX_HTTP_BAD_REQUEST
+        || ngx_http_llama_session_file_known(ctx, key, len) != -1)
+    {
+        ngx_http_llama_session_stat(ctx,
+                                    &ctx->zone->sh->stats.restore_errors);
+    }
+
+    level = ctx->zone->store.len ? NGX_LOG_WARN : NGX_LOG_INFO;
+    b = ctx->job.call_reply;
+
+    ngx_log_error(level, log, 0,
+                  "llama_session: restoring %s \"%*s\" into slot %ui failed "
+                  "(%i: \"%*s\"), it %s",
+                  key == ctx->key ? "session" : "base", len, key,
+                  ctx->job.slot, ctx->job.call_status,
+                  b ? ngx_min(b->last - b->pos, 200) : 0,
+                  b ? b->pos : (u_char *) "",
+                  key == ctx->key ? "starts fresh" : "is made anew");
 
     return NGX_ERROR;
 }
@@ -794,7 +350,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
  * The fingerprint's two calls, for the request path and the API alike:
  * once GET /props answered, GET /v1/models; once that answered, the
  * fingerprint is set.  NGX_AGAIN: the next call is on its way; NGX_OK:
- * known; NGX_ERROR: the backend failed the call in ctx->call; else an
+ * known; NGX_ERROR: the backend failed the call in ctx->job.call; else an
  * HTTP status to end with.
  */
 
@@ -802,9 +358,9 @@ ngx_int_t
 ngx_http_llama_session_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
 
-        if (ctx->call_status != NGX_HTTP_OK
+        if (ctx->job.call_status != NGX_HTTP_OK
             || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
         {
             return NGX_ERROR;
@@ -815,7 +371,7 @@ ngx_http_llama_session_learn(ngx_http_request_t *r,
                                            NULL, 0);
     }
 
-    if (ctx->call_status == 0
+    if (ctx->job.call_status == 0
         || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
     {
         return NGX_ERROR;
@@ -826,151 +382,26 @@ ngx_http_llama_session_learn(ngx_http_request_t *r,
 
 
 /*
- * Gives the slot back, once: when the response ends (the last buffer
- * passes the body filter) or when the request goes, whatever ended it.
- * What the slot holds then is decided from the stage the request reached,
- * never from the flags of a slot call that its end may have cleared:
- *
- *   waiting, GET /props, GET /slots   untouched: as the zone says
- *   a save in flight                  the slot still holds the session
- *                                     leaving; its temporary file goes
- *   a restore or an erase             anything: unknown
- *   proxying                          this session, unless the backend
- *                                     failed or vanished: unknown
- */
-
-void
-ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
-{
-    ngx_uint_t           state;
-    ngx_http_request_t  *r;
-
-    if (!ctx->acquired || ctx->released) {
-        return;
-    }
-
-    r = ctx->request;
-    state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
-
-    switch (ctx->state) {
-
-    case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
-
-        if (ctx->zone->store.len == 0) {
-            /* llama-server writes over the session's file itself */
-            ngx_http_llama_session_file_saved(ctx, ctx->out_key, ctx->out_len,
-                                              0, 0, 0);
-
-        } else {
-            ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                                  ctx->out_key, ctx->out_len);
-        }
-
-        break;
-
-    case NGX_HTTP_LLAMA_SESSION_ST_LOAD:
-        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        break;
-
-    case NGX_HTTP_LLAMA_SESSION_ST_WARM:
-        state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-
-        if (ctx->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
-            if (ctx->zone->store.len == 0) {
-                ngx_http_llama_session_file_saved(ctx, ctx->base_key,
-                                                  ctx->base_len, 0, 0, 0);
-
-            } else {
-                ngx_http_llama_session_store_drop_tmp(r->connection->log,
-                                                      ctx, ctx->base_key,
-                                                      ctx->base_len);
-            }
-
-        } else if (ctx->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_PRIME) {
-            /* llama-server may still run the prime, as any completion */
-            ctx->quarantine = 1;
-        }
-
-        break;
-
-    case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
-
-        if (r->upstream
-            && (r->upstream->headers_in.status_n == 0
-                || r->upstream->headers_in.status_n
-                   >= NGX_HTTP_INTERNAL_SERVER_ERROR))
-        {
-            state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        }
-
-        if (r->upstream && r->upstream->headers_in.status_n == 0) {
-            /*
-             * no reply yet: llama-server may run the request later, on
-             * whatever the slot holds by then (another session's)
-             */
-            ctx->quarantine = 1;
-        }
-
-        break;
-
-    default:
-        break;
-    }
-
-    ngx_log_debug5(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                   "llama_session: session \"%*s\" releases slot %ui "
-                   "at stage %ui (%ui)", ctx->key_len, ctx->key, ctx->slot,
-                   ctx->state, state);
-
-    if (ctx->state == NGX_HTTP_LLAMA_SESSION_ST_WARM) {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: the request of session \"%*s\" ended "
-                      "during the warm start's %V of slot %ui, whose content "
-                      "is unknown now", ctx->key_len, ctx->key,
-                      ngx_http_llama_session_call_name(ctx->call),
-                      ctx->slot);
-
-    } else if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
-               && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
-    {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: the request of session \"%*s\" ended "
-                      "during a %s of slot %ui, whose content is unknown now",
-                      ctx->key_len, ctx->key,
-                      ctx->load_file ? "restore" : "erase", ctx->slot);
-    }
-
-    ngx_http_llama_session_release(ctx, state);
-    ngx_http_llama_session_wake_local();
-}
-
-
-/*
  * A request of the module's own in the zone's first location, for a job
  * no client asked for; NULL when it cannot be made (logged).  The caller
  * sets its context and its pool cleanup, which ends the job, and resumes
  * in write_event_handler after each slot call, as a client's request.
  */
 
-ngx_http_request_t *
-ngx_http_llama_session_job_request(ngx_http_llama_session_zone_t *zone,
+/*
+ * The module's own connection: no client behind it; its log says whose
+ * request it is (ngx_http_llama_session_job_log).
+ */
+
+static ngx_connection_t *
+ngx_http_llama_session_job_connection(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log)
 {
-    ngx_fd_t                    fd;
-    ngx_log_t                  *clog;
-    ngx_pool_t                 *pool;
-    ngx_connection_t           *c;
-    struct sockaddr_in         *sin;
-    ngx_http_request_t         *r;
-    ngx_http_log_ctx_t         *lctx;
-    ngx_http_conf_ctx_t        *cctx;
-    ngx_http_core_main_conf_t  *cmcf;
-
-    cctx = zone->conf_ctx;
-
-    if (cctx == NULL) {
-        return NULL;
-    }
+    ngx_fd_t             fd;
+    ngx_log_t           *clog;
+    ngx_connection_t    *c;
+    struct sockaddr_in  *sin;
+    ngx_http_log_ctx_t  *lctx;
 
     /* a descriptor the connection can close as any other */
 
@@ -1046,7 +477,63 @@ ngx_http_llama_session_job_request(ngx_http_llama_session_zone_t *zone,
     c->local_socklen = sizeof(struct sockaddr_in);
     ngx_str_set(&c->addr_text, "127.0.0.1");
 
-    pool = ngx_create_pool(4096, clog);
+    return c;
+
+failed:
+
+    ngx_http_llama_session_job_drop(c, zone);
+
+    return NULL;
+}
+
+
+/* a connection of the module's own that no request took */
+
+static void
+ngx_http_llama_session_job_drop(ngx_connection_t *c,
+    ngx_http_llama_session_zone_t *zone)
+{
+    ngx_log_error(NGX_LOG_ERR, c->log, 0,
+                  "llama_session: the module's own request of zone \"%V\" "
+                  "could not be made", &zone->name);
+
+    c->read->active = 0;
+    c->write->active = 0;
+
+    if (c->pool) {
+        ngx_destroy_pool(c->pool);
+        c->pool = NULL;
+    }
+
+    ngx_close_connection(c);
+}
+
+
+ngx_http_request_t *
+ngx_http_llama_session_job_request(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log)
+{
+    ngx_pool_t                 *pool;
+    ngx_connection_t           *c;
+    ngx_http_request_t         *r;
+    ngx_http_log_ctx_t         *lctx;
+    ngx_http_conf_ctx_t        *cctx;
+    ngx_http_core_main_conf_t  *cmcf;
+
+    cctx = zone->conf_ctx;
+
+    if (cctx == NULL) {
+        return NULL;
+    }
+
+    c = ngx_http_llama_session_job_connection(zone, log);
+    if (c == NULL) {
+        return NULL;
+    }
+
+    lctx = c->log->data;
+
+    pool = ngx_create_pool(4096, c->log);
     if (pool == NULL) {
         goto failed;
     }
@@ -1144,18 +631,7 @@ failed_request:
 
 failed:
 
-    ngx_log_error(NGX_LOG_ERR, log, 0,
-                  "llama_session: the module's own request of zone \"%V\" "
-                  "could not be made", &zone->name);
-
-    c->read->active = 0;
-    c->write->active = 0;
-
-    if (c->pool) {
-        ngx_destroy_pool(c->pool);
-    }
-
-    ngx_close_connection(c);
+    ngx_http_llama_session_job_drop(c, zone);
 
     return NULL;
 }
@@ -1230,7 +706,7 @@ ngx_http_llama_session_job_log(ngx_log_t *log, u_char *buf, size_t len)
 
     if (ctx) {
         p = ngx_snprintf(buf, len, ", the module's own request for slot %ui "
-                         "of zone \"%V\"", ctx->slot, &ctx->zone->name);
+                         "of zone \"%V\"", ctx->job.slot, &ctx->zone->name);
         len -= p - buf;
         buf = p;
     }
@@ -1293,42 +769,4 @@ ngx_http_llama_session_job_wake(ngx_event_t *ev)
     r->write_event_handler(r);
 
     ngx_http_run_posted_requests(c);
-}
-
-
-void
-ngx_http_llama_session_wait_local(ngx_http_llama_session_ctx_t *ctx)
-{
-    if (ctx->local.next == NULL) {
-        ngx_queue_insert_tail(&ngx_http_llama_session_waiting, &ctx->local);
-    }
-}
-
-
-void
-ngx_http_llama_session_wait_end(ngx_http_llama_session_ctx_t *ctx)
-{
-    if (ctx->local.next) {
-        ngx_queue_remove(&ctx->local);
-        ctx->local.next = NULL;
-    }
-}
-
-
-void
-ngx_http_llama_session_wake_local(void)
-{
-    ngx_queue_t                   *q;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    for (q = ngx_queue_head(&ngx_http_llama_session_waiting);
-         q != ngx_queue_sentinel(&ngx_http_llama_session_waiting);
-         q = ngx_queue_next(q))
-    {
-        ctx = ngx_queue_data(q, ngx_http_llama_session_ctx_t, local);
-
-        if (!ctx->wait_ev.posted) {
-            ngx_post_event(&ctx->wait_ev, &ngx_posted_events);
-        }
-    }
 }

@@ -10,15 +10,16 @@
 #define _NGX_HTTP_LLAMA_SESSION_JOB_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
-ngx_int_t ngx_http_llama_session_capture_init(ngx_conf_t *cf);
 void ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state);
 ngx_uint_t ngx_http_llama_session_slots_verdict(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_restore_done(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_uint_t ngx_http_llama_session_may_save(
     ngx_http_llama_session_ctx_t *ctx);
 ngx_http_request_t *ngx_http_llama_session_job_request(
@@ -28,15 +29,6 @@ void ngx_http_llama_session_job_close(ngx_http_request_t *r);
 ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 void ngx_http_llama_session_job_timer(ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_wait_local(ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_wait_end(ngx_http_llama_session_ctx_t *ctx);
-void ngx_http_llama_session_wake_local(void);
-void ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_own_call(ngx_http_request_t *r);
-ngx_str_t *ngx_http_llama_session_call_name(ngx_uint_t call);
-ngx_int_t ngx_http_llama_session_call(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t call, u_char *key,
-    size_t len);
 ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
     size_t len);

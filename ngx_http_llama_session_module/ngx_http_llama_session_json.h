@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_JSON_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 u_char *ngx_http_llama_session_json_skip(u_char *p, u_char *end);

@@ -12,7 +12,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_shm.h"
 

@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * Metrics in the Prometheus text format (llama_session_metrics [zone: the functions of ngx_http_llama_session_metrics.c.
+ * Metrics in the Prometheus text format: the functions of ngx_http_llama_session_metrics.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_METRICS_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 char *ngx_http_llama_session_metrics(ngx_conf_t *cf, ngx_command_t *cmd,

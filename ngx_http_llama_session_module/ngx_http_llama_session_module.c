@@ -7,12 +7,12 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_api.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_idle.h"
-#include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_reply.h"

@@ -23,7 +23,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
@@ -933,7 +933,7 @@ ngx_http_llama_session_ollama_header(ngx_http_request_t *r)
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
     if (ctx == NULL || ctx->ollama_reply == NULL
-        || ctx->state != NGX_HTTP_LLAMA_SESSION_ST_PROXY)
+        || ctx->job.state != NGX_HTTP_LLAMA_SESSION_ST_PROXY)
     {
         return ngx_http_next_header_filter(r);
     }
@@ -1899,14 +1899,15 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
     cJSON         *sz, *ftype;
     size_t         len;
 
-    if (ctx->call_status != NGX_HTTP_OK || ctx->call_reply == NULL) {
+    if (ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL) {
         return ngx_http_llama_session_ollama_error(r, ctx,
                                   NGX_HTTP_BAD_GATEWAY,
                                   "the model server did not list its models");
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
-                                 ctx->call_reply->last - ctx->call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
+                                 ctx->job.call_reply->last
+                                     - ctx->job.call_reply->pos);
     data = cJSON_GetObjectItemCaseSensitive(json, "data");
 
     out = cJSON_CreateObject();

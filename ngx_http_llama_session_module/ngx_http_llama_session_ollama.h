@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * Ollama's API in front of llama-server (llama_session_ollama on;), with sessions as for any other request: the functions of ngx_http_llama_session_ollama.c.
+ * Ollama's API in front of llama-server: the functions of ngx_http_llama_session_ollama.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_OLLAMA_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_ollama_init(ngx_conf_t *cf);

@@ -16,7 +16,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_reply.h"
 
@@ -85,8 +85,8 @@ ngx_http_llama_session_reply_header(ngx_http_request_t *r)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (ctx && ctx->acquired && !ctx->identity && ctx->api == NULL
-        && ctx->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
+    if (ctx && ctx->job.acquired && !ctx->identity && ctx->api == NULL
+        && ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
         && r->headers_out.status == NGX_HTTP_OK)
     {
         ctx->reply_scan = 1;
@@ -332,14 +332,14 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_http_llama_session_miss(r, ctx, cached, evaluated);
 
     if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
-        || ctx->loaded_tokens < 8)
+        || ctx->job.loaded_tokens < 8)
     {
         return;
     }
 
     /* the prompt may be shorter than what was restored (a cut history) */
 
-    expected = ctx->loaded_tokens;
+    expected = ctx->job.loaded_tokens;
 
     if (evaluated >= 0 && cached + evaluated - 1 < expected) {
         expected = cached + evaluated - 1;
@@ -360,7 +360,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: the restore of \"%*s\" (%ui tokens) was "
                   "ineffective: the reply shows %i tokens from the cache",
-                  ctx->key_len, ctx->key, ctx->loaded_tokens, cached);
+                  ctx->key_len, ctx->key, ctx->job.loaded_tokens, cached);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -368,7 +368,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
         && !sh->restores_off)
     {
         sh->restores_off = 1;
-        ngx_memcpy(sh->restores_off_fp, ctx->fp,
+        ngx_memcpy(sh->restores_off_fp, ctx->job.fp,
                    NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -380,7 +380,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "saving and restoring for backend %*s until the model "
                       "or its configuration changes",
                       NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX, &zone->name,
-                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
         return;
     }
 

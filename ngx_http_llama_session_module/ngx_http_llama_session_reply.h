@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_REPLY_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_reply_init(ngx_conf_t *cf);

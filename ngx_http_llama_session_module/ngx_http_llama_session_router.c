@@ -34,7 +34,8 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
@@ -134,8 +135,8 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 {
     ngx_uint_t  call;
 
-    call = ctx->call;
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    call = ctx->job.call;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     switch (call) {
 
@@ -149,8 +150,8 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 
         /* 400: "model is already running" (another client's), as good */
 
-        if (ctx->call_status != NGX_HTTP_OK
-            && ctx->call_status != NGX_HTTP_BAD_REQUEST)
+        if (ctx->job.call_status != NGX_HTTP_OK
+            && ctx->job.call_status != NGX_HTTP_BAD_REQUEST)
         {
             return ngx_http_llama_session_router_fail(r, ctx,
                                                       "POST /models/load");
@@ -162,22 +163,22 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 
         /* 400: "model is not running" already, which is as good */
 
-        if (ctx->call_status != NGX_HTTP_OK
-            && ctx->call_status != NGX_HTTP_BAD_REQUEST)
+        if (ctx->job.call_status != NGX_HTTP_OK
+            && ctx->job.call_status != NGX_HTTP_BAD_REQUEST)
         {
             return ngx_http_llama_session_router_fail(r, ctx,
                                                       "POST /models/unload");
         }
 
-        (void) ngx_http_llama_session_model_reset(ctx->victim, NULL,
+        (void) ngx_http_llama_session_model_reset(ctx->route.victim, NULL,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
 
-        ngx_atomic_fetch_add(&ctx->victim->sh->stats.unloads, 1);
+        ngx_atomic_fetch_add(&ctx->route.victim->sh->stats.unloads, 1);
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the router's model \"%V\" of zone "
                       "\"%V\" is unloaded for \"%V\", its sessions saved",
-                      &ctx->victim->model, &ctx->victim->name,
+                      &ctx->route.victim->model, &ctx->route.victim->name,
                       &ctx->zone->model);
 
         return ngx_http_llama_session_router_poll(r, ctx);
@@ -203,14 +204,15 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
     ngx_msec_t                      used;
     ngx_http_llama_session_zone_t  *zone, *victim;
 
-    if (ngx_http_llama_session_backend_failed(ctx->call_status)
-        || ctx->call_status != NGX_HTTP_OK || ctx->call_reply == NULL)
+    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
+        || ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL)
     {
         return ngx_http_llama_session_router_fail(r, ctx, "GET /models");
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
-                                 ctx->call_reply->last - ctx->call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
+                                 ctx->job.call_reply->last
+                                     - ctx->job.call_reply->pos);
 
     data = cJSON_GetObjectItemCaseSensitive(json, "data");
 
@@ -254,7 +256,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         {
             running++;
 
-            if (zone && zone == ctx->victim) {
+            if (zone && zone == ctx->route.victim) {
                 victim_running = 1;
             }
         }
@@ -318,7 +320,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
                                         "is not running");
 
-    if (ctx->load_sent && own_failed) {
+    if (ctx->route.load_sent && own_failed) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: llama-server's router failed to load "
                       "the model \"%V\" (zone \"%V\"): see its log",
@@ -326,7 +328,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         return ngx_http_llama_session_router_fail(r, ctx, NULL);
     }
 
-    if (ctx->load_sent) {
+    if (ctx->route.load_sent) {
         /* on its way */
         return ngx_http_llama_session_router_poll(r, ctx);
     }
@@ -336,7 +338,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         return ngx_http_llama_session_router_poll(r, ctx);
     }
 
-    if (ctx->victim && !victim_running) {
+    if (ctx->route.victim && !victim_running) {
         /* the model unloaded for this one is gone: its zone may go on */
         ngx_http_llama_session_victim_end(ctx);
         ngx_http_llama_session_wake_local();
@@ -366,7 +368,8 @@ ngx_http_llama_session_router_switch(ngx_http_request_t *r,
 
     max = ctx->zone->group->sh->router_max;
 
-    if (max == 0 || running < max || (victim == NULL && ctx->victim == NULL))
+    if (max == 0 || running < max
+        || (victim == NULL && ctx->route.victim == NULL))
     {
         /*
          * room for it; or the router's models that run are none of the
@@ -374,16 +377,16 @@ ngx_http_llama_session_router_switch(ngx_http_request_t *r,
          * is lost)
          */
 
-        ctx->load_sent = 1;
+        ctx->route.load_sent = 1;
 
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_LOAD,
                                            NULL, 0);
     }
 
-    if (ctx->victim == NULL) {
-        ctx->victim = victim;
-        ctx->unload_sent = 0;
+    if (ctx->route.victim == NULL) {
+        ctx->route.victim = victim;
+        ctx->route.unload_sent = 0;
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the router runs %ui of %ui models: "
@@ -392,17 +395,17 @@ ngx_http_llama_session_router_switch(ngx_http_request_t *r,
                       &ctx->zone->model);
     }
 
-    if (ctx->unload_sent) {
+    if (ctx->route.unload_sent) {
         /* until the router says it is gone */
         return ngx_http_llama_session_router_poll(r, ctx);
     }
 
-    if (!ngx_http_llama_session_victim_clean(ctx, ctx->victim)) {
+    if (!ngx_http_llama_session_victim_clean(ctx, ctx->route.victim)) {
         /* its requests end, its idle saver saves what changed */
         return ngx_http_llama_session_router_poll(r, ctx);
     }
 
-    ctx->unload_sent = 1;
+    ctx->route.unload_sent = 1;
 
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD,
@@ -419,12 +422,13 @@ ngx_http_llama_session_router_props(ngx_http_request_t *r,
     cJSON                        *json, *role, *max;
     ngx_http_llama_session_sh_t  *sh;
 
-    if (ctx->call_status != NGX_HTTP_OK || ctx->call_reply == NULL) {
+    if (ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL) {
         return ngx_http_llama_session_router_fail(r, ctx, "GET /props");
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
-                                 ctx->call_reply->last - ctx->call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
+                                 ctx->job.call_reply->last
+                                     - ctx->job.call_reply->pos);
 
     role = cJSON_GetObjectItemCaseSensitive(json, "role");
     max = cJSON_GetObjectItemCaseSensitive(json, "max_instances");
@@ -463,14 +467,14 @@ ngx_http_llama_session_router_poll(ngx_http_request_t *r,
     ngx_msec_t  delay;
 
     if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) >= 0) {
-        if (ctx->victim) {
+        if (ctx->route.victim) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                           "llama_session: the router's model \"%V\" (zone "
                           "\"%V\") was not up within "
                           "llama_session_wait_timeout: \"%V\" was to be "
                           "unloaded for it, after its sessions' saves "
                           "(see the idle saves' errors)", &ctx->zone->model,
-                          &ctx->zone->name, &ctx->victim->model);
+                          &ctx->zone->name, &ctx->route.victim->model);
 
         } else {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -490,10 +494,10 @@ ngx_http_llama_session_router_poll(ngx_http_request_t *r,
                                   "retry later", 1);
     }
 
-    delay = NGX_HTTP_LLAMA_SESSION_ROUTER_POLL << ngx_min(ctx->router_polls,
-                                                          3);
+    delay = NGX_HTTP_LLAMA_SESSION_ROUTER_POLL
+            << ngx_min(ctx->route.router_polls, 3);
     delay = ngx_min(delay, NGX_HTTP_LLAMA_SESSION_ROUTER_POLL_MAX);
-    ctx->router_polls++;
+    ctx->route.router_polls++;
 
     return ngx_http_llama_session_sleep(r, ctx,
                                         ngx_min(delay,
@@ -510,10 +514,10 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
 {
     ngx_http_llama_session_route_end(ctx);
 
-    ctx->routed = 1;
+    ctx->route.routed = 1;
     ctx->zone->sh->model_used = ngx_current_msec;
 
-    if (ctx->model_reset) {
+    if (ctx->route.model_reset) {
         /*
          * the slot holds nothing of the session the zone thought, and the
          * model may be another file under its name: the fingerprint again
@@ -521,9 +525,9 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
 
         ngx_http_llama_session_slot_lost(ctx);
 
-        ctx->slot_state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        ctx->slot_tokens = 0;
-        ctx->slot_has_base = 0;
+        ctx->job.slot_state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        ctx->job.slot_tokens = 0;
+        ctx->warm.slot_has_base = 0;
     }
 
     /* the handler goes on with its plan */
@@ -558,11 +562,11 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
 {
     ngx_uint_t  lost;
 
-    if (ctx->model_reset) {
+    if (ctx->route.model_reset) {
         return;
     }
 
-    ctx->model_reset = 1;
+    ctx->route.model_reset = 1;
 
     lost = ngx_http_llama_session_model_reset(ctx->zone, ctx, state);
 
@@ -588,7 +592,7 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
 void
 ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->switching || ctx->victim) {
+    if (ctx->route.switching || ctx->route.victim) {
         ngx_http_llama_session_switch_end(ctx);
 
         /* this worker's requests of the victim, or of the group, go on */

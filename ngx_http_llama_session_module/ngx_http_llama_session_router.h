@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * llama-server's router mode (no -m: the functions of ngx_http_llama_session_router.c.
+ * llama-server's router mode: the functions of ngx_http_llama_session_router.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_ROUTER_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_route(ngx_http_request_t *r,

@@ -8,7 +8,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
@@ -60,6 +60,13 @@ static void ngx_http_llama_session_slot_forget(
 
 /* when this process started (/proc/PID/stat), with its pid its identity */
 static uint64_t  ngx_http_llama_session_self_start;
+
+
+/* requests of this worker that wait for a slot, woken on a local release */
+
+static ngx_queue_t  ngx_http_llama_session_waiting = {
+    &ngx_http_llama_session_waiting, &ngx_http_llama_session_waiting
+};
 
 
 ngx_int_t
@@ -196,7 +203,7 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 
 /*
  * Takes the slot for the request or queues it.  NGX_OK: the request holds
- * the slot, and ctx->out_key, ctx->action tell what the slot held;
+ * the slot, and ctx->job.out_key, ctx->action tell what the slot held;
  * NGX_AGAIN: queued, poll again; NGX_DECLINED: the queue is full.
  *
  * Order: the oldest waiter goes first.  When a session was swapped in, its
@@ -223,7 +230,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
         return ngx_http_llama_session_acquire_many(ctx);
     }
 
-    slot = &sh->slots[ctx->slot];
+    slot = &sh->slots[ctx->job.slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -265,7 +272,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
             slot->free_since = ngx_current_msec;
         }
 
-        member = (hit && ctx->ticket < slot->batch
+        member = (hit && ctx->job.ticket < slot->batch
                   && slot->batch_len == ctx->key_len
                   && ngx_memcmp(slot->batch_key, ctx->key, ctx->key_len)
                      == 0);
@@ -283,7 +290,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_ctx_t *ctx)
             q = ngx_queue_head(&sh->waiters);
             w = ngx_queue_data(q, ngx_http_llama_session_waiter_t, queue);
 
-            grant = (w == ctx->waiter && w->ticket == ctx->ticket);
+            grant = (w == ctx->waiter && w->ticket == ctx->job.ticket);
         }
     }
 
@@ -371,7 +378,7 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
 
     me = ctx->waiter;
 
-    if (me == NULL || me->ticket != ctx->ticket) {
+    if (me == NULL || me->ticket != ctx->job.ticket) {
         /* dropped as a dead worker's: this process is alive, queue again */
         ctx->queued = 0;
         ctx->waiter = NULL;
@@ -425,7 +432,7 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_http_llama_session_unqueue_locked(ctx);
 
-    ctx->slot = e;
+    ctx->job.slot = e;
     slot = &sh->slots[e];
 
     ngx_http_llama_session_take_locked(ctx, slot);
@@ -622,13 +629,13 @@ ngx_http_llama_session_granted_locked(ngx_http_llama_session_ctx_t *ctx,
 
     if (hit) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
-        ctx->save_pending = 0;
+        ctx->job.save_pending = 0;
         ctx->verify = ((ngx_msec_int_t) (ngx_current_msec - slot->last_used)
                        >= NGX_HTTP_LLAMA_SESSION_VERIFY);
         ctx->hit_dirty = slot->dirty;
         slot->dirty = 1;
 
-        if (slot->msgs && ctx->request && ctx->api == NULL && !ctx->own) {
+        if (slot->msgs && ctx->request && ctx->api == NULL && !ctx->job.own) {
             /* the session's last prompt, to explain a miss (miss.c) */
             ctx->prev = ngx_palloc(ctx->request->pool, slot->nmsgs
                                    * sizeof(ngx_http_llama_session_msg_t));
@@ -642,7 +649,8 @@ ngx_http_llama_session_granted_locked(ngx_http_llama_session_ctx_t *ctx,
         sh->stats.hits++;
 
     } else {
-        ctx->slot_tokens = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
+        ctx->job.slot_tokens = (slot->state
+                                == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
                            ? 0 : -1;
         slot->batch_len = (u_short) ctx->key_len;
         ngx_memcpy(slot->batch_key, ctx->key, ctx->key_len);
@@ -695,7 +703,7 @@ ngx_http_llama_session_enqueue_locked(ngx_http_llama_session_ctx_t *ctx)
     sh->nwaiters++;
 
     ctx->waiter = w;
-    ctx->ticket = w->ticket;
+    ctx->job.ticket = w->ticket;
     ctx->queued = 1;
 
     return NGX_OK;
@@ -745,7 +753,7 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_ctx_t *ctx)
 
     zone = ctx->zone;
     sh = zone->sh;
-    slot = &sh->slots[ctx->slot];
+    slot = &sh->slots[ctx->job.slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -844,20 +852,21 @@ ngx_http_llama_session_take_locked(ngx_http_llama_session_ctx_t *ctx,
     slot->taken_at = ngx_current_msec;
     slot->checked_at = ngx_current_msec;
 
-    ctx->acquired = 1;
-    ctx->released = 0;
-    ctx->slot_state = slot->state;
-    ctx->quiet_until = slot->quiet_until;
-    ctx->save_pending = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+    ctx->job.acquired = 1;
+    ctx->job.released = 0;
+    ctx->job.slot_state = slot->state;
+    ctx->job.quiet_until = slot->quiet_until;
+    ctx->job.save_pending = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
                          && slot->dirty && slot->saveable);
 
-    ctx->out_len = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
+    ctx->job.out_len = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
                    ? slot->key_len : 0;
-    ngx_memcpy(ctx->out_key, slot->key, ctx->out_len);
+    ngx_memcpy(ctx->job.out_key, slot->key, ctx->job.out_len);
 
-    ctx->slot_has_base = (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+    ctx->warm.slot_has_base = (slot->state
+                               == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
                           && slot->has_base);
-    ngx_memcpy(ctx->slot_base, slot->base, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    ngx_memcpy(ctx->warm.slot_base, slot->base, NGX_HTTP_LLAMA_SESSION_DIGEST);
 }
 
 
@@ -877,7 +886,7 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
 
     zone = ctx->zone;
     sh = zone->sh;
-    slot = &sh->slots[ctx->slot];
+    slot = &sh->slots[ctx->job.slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -901,7 +910,7 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_ctx_t *ctx,
     }
 
     ngx_http_llama_session_take_locked(ctx, slot);
-    ngx_memcpy(ctx->fp, sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    ngx_memcpy(ctx->job.fp, sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -932,7 +941,7 @@ ngx_http_llama_session_base_claim(ngx_http_llama_session_ctx_t *ctx)
     for (i = 0; i < sh->nslots; i++) {
         slot = &sh->slots[i];
 
-        if (i != ctx->slot && slot->busy && slot->saving_base
+        if (i != ctx->job.slot && slot->busy && slot->saving_base
             && ngx_memcmp(slot->saving, ctx->base_id,
                           NGX_HTTP_LLAMA_SESSION_DIGEST) == 0)
         {
@@ -942,7 +951,7 @@ ngx_http_llama_session_base_claim(ngx_http_llama_session_ctx_t *ctx)
     }
 
     if (free) {
-        slot = &sh->slots[ctx->slot];
+        slot = &sh->slots[ctx->job.slot];
         slot->saving_base = 1;
         ngx_memcpy(slot->saving, ctx->base_id, NGX_HTTP_LLAMA_SESSION_DIGEST);
     }
@@ -1051,14 +1060,14 @@ ngx_http_llama_session_unqueue_locked(ngx_http_llama_session_ctx_t *ctx)
     ctx->queued = 0;
     ctx->waiter = NULL;
 
-    if (w == NULL || w->ticket != ctx->ticket || w->pid != ngx_pid) {
+    if (w == NULL || w->ticket != ctx->job.ticket || w->pid != ngx_pid) {
         /* dropped already (taken for a dead worker's) */
         return;
     }
 
-    slot = &sh->slots[ctx->slot];
+    slot = &sh->slots[ctx->job.slot];
 
-    if (ctx->ticket < slot->batch && slot->batch_left
+    if (ctx->job.ticket < slot->batch && slot->batch_left
         && w->key_len == slot->batch_len
         && ngx_memcmp(w->key, slot->batch_key, w->key_len) == 0)
     {
@@ -1082,7 +1091,7 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
-    slot = &zone->sh->slots[ctx->slot];
+    slot = &zone->sh->slots[ctx->job.slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1140,14 +1149,14 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_slot_t  *slot;
     ngx_http_llama_session_zone_t  *zone;
 
-    if (!ctx->acquired || ctx->released) {
+    if (!ctx->job.acquired || ctx->job.released) {
         return;
     }
 
-    ctx->released = 1;
+    ctx->job.released = 1;
 
     zone = ctx->zone;
-    slot = &zone->sh->slots[ctx->slot];
+    slot = &zone->sh->slots[ctx->job.slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1158,7 +1167,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
         slot->free_since = ngx_current_msec;
     }
 
-    if (ctx->quarantine) {
+    if (ctx->job.quarantine) {
         slot->quiet_until = ngx_current_msec
                             + NGX_HTTP_LLAMA_SESSION_QUARANTINE;
     }
@@ -1169,7 +1178,7 @@ ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
 
     slot->saving_base = 0;
 
-    if (ctx->request && ctx->api == NULL && !ctx->own) {
+    if (ctx->request && ctx->api == NULL && !ctx->job.own) {
         /* a request's use (not an idle save's, nor the API's) */
         slot->last_used = ngx_current_msec;
         slot->used_at = ngx_time();
@@ -1253,7 +1262,7 @@ ngx_http_llama_session_file_known(ngx_http_llama_session_ctx_t *ctx,
     zone = ctx->zone;
     sh = zone->sh;
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1278,7 +1287,7 @@ ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
 
     zone = ctx->zone;
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1320,7 +1329,7 @@ ngx_http_llama_session_remember(ngx_http_llama_session_ctx_t *ctx,
 
     zone = ctx->zone;
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1367,7 +1376,7 @@ ngx_http_llama_session_fingerprint(ngx_http_llama_session_ctx_t *ctx)
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     known = zone->sh->fp_known;
-    ngx_memcpy(ctx->fp, zone->sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    ngx_memcpy(ctx->job.fp, zone->sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -1453,7 +1462,7 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
-    ngx_memcpy(ctx->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    ngx_memcpy(ctx->job.fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 }
 
 
@@ -1473,7 +1482,7 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
-    slot = &zone->sh->slots[ctx->slot];
+    slot = &zone->sh->slots[ctx->job.slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1507,7 +1516,7 @@ ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
-    slot = &zone->sh->slots[ctx->slot];
+    slot = &zone->sh->slots[ctx->job.slot];
     size = ctx->nmsgs * sizeof(ngx_http_llama_session_msg_t);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
@@ -1640,8 +1649,9 @@ ngx_http_llama_session_model_reset(ngx_http_llama_session_zone_t *zone,
     for (i = 0; i < sh->nslots; i++) {
         slot = &sh->slots[i];
 
-        own = (ctx && ctx->zone == zone && ctx->acquired && !ctx->released
-               && ctx->slot == i);
+        own = (ctx && ctx->zone == zone && ctx->job.acquired
+               && !ctx->job.released
+               && ctx->job.slot == i);
 
         if (slot->busy && !own) {
             continue;
@@ -1680,7 +1690,7 @@ ngx_http_llama_session_switch_take(ngx_http_llama_session_ctx_t *ctx)
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *lead;
 
-    if (ctx->switching) {
+    if (ctx->route.switching) {
         return NGX_OK;
     }
 
@@ -1705,8 +1715,8 @@ ngx_http_llama_session_switch_take(ngx_http_llama_session_ctx_t *ctx)
         sh->switch_start = ngx_http_llama_session_self_start;
         sh->switch_seq = ++sh->switch_next;
 
-        ctx->switch_seq = sh->switch_seq;
-        ctx->switching = 1;
+        ctx->route.switch_seq = sh->switch_seq;
+        ctx->route.switching = 1;
 
         rc = NGX_OK;
     }
@@ -1725,19 +1735,20 @@ ngx_http_llama_session_victim_end(ngx_http_llama_session_ctx_t *ctx)
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *victim;
 
-    victim = ctx->victim;
+    victim = ctx->route.victim;
 
     if (victim == NULL) {
         return;
     }
 
-    ctx->victim = NULL;
-    ctx->unload_sent = 0;
+    ctx->route.victim = NULL;
+    ctx->route.unload_sent = 0;
     sh = victim->sh;
 
     ngx_shmtx_lock(&victim->shpool->mutex);
 
-    if (sh->unloading == ngx_pid && sh->unloading_seq == ctx->switch_seq) {
+    if (sh->unloading == ngx_pid && sh->unloading_seq
+        == ctx->route.switch_seq) {
         sh->unloading = 0;
         sh->unloading_start = 0;
     }
@@ -1756,18 +1767,18 @@ ngx_http_llama_session_switch_end(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_http_llama_session_victim_end(ctx);
 
-    if (!ctx->switching) {
+    if (!ctx->route.switching) {
         return;
     }
 
-    ctx->switching = 0;
+    ctx->route.switching = 0;
 
     lead = ctx->zone->group;
     sh = lead->sh;
 
     ngx_shmtx_lock(&lead->shpool->mutex);
 
-    if (sh->switch_pid == ngx_pid && sh->switch_seq == ctx->switch_seq) {
+    if (sh->switch_pid == ngx_pid && sh->switch_seq == ctx->route.switch_seq) {
         sh->switch_pid = 0;
         sh->switch_start = 0;
     }
@@ -1794,10 +1805,11 @@ ngx_http_llama_session_victim_clean(ngx_http_llama_session_ctx_t *ctx,
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (!(sh->unloading == ngx_pid && sh->unloading_seq == ctx->switch_seq)) {
+    if (!(sh->unloading == ngx_pid && sh->unloading_seq
+          == ctx->route.switch_seq)) {
         sh->unloading = ngx_pid;
         sh->unloading_start = ngx_http_llama_session_self_start;
-        sh->unloading_seq = ctx->switch_seq;
+        sh->unloading_seq = ctx->route.switch_seq;
     }
 
     clean = 1;
@@ -2323,4 +2335,44 @@ ngx_http_llama_session_find_zone(ngx_conf_t *cf, ngx_str_t *name)
                        name, name);
 
     return NULL;
+}
+
+
+/* this worker's requests that wait for a slot, woken on a release */
+
+void
+ngx_http_llama_session_wait_local(ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->local.next == NULL) {
+        ngx_queue_insert_tail(&ngx_http_llama_session_waiting, &ctx->local);
+    }
+}
+
+
+void
+ngx_http_llama_session_wait_end(ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->local.next) {
+        ngx_queue_remove(&ctx->local);
+        ctx->local.next = NULL;
+    }
+}
+
+
+void
+ngx_http_llama_session_wake_local(void)
+{
+    ngx_queue_t                   *q;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    for (q = ngx_queue_head(&ngx_http_llama_session_waiting);
+         q != ngx_queue_sentinel(&ngx_http_llama_session_waiting);
+         q = ngx_queue_next(q))
+    {
+        ctx = ngx_queue_data(q, ngx_http_llama_session_ctx_t, local);
+
+        if (!ctx->wait_ev.posted) {
+            ngx_post_event(&ctx->wait_ev, &ngx_posted_events);
+        }
+    }
 }

@@ -10,9 +10,12 @@
 #define _NGX_HTTP_LLAMA_SESSION_SHM_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
+void ngx_http_llama_session_wait_local(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_wait_end(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_wake_local(void);
 ngx_http_llama_session_zone_t *ngx_http_llama_session_find_zone(
     ngx_conf_t *cf, ngx_str_t *name);
 ngx_int_t ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone,

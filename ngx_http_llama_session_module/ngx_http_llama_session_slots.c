@@ -8,7 +8,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
@@ -31,23 +31,25 @@ ngx_http_llama_session_reply_json(ngx_log_t *log,
 {
     cJSON  *json;
 
-    if (ctx->call_reply == NULL) {
+    if (ctx->job.call_reply == NULL) {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: empty reply to a slot call");
         return NULL;
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->call_reply->pos,
-                                 ctx->call_reply->last - ctx->call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
+                                 ctx->job.call_reply->last
+                                     - ctx->job.call_reply->pos);
 
     if (json == NULL) {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: the reply to a slot call is not "
                       "JSON of at most %d values: \"%*s\"",
                       NGX_HTTP_LLAMA_SESSION_JSON_VALUES,
-                      ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                      ngx_min(ctx->job.call_reply->last
+                              - ctx->job.call_reply->pos,
                               200),
-                      ctx->call_reply->pos);
+                      ctx->job.call_reply->pos);
     }
 
     return json;
@@ -77,7 +79,8 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
     cJSON_ArrayForEach(slot, json) {
         id = cJSON_GetObjectItemCaseSensitive(slot, "id");
 
-        if (!cJSON_IsNumber(id) || (ngx_uint_t) id->valueint != ctx->slot) {
+        if (!cJSON_IsNumber(id) || (ngx_uint_t) id->valueint
+            != ctx->job.slot) {
             continue;
         }
 
@@ -92,11 +95,12 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
          * erased before another session runs there
          */
 
-        ctx->slot_tokens = (cJSON_IsNumber(tokens) && tokens->valuedouble >= 0)
+        ctx->job.slot_tokens = (cJSON_IsNumber(tokens)
+                                && tokens->valuedouble >= 0)
                            ? tokens->valueint : -1;
 
         task = cJSON_GetObjectItemCaseSensitive(slot, "id_task");
-        ctx->slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
+        ctx->job.slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
 
         cJSON_Delete(json);
 
@@ -110,7 +114,7 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
     ngx_log_error(NGX_LOG_WARN, log, 0,
                   "llama_session: llama-server has no slot %ui (now): does "
                   "llama_session_zone's slots= match llama-server's -np?",
-                  ctx->slot);
+                  ctx->job.slot);
 
     return NGX_DECLINED;
 }
@@ -147,9 +151,10 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: unexpected reply to a slot call: "
                       "\"%*s\"",
-                      ngx_min(ctx->call_reply->last - ctx->call_reply->pos,
+                      ngx_min(ctx->job.call_reply->last
+                              - ctx->job.call_reply->pos,
                               200),
-                      ctx->call_reply->pos);
+                      ctx->job.call_reply->pos);
         return NGX_ERROR;
     }
 
@@ -247,30 +252,30 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    ctx->props_slots = (ngx_uint_t) slots->valuedouble;
-    ctx->props_n_ctx = (ngx_uint_t) n_ctx->valuedouble;
+    ctx->job.props_slots = (ngx_uint_t) slots->valuedouble;
+    ctx->job.props_n_ctx = (ngx_uint_t) n_ctx->valuedouble;
 
-    ctx->props_model.len = ngx_min(ngx_strlen(path->valuestring),
+    ctx->job.props_model.len = ngx_min(ngx_strlen(path->valuestring),
                                    NGX_HTTP_LLAMA_SESSION_PATH_SHOW);
-    ctx->props_model.data = ngx_pnalloc(r->pool, ctx->props_model.len);
-    if (ctx->props_model.data == NULL) {
+    ctx->job.props_model.data = ngx_pnalloc(r->pool, ctx->job.props_model.len);
+    if (ctx->job.props_model.data == NULL) {
         cJSON_Delete(json);
         return NGX_ERROR;
     }
 
-    ngx_memcpy(ctx->props_model.data, path->valuestring,
-               ctx->props_model.len);
+    ngx_memcpy(ctx->job.props_model.data, path->valuestring,
+               ctx->job.props_model.len);
 
-    ctx->props_text.data = ngx_pnalloc(r->pool, 1024);
-    if (ctx->props_text.data == NULL) {
+    ctx->job.props_text.data = ngx_pnalloc(r->pool, 1024);
+    if (ctx->job.props_text.data == NULL) {
         cJSON_Delete(json);
         return NGX_ERROR;
     }
 
     /* the model path last: a path too long for the text cuts only itself */
 
-    p = ngx_snprintf(ctx->props_text.data, 1024, "%ui%Z%ui%Z%*s%Z%*s%Z%s",
-                     ctx->props_n_ctx, ctx->props_slots,
+    p = ngx_snprintf(ctx->job.props_text.data, 1024, "%ui%Z%ui%Z%*s%Z%*s%Z%s",
+                     ctx->job.props_n_ctx, ctx->job.props_slots,
                      cJSON_IsString(ftype)
                      ? ngx_min(ngx_strlen(ftype->valuestring), 64) : 0,
                      cJSON_IsString(ftype) ? ftype->valuestring : "",
@@ -279,7 +284,7 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
                      cJSON_IsString(build) ? build->valuestring : "",
                      path->valuestring);
 
-    ctx->props_text.len = p - ctx->props_text.data;
+    ctx->job.props_text.len = p - ctx->job.props_text.data;
 
     /* fewer or more slots than the zone's: said once, by set_fingerprint */
 
@@ -311,15 +316,15 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
         "vocab_type", NULL
     };
 
-    if (ctx->props_text.len == 0) {
+    if (ctx->job.props_text.len == 0) {
         return NGX_ERROR;
     }
 
-    p = ngx_cpymem(text, ctx->props_text.data,
-                   ngx_min(ctx->props_text.len, 1024));
+    p = ngx_cpymem(text, ctx->job.props_text.data,
+                   ngx_min(ctx->job.props_text.len, 1024));
     last = text + sizeof(text);
 
-    json = (ctx->call_status == NGX_HTTP_OK)
+    json = (ctx->job.call_status == NGX_HTTP_OK)
            ? ngx_http_llama_session_reply_json(r->connection->log, ctx)
            : NULL;
 
@@ -377,7 +382,7 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: GET /v1/models answered %i without "
                       "the model's \"meta\": file names carry what /props "
-                      "says only", ctx->call_status);
+                      "says only", ctx->job.call_status);
     }
 
     cJSON_Delete(json);
@@ -388,9 +393,9 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 
     ngx_hex_dump(fp, hash, NGX_HTTP_LLAMA_SESSION_FP_LEN / 2);
 
-    ngx_http_llama_session_set_fingerprint(ctx, fp, ctx->props_n_ctx,
-                                           ctx->props_slots,
-                                           &ctx->props_model);
+    ngx_http_llama_session_set_fingerprint(ctx, fp, ctx->job.props_n_ctx,
+                                           ctx->job.props_slots,
+                                           &ctx->job.props_model);
 
     return NGX_OK;
 }

@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * What llama-server's replies to the slot calls say (the calls are job: the functions of ngx_http_llama_session_slots.c.
+ * What llama-server's replies to the slot calls say: the functions of ngx_http_llama_session_slots.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_SLOTS_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_parse_slots(ngx_log_t *log,

@@ -11,7 +11,7 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
@@ -673,7 +673,7 @@ ngx_http_llama_session_store_prev(ngx_http_request_t *r,
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.%*s.json%Z", &ctx->zone->store,
                  ctx->key_len, ctx->key,
-                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
+                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
 
     fd = ngx_open_file(file, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW|NGX_FILE_NONBLOCK,
                        NGX_FILE_OPEN, 0);
@@ -1238,7 +1238,7 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_OK;
     }
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
 
     ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
     ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
@@ -1275,12 +1275,12 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    if (aside && ctx->request && !ctx->api && !ctx->own
-        && ctx->old_len == 0)
+    if (aside && ctx->request && !ctx->api && !ctx->job.own
+        && ctx->job.old_len == 0)
     {
         /* deleting a large file takes its time: after the request */
-        ngx_memcpy(ctx->old_name, name, n);
-        ctx->old_len = n;
+        ngx_memcpy(ctx->job.old_name, name, n);
+        ctx->job.old_len = n;
         return NGX_OK;
     }
 
@@ -1303,9 +1303,9 @@ ngx_http_llama_session_store_drop_old(ngx_log_t *log,
     u_char  file[NGX_MAX_PATH];
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin.old%Z", &ctx->zone->store,
-                 ctx->old_len, ctx->old_name);
+                 ctx->job.old_len, ctx->job.old_name);
 
-    ctx->old_len = 0;
+    ctx->job.old_len = 0;
 
     if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
         && ngx_errno != NGX_ENOENT)
@@ -1330,7 +1330,7 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
         return;
     }
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin.tmp%Z", &ctx->zone->store,
                  n, name);
@@ -1414,7 +1414,7 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     }
 
     ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, len, key,
-                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->fp);
+                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
 
     /* a regular file: a link is never restored (nor committed) */
 
@@ -1440,14 +1440,14 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
 
     if (ctx->zone->store.len) {
-        n = ngx_http_llama_session_file_name(name, key, len, ctx->fp);
+        n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
         (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n,
-                                                 ctx->slot);
+                                                 ctx->job.slot);
     }
 
-    ngx_http_llama_session_slot_saved(ctx->zone, ctx->slot, key, len);
+    ngx_http_llama_session_slot_saved(ctx->zone, ctx->job.slot, key, len);
 
-    if (key != ctx->out_key) {
+    if (key != ctx->job.out_key) {
         /* a base: it goes before the session that starts from it */
         ngx_http_llama_session_store_evict(log, ctx->zone, key, len);
 
@@ -1455,7 +1455,7 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
         ngx_http_llama_session_store_evict(log, ctx->zone, ctx->key, ctx->key_len);
 
     } else {
-        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->out_key,
-                                     ctx->out_len);
+        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->job.out_key,
+                                     ctx->job.out_len);
     }
 }

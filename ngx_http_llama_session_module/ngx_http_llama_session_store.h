@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * The store folder (store= on the zone: the functions of ngx_http_llama_session_store.c.
+ * The store folder: the functions of ngx_http_llama_session_store.c.
  */
 
 
@@ -10,7 +10,7 @@
 #define _NGX_HTTP_LLAMA_SESSION_STORE_H_INCLUDED_
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 
 
 ngx_int_t ngx_http_llama_session_store_sync(

@@ -31,8 +31,9 @@
  */
 
 
-#include "ngx_http_llama_session_module.h"
+#include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
@@ -95,20 +96,20 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* 1. the slot holds a session of the same base */
 
-    if (ctx->slot_has_base && !ctx->restarted
-        && ctx->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-        && ctx->slot_tokens != 0
-        && ngx_memcmp(ctx->slot_base, ctx->base_id,
+    if (ctx->warm.slot_has_base && !ctx->job.restarted
+        && ctx->job.slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        && ctx->job.slot_tokens != 0
+        && ngx_memcmp(ctx->warm.slot_base, ctx->base_id,
                       NGX_HTTP_LLAMA_SESSION_DIGEST) == 0)
     {
         if (llcf->warm == NGX_HTTP_LLAMA_SESSION_WARM_HISTORY) {
-            ctx->history = 1;
+            ctx->warm.history = 1;
             return ngx_http_llama_session_warm_go(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_ACTION_WARM);
         }
 
-        ctx->trimmed = 1;
-        ctx->base_file = (ngx_http_llama_session_store_has_file(r, ctx,
+        ctx->warm.trimmed = 1;
+        ctx->warm.base_file = (ngx_http_llama_session_store_has_file(r, ctx,
                                                           ctx->base_key,
                                                           ctx->base_len)
                           == 1);
@@ -119,20 +120,21 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* 2. the base's file */
 
-    ctx->base_file = (ngx_http_llama_session_store_has_file(r, ctx, ctx->base_key,
+    ctx->warm.base_file = (ngx_http_llama_session_store_has_file(r, ctx,
+        ctx->base_key,
                                                       ctx->base_len)
                       == 1
                       && !ngx_http_llama_session_restores_off(ctx->zone,
-                                                              ctx->fp));
+                                                              ctx->job.fp));
 
-    if (ctx->base_file) {
+    if (ctx->warm.base_file) {
         return ngx_http_llama_session_warm_call(r, ctx,
                                           NGX_HTTP_LLAMA_SESSION_WARM_RESTORE);
     }
 
     /* 3. an empty slot, then the base is made */
 
-    if (ctx->slot_tokens != 0) {
+    if (ctx->job.slot_tokens != 0) {
         return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_ERASE);
     }
@@ -149,7 +151,7 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
     ngx_uint_t  call;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_WARM);
-    ctx->warm_step = step;
+    ctx->warm.warm_step = step;
 
     switch (step) {
 
@@ -161,7 +163,7 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
         call = NGX_HTTP_LLAMA_SESSION_CALL_PRIME;
 
         /* the call sends the body made here */
-        if (ngx_http_llama_session_prime_body(r, ctx, &ctx->call_body)
+        if (ngx_http_llama_session_prime_body(r, ctx, &ctx->job.call_body)
             != NGX_OK)
         {
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -191,18 +193,16 @@ ngx_int_t
 ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    off_t       bytes;
-    double      ms;
     ngx_int_t   status;
-    ngx_uint_t  tokens, step;
+    ngx_uint_t  step;
 
     static char  *names[] = { "", "restore of the base", "erase",
                               "prime", "save of the base", "erase" };
 
-    status = ctx->call_status;
-    step = ctx->warm_step;
+    status = ctx->job.call_status;
+    step = ctx->warm.warm_step;
 
-    ctx->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ngx_http_llama_session_backend_failed(status)) {
         if (step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
@@ -218,19 +218,10 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_WARM_RESTORE:
 
-        tokens = 0;
-        bytes = 0;
-        ms = 0;
-
-        if (status == NGX_HTTP_OK
-            && ngx_http_llama_session_parse_action(r->connection->log, ctx,
-                                                   &tokens, &bytes, &ms)
-               == NGX_OK)
+        if (ngx_http_llama_session_restore_done(r->connection->log, ctx,
+                                                ctx->base_key, ctx->base_len)
+            == NGX_OK)
         {
-            ctx->loaded_tokens = tokens;
-            ctx->loaded_bytes = bytes;
-            ctx->load_ms = ms;
-
             /* in use: the base goes to the front of the queue */
             ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
@@ -241,18 +232,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
         /* a failed restore leaves the slot empty: the base is made anew */
 
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: restoring base \"%*s\" into slot %ui "
-                      "failed (%i), it is made anew",
-                      ctx->base_len, ctx->base_key, ctx->slot, status);
-
-        ngx_http_llama_session_file_saved(ctx, ctx->base_key, ctx->base_len,
-                                          0, 0, 0);
-        ngx_http_llama_session_stat(ctx,
-                                    &ctx->zone->sh->stats.restore_errors);
-
-        ctx->base_file = 0;
-        ctx->slot_tokens = 0;
+        ctx->warm.base_file = 0;
+        ctx->job.slot_tokens = 0;
 
         return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
@@ -260,7 +241,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     case NGX_HTTP_LLAMA_SESSION_WARM_ERASE:
 
         if (status == NGX_HTTP_OK) {
-            ctx->slot_tokens = 0;
+            ctx->job.slot_tokens = 0;
 
             return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
@@ -281,16 +262,16 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                           "prompt alone for base \"%*s\" (%i: \"%*s\"), the "
                           "session starts fresh",
                           ctx->base_len, ctx->base_key, status,
-                          ctx->call_reply
-                          ? ngx_min(ctx->call_reply->last
-                                    - ctx->call_reply->pos, 200)
+                          ctx->job.call_reply
+                          ? ngx_min(ctx->job.call_reply->last
+                                    - ctx->job.call_reply->pos, 200)
                           : 0,
-                          ctx->call_reply ? ctx->call_reply->pos
+                          ctx->job.call_reply ? ctx->job.call_reply->pos
                                           : (u_char *) "");
 
-            ctx->trimmed = 0;
+            ctx->warm.trimmed = 0;
 
-            if (ctx->slot_tokens == 0) {
+            if (ctx->job.slot_tokens == 0) {
                 return ngx_http_llama_session_warm_go(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
             }
@@ -299,14 +280,15 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                             NGX_HTTP_LLAMA_SESSION_WARM_CLEAN);
         }
 
-        ctx->base_tokens = ngx_http_llama_session_prime_tokens(
-                                         r->connection->log, ctx->call_reply,
-                                         &ctx->base_cached);
+        ctx->warm.base_tokens = ngx_http_llama_session_prime_tokens(
+                                         r->connection->log,
+                                             ctx->job.call_reply,
+                                         &ctx->warm.base_cached);
 
         /* one slot at a time saves a base: its file has one name */
 
-        if (!ctx->base_file
-            && !ngx_http_llama_session_restores_off(ctx->zone, ctx->fp)
+        if (!ctx->warm.base_file
+            && !ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
             && ngx_http_llama_session_base_claim(ctx))
         {
             return ngx_http_llama_session_warm_call(r, ctx,
@@ -314,7 +296,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
         }
 
         return ngx_http_llama_session_warm_go(r, ctx,
-                                   ctx->trimmed
+                                   ctx->warm.trimmed
                                    ? NGX_HTTP_LLAMA_SESSION_ACTION_WARM
                                    : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
 
@@ -326,14 +308,14 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                              ctx->base_len)
             == NGX_OK)
         {
-            ctx->base_built = 1;
+            ctx->warm.base_built = 1;
             ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
             ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bases);
         }
 
         return ngx_http_llama_session_warm_go(r, ctx,
-                                   ctx->trimmed
+                                   ctx->warm.trimmed
                                    ? NGX_HTTP_LLAMA_SESSION_ACTION_WARM
                                    : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
 
@@ -346,7 +328,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     if (status != NGX_HTTP_OK) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: erasing slot %ui failed (%i), the "
-                      "request goes on", ctx->slot, status);
+                      "request goes on", ctx->job.slot, status);
     }
 
     return ngx_http_llama_session_warm_go(r, ctx,
@@ -358,7 +340,7 @@ static ngx_int_t
 ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action)
 {
-    ctx->warm_step = NGX_HTTP_LLAMA_SESSION_WARM_NONE;
+    ctx->warm.warm_step = NGX_HTTP_LLAMA_SESSION_WARM_NONE;
     ctx->action = action;
 
     /* the slot is ready: the handler lets proxy_pass carry the request */
@@ -450,7 +432,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     /* Anthropic's converter drops id_slot, OpenAI's keeps it */
 
     if (!ctx->anthropic) {
-        b->last = ngx_sprintf(b->last, ",\"id_slot\":%ui", ctx->slot);
+        b->last = ngx_sprintf(b->last, ",\"id_slot\":%ui", ctx->job.slot);
     }
 
     *b->last++ = '}';

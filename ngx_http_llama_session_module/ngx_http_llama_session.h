@@ -1,11 +1,16 @@
 
 /*
  * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * The types every file shares: the zone and its shared memory, the
+ * configuration, and a request's context with its job (job.c has the
+ * table of the job's states).  Each file's functions are in a header of
+ * its own, named for it.
  */
 
 
-#ifndef _NGX_HTTP_LLAMA_SESSION_MODULE_H_INCLUDED_
-#define _NGX_HTTP_LLAMA_SESSION_MODULE_H_INCLUDED_
+#ifndef _NGX_HTTP_LLAMA_SESSION_H_INCLUDED_
+#define _NGX_HTTP_LLAMA_SESSION_H_INCLUDED_
 
 
 #include <ngx_config.h>
@@ -468,6 +473,114 @@ typedef struct {
 } ngx_http_llama_session_span_t;
 
 
+/*
+ * A slot job (job.c): the slot held, the job's state, the sessions it
+ * moves, the slot call in flight and its reply, and what GET /slots
+ * proved of the slot.  A client's request, an API call and an idle save
+ * each have one in their context; job.c's file comment has the table of
+ * its states and of what each may touch.
+ */
+
+typedef struct {
+    ngx_uint_t                      state;      /* ngx_http_llama_session_
+                                                   state_e */
+    ngx_uint_t                      slot;
+    ngx_atomic_uint_t               ticket;
+
+    /* the backend's configuration: part of every file name */
+    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+
+    /* the session that leaves the slot on a swap */
+    u_char                          out_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    size_t                          out_len;
+
+    /* its previous file, moved aside by the save, deleted at the end */
+    u_char                          old_name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          old_len;
+
+    /* the slot call in flight and its reply (call.c) */
+    ngx_uint_t                      call;
+    ngx_str_t                       call_uri;
+    ngx_int_t                       call_status;
+    ngx_buf_t                      *call_reply;
+    ngx_buf_t                      *capture;    /* reused across calls */
+    ngx_buf_t                      *call_body;  /* a prime's, warm.c's */
+    ngx_uint_t                      polls;
+    ngx_msec_t                      quiet_until;
+
+    /* GET /props, until GET /v1/models completes the fingerprint */
+    ngx_str_t                       props_text;
+    ngx_str_t                       props_model;
+    ngx_uint_t                      props_n_ctx;
+    ngx_uint_t                      props_slots;
+
+    /* what the slot holds: the zone's word, then GET /slots's */
+    ngx_int_t                       slot_tokens; /* -1: unknown */
+    ngx_int_t                       slot_task;   /* -1: none */
+    ngx_uint_t                      slot_state;
+
+    /* from the replies, for the swap log line */
+    ngx_uint_t                      saved_tokens;
+    off_t                           saved_bytes;
+    double                          save_ms;
+    ngx_uint_t                      loaded_tokens;
+    off_t                           loaded_bytes;
+    double                          load_ms;
+
+    unsigned                        own:1;      /* the module's own request
+                                                   (an idle save), no
+                                                   client's */
+    unsigned                        acquired:1;
+    unsigned                        released:1;
+    unsigned                        call_done:1;
+    unsigned                        call_timed_out:1; /* proxy_read_timeout */
+    unsigned                        call_inflight:1;
+    unsigned                        save_pending:1;
+    unsigned                        save_failed:1;
+    unsigned                        load_file:1;
+    unsigned                        restarted:1;
+    unsigned                        slots_checked:1; /* GET /slots vouched */
+    unsigned                        quarantine:1;
+} ngx_http_llama_session_job_t;
+
+
+/* a warm start's steps and what they found (warm.c) */
+
+typedef struct {
+    ngx_uint_t                      warm_step;
+    ngx_uint_t                      base_tokens;
+    ngx_int_t                       base_cached; /* the prime's cache_n */
+    off_t                           base_bytes;
+    double                          base_ms;
+
+    /* what the slot held when the request took it */
+    u_char                          slot_base[NGX_HTTP_LLAMA_SESSION_DIGEST];
+
+    unsigned                        slot_has_base:1;
+    unsigned                        trimmed:1;
+    unsigned                        history:1;
+    unsigned                        base_built:1;
+    unsigned                        base_file:1;
+} ngx_http_llama_session_warm_t;
+
+
+/* router mode: the model's switch (router.c) */
+
+typedef struct {
+    ngx_http_llama_session_zone_t  *victim;
+    ngx_uint_t                      switch_seq;
+    ngx_uint_t                      router_polls;
+    ngx_uint_t                      lost;       /* changed sessions lost */
+
+    unsigned                        routed:1;
+    unsigned                        switching:1; /* holds the group's turn */
+    unsigned                        load_sent:1;
+    unsigned                        unload_sent:1;
+    unsigned                        model_reset:1;
+    unsigned                        rerouted:1;
+} ngx_http_llama_session_route_t;
+
+
 /* a request */
 
 typedef struct ngx_http_llama_session_ctx_s  ngx_http_llama_session_ctx_t;
@@ -475,20 +588,16 @@ typedef struct ngx_http_llama_session_ctx_s  ngx_http_llama_session_ctx_t;
 struct ngx_http_llama_session_ctx_s {
     ngx_http_request_t             *request;
     ngx_http_llama_session_zone_t  *zone;
+    ngx_http_llama_session_job_t    job;        /* its slot job */
+    ngx_http_llama_session_warm_t   warm;       /* warm.c's */
 
     ngx_str_t                       id;         /* as the client gave it */
     ngx_str_t                       source;     /* where it came from */
     char                           *refuse_why; /* for the log */
     unsigned                        has_nsk:1;  /* nsk[] is known */
-    unsigned                        own:1;      /* the module's own request
-                                                   (an idle save), no
-                                                   client's */
     ngx_str_t                       model;
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          key_len;
-
-    /* the backend's configuration: part of every file name */
-    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
 
     /*
      * the request's prefix: its system prompt (and tools), and the first
@@ -511,27 +620,8 @@ struct ngx_http_llama_session_ctx_s {
     ngx_http_llama_session_span_t   p_tools;
     ngx_http_llama_session_span_t   p_tool_choice;
     ngx_http_llama_session_span_t   p_kwargs;   /* chat_template_kwargs */
-    ngx_uint_t                      warm_step;
-    ngx_uint_t                      base_tokens;
-    ngx_int_t                       base_cached; /* the prime's cache_n */
-    off_t                           base_bytes;
-    double                          base_ms;
 
-    /* what the slot held when the request took it */
-    u_char                          slot_base[NGX_HTTP_LLAMA_SESSION_DIGEST];
-
-    /* the session that leaves the slot on a swap */
-    u_char                          out_key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
-    size_t                          out_len;
-
-    /* its previous file, moved aside by the save, deleted at the end */
-    u_char                          old_name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t                          old_len;
-
-    ngx_uint_t                      state;
     ngx_uint_t                      action;
-    ngx_uint_t                      slot;
-    ngx_atomic_uint_t               ticket;
     ngx_int_t                       status;     /* to finish with */
 
     ngx_msec_t                      start;
@@ -545,66 +635,23 @@ struct ngx_http_llama_session_ctx_s {
     ngx_queue_t                     local;      /* this worker's waiters */
     ngx_http_llama_session_waiter_t *waiter;   /* its place in the zone */
 
-    /* the slot call in flight and its reply */
-    ngx_uint_t                      call;
-    ngx_str_t                       call_uri;
-    ngx_int_t                       call_status;
-    ngx_buf_t                      *call_reply;
-    ngx_buf_t                      *capture;   /* reused across calls */
-    ngx_buf_t                      *call_body; /* a prime's, warm.c's */
-    ngx_uint_t                      polls;
-    ngx_msec_t                      quiet_until;
-
-    /* GET /props, until GET /v1/models completes the fingerprint */
-    ngx_str_t                       props_text;
-    ngx_str_t                       props_model;
-    ngx_uint_t                      props_n_ctx;
-    ngx_uint_t                      props_slots;
-
     /* a refusal to send, from the states before the slot */
     ngx_uint_t                      fail_status;
     char                           *fail_type;
     char                           *fail_message;
-    ngx_int_t                       slot_tokens; /* -1: unknown */
-    ngx_int_t                       slot_task;   /* -1: none */
-    ngx_uint_t                      slot_state;
-
-    /* from the replies, for the swap log line */
-    ngx_uint_t                      saved_tokens;
-    off_t                           saved_bytes;
-    double                          save_ms;
-    ngx_uint_t                      loaded_tokens;
-    off_t                           loaded_bytes;
-    double                          load_ms;
 
     unsigned                        default_session:1;
     unsigned                        use_default:1;
     unsigned                        refuse:1;
     unsigned                        queued:1;
-    unsigned                        acquired:1;
     unsigned                        waiting:1;
-    unsigned                        call_done:1;
-    unsigned                        call_timed_out:1; /* proxy_read_timeout */
-    unsigned                        call_inflight:1;
     unsigned                        swapped:1;
-    unsigned                        save_pending:1;
-    unsigned                        save_failed:1;
-    unsigned                        load_file:1;
-    unsigned                        released:1;
-    unsigned                        restarted:1;
-    unsigned                        slots_checked:1; /* GET /slots vouched */
-    unsigned                        quarantine:1;
     unsigned                        has_head:1;
     unsigned                        verify:1;   /* a hit, checked first */
     unsigned                        learn_slots:1; /* slots=auto */
     unsigned                        identity:1; /* llama_session identity */
     unsigned                        probe:1;
     unsigned                        anthropic:1; /* /v1/messages */
-    unsigned                        slot_has_base:1;
-    unsigned                        trimmed:1;
-    unsigned                        history:1;
-    unsigned                        base_built:1;
-    unsigned                        base_file:1;
 
     /* what the reply says of the prompt's cache, see reply.c */
     u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];
@@ -634,18 +681,7 @@ struct ngx_http_llama_session_ctx_s {
     ngx_uint_t                      ollama;
     void                           *ollama_reply;
 
-    /* router mode: the model's switch, see router.c */
-    ngx_http_llama_session_zone_t  *victim;
-    ngx_uint_t                      switch_seq;
-    ngx_uint_t                      router_polls;
-    ngx_uint_t                      lost;       /* changed sessions lost */
-
-    unsigned                        routed:1;
-    unsigned                        switching:1; /* holds the group's turn */
-    unsigned                        load_sent:1;
-    unsigned                        unload_sent:1;
-    unsigned                        model_reset:1;
-    unsigned                        rerouted:1;
+    ngx_http_llama_session_route_t  route;      /* router.c's */
     unsigned                        hit_dirty:1; /* before the hit took it */
     unsigned                        reply_scan:1;
     unsigned                        reply_done:1;
@@ -657,4 +693,4 @@ struct ngx_http_llama_session_ctx_s {
 extern ngx_module_t  ngx_http_llama_session_module;
 
 
-#endif /* _NGX_HTTP_LLAMA_SESSION_MODULE_H_INCLUDED_ */
+#endif /* _NGX_HTTP_LLAMA_SESSION_H_INCLUDED_ */
