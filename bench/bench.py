@@ -449,7 +449,7 @@ def bench_swap(work, quick):
             if cache == 'cold':
                 evict(file_of('X'))
             st, h, _ = post(nport, '/v1/chat/completions',
-                            {'messages': msgs['X'], 'max_tokens': 1},
+                            {'messages': msgs['X'], 'max_tokens': 2},
                             {'X-Session-Id': 'X'})
             assert h.get('X-S-Action') == 'restore', h
             mod.append(float(h['X-S-Swap']) / 1000)
@@ -470,7 +470,7 @@ def bench_swap(work, quick):
 
             # back to Y through the module, not measured
             post(nport, '/v1/chat/completions',
-                 {'messages': msgs['Y'], 'max_tokens': 1},
+                 {'messages': msgs['Y'], 'max_tokens': 2},
                  {'X-Session-Id': 'Y'})
         res[cache] = {'module_median': median(mod), 'module_p95': p95(mod),
                       'raw_median': median(raw), 'raw_p95': p95(raw),
@@ -1013,7 +1013,10 @@ def main():
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, 'w') as f:
             json.dump(result, f, indent=1)
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get('BENCH_KEEP'):
+            print('kept the work folder: ' + work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print('results: %s (%.0f s)' % (args.out, result['seconds']))
 
 

@@ -3,7 +3,7 @@
  * Copyright (C) ngx_http_llama_session_module authors
  *
  * What llama-server's replies to the slot calls say (the calls are
- * job.c's): GET /slots, the actions, GET /props and GET /v1/models (the
+ * call.c's): GET /slots, the actions, GET /props and GET /v1/models (the
  * fingerprint).
  */
 
