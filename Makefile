@@ -4,7 +4,9 @@ SHELL := /bin/bash
 #
 #   make            build objs/ngx_http_llama_session_module.so against the
 #                   distro nginx (Debian nginx-dev, /usr/share/nginx/src)
-#   make deps       install what the build and the tests need (apt-get)
+#   make deps       install what the build and the tests need (apt-get);
+#                   with NGINX_VERSION=... or ASAN=1 also the apt sources
+#                   of the nginx source package to build (make deps-src)
 #   make rig        build llama-server and the test model (cached)
 #   make test       build + rig + prove (NGINX_VERSION=1.26.3: against
 #                   that nginx, built from Debian's source)
@@ -32,7 +34,8 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 systemd-analyze:systemd
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps rig test demo bench soak asan test-asan test-valgrind deb clean
+.PHONY: all deps deps-packages deps-src rig test demo bench soak asan \
+        test-asan test-valgrind deb clean
 
 all: $(MODULE)
 
@@ -51,7 +54,9 @@ objs/Makefile: config
 $(MODULE): objs/Makefile $(SOURCES)
 	$(MAKE) -f "$(CURDIR)/objs/Makefile" -C $(NGINX_SRC) modules
 
-deps:
+deps: deps-packages deps-src
+
+deps-packages:
 	@missing=""; \
 	for p in $(DEB_PACKAGES); do \
 	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
@@ -65,6 +70,18 @@ deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	        apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+
+# the apt sources of the Debian nginx source packages that
+# rig/build-nginx.sh (NGINX_VERSION) and rig/build-asan-nginx.sh (ASAN=1,
+# make asan, make test-asan) fetch, and the apt-get update
+# (rig/deb-src.sh): here, before the tests, never in those scripts, which
+# only download and build into the cache.  Nothing when the cache has the
+# source already.
+DEB_SRC := $(NGINX_VERSION) \
+           $(if $(ASAN)$(filter asan test-asan,$(MAKECMDGOALS)),asan)
+
+deps-src: deps-packages
+	@$(if $(strip $(DEB_SRC)),rig/deb-src.sh $(DEB_SRC),:)
 
 rig: deps
 	rig/build-llama-server.sh

@@ -16,14 +16,17 @@ log() { echo "build-asan-nginx: $*" >&2; }
 mkdir -p "$dir"
 cd "$dir"
 
+# the source package comes from apt's lists; its deb-src and the apt-get
+# update are make deps's (rig/deb-src.sh), this script changes nothing
+# outside the cache
 if ! ls nginx_*.orig.tar.gz >/dev/null 2>&1; then
-    if ! grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ \
-        && ! grep -qs '^deb-src' /etc/apt/sources.list; then
-        log "enabling Debian source packages"
-        sed -i 's/^Types: deb$/Types: deb deb-src/' \
-            /etc/apt/sources.list.d/debian.sources
+    records=$(apt-cache showsrc nginx 2>/dev/null) || true
+    if ! grep -q '^Version: ' <<<"$records"; then
+        log "nginx's source package is not in the cache, and apt knows no"
+        log "such source (Debian's deb-src): run 'make deps ASAN=1' first"
+        log "(make asan and make test-asan run it)"
+        exit 1
     fi
-    apt-get update -qq
     log "fetching Debian's nginx source package"
     apt-get source --download-only nginx >/dev/null 2>&1 || true
     ls nginx_*.orig.tar.gz >/dev/null 2>&1 \

@@ -22,20 +22,18 @@ esac
 mkdir -p "$dir"
 cd "$dir"
 
+# the source package comes from apt's lists; its deb-src and the apt-get
+# update are make deps's (rig/deb-src.sh), this script changes nothing
+# outside the cache
 if ! ls nginx_"$version".orig.tar.gz >/dev/null 2>&1; then
-    list=/etc/apt/sources.list.d/llama-session-$suite-src.sources
-    if [ "$suite" != bookworm ] && [ ! -e "$list" ]; then
-        # sources only: nothing of the other release gets installed
-        log "adding Debian $suite's source packages to apt"
-        cat >"$list" <<EOS
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: $suite
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOS
+    records=$(apt-cache showsrc nginx 2>/dev/null) || true
+    if ! grep -q "^Version: $version-" <<<"$records"; then
+        log "nginx $version's source package is not in the cache, and apt"
+        log "knows no such source (Debian $suite's deb-src): run"
+        log "'make deps NGINX_VERSION=$version' first (make test"
+        log "NGINX_VERSION=$version runs it)"
+        exit 1
     fi
-    apt-get update -qq
     log "fetching nginx $version's source package"
     apt-get source --download-only "nginx=$version-*" >/dev/null 2>&1 \
         || apt-get source --download-only "nginx/$suite" >/dev/null 2>&1 \

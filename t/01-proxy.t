@@ -19,31 +19,19 @@ my $JSON = $LlamaTest::JSON;
 my $t = LlamaTest->new(workers => 2);
 my $llama = $t->llama;
 
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m slots=1 store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 4; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m slots=1 store=%%SLOTS%%;',
+    upstream => 'keepalive 4;',
+    server => q{
         client_max_body_size 16m;
         client_body_buffer_size 16k;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 300s;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+    },
+    location => q{
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+        proxy_read_timeout 300s;
+    }));
 
 my %direct = (port => $llama);
 my $prompt = { prompt => 'The quick brown fox jumps over', n_predict => 8,
@@ -111,25 +99,10 @@ $t->stop;
 # the same through the fake backend, which shows the exact bytes it got
 my $t2 = LlamaTest->new(workers => 2);
 $t2->fake;
-$t2->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-        client_max_body_size 16m;
-        client_body_buffer_size 16k;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF
+$t2->nginx($t2->site(server => q{
+    client_max_body_size 16m;
+    client_body_buffer_size 16k;
+}));
 
 my $body = $JSON->encode($big);
 $r = $t2->post('/completion', $body,

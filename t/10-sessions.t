@@ -18,32 +18,18 @@ use Test::More;
 my $t = LlamaTest->new(workers => 2);
 my $llama = $t->llama;
 
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 4; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Slot $llama_session_slot always;
-            add_header X-S-Swap $llama_session_swap_ms always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    upstream => 'keepalive 4;',
+    location => q{
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Slot $llama_session_slot always;
+        add_header X-S-Swap $llama_session_swap_ms always;
+    }));
 
 my $system = join ' ', map { "Rule $_: keep answers short and cite section $_." }
                        1 .. 150;

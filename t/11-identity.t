@@ -19,24 +19,16 @@ my $JSON = $LlamaTest::JSON;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake;
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    upstream => '',
+    server => q{
         add_header X-S-Id $llama_session_id always;
         add_header X-S-Key $llama_session_key always;
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Slot $llama_session_slot always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-        }
-
+    },
+    extra => q{
         location /custom/ {
             llama_session llama;
             llama_session_id_headers X-Chat;
@@ -57,13 +49,7 @@ $t->nginx(<<'EOF');
             llama_session_namespace $http_x_tenant;
             proxy_pass http://llama/;
         }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+    }));
 
 sub ask {
     my ($body, %h) = @_;

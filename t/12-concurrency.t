@@ -18,31 +18,18 @@ use Test::More;
 my $t = LlamaTest->new(workers => 4);
 $t->llama;
 
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 8; }
-
-    server {
-        listen 127.0.0.1:%%PORT%% reuseport;
-
-        location / {
-            llama_session llama;
-            llama_session_wait_timeout 120s;
-            proxy_pass http://llama;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Wait $llama_session_wait_ms always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    upstream => 'keepalive 8;',
+    listen => 'reuseport',
+    location => q{
+        llama_session_wait_timeout 120s;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Wait $llama_session_wait_ms always;
+    }));
 
 my $system = join ' ', map { "Policy $_ applies to every answer." } 1 .. 40;
 my @sessions = map { "s$_" } 1 .. 4;

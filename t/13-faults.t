@@ -91,6 +91,12 @@ $t->nginx(<<'EOF');
             llama_session off;
             proxy_pass http://llama/;
         }
+
+        # the test looks at the queue there
+        location /api/ {
+            llama_session off;
+            llama_session_api llama;
+        }
     }
 EOF
 
@@ -113,6 +119,28 @@ sub completions {
            @{ $t->fake_calls };
 }
 
+# how many requests of the session reached the backend (had the slot)
+sub reached {
+    my ($sid) = @_;
+    return scalar grep { ($_->{headers}{'x-session-id'} // '') eq $sid }
+                  completions();
+}
+
+# waits until one more request of the session has reached the backend
+sub wait_reached {
+    my ($sid, $before) = @_;
+    $t->wait_for(sub { reached($sid) > $before }, 10)
+        or diag "no request of $sid reached the backend";
+}
+
+# waits until that many requests wait for the slot in the zone's queue
+sub wait_queued {
+    my ($n) = @_;
+    $t->wait_for(sub { ($t->get('/api/sessions/current')->{json}{waiting}
+                        // 0) >= $n }, 10)
+        or diag "$n requests never waited for the slot";
+}
+
 # warm up: the slot's content is unknown after nginx's start
 is(ask('warm')->{status}, 200, 'a first request');
 
@@ -132,9 +160,10 @@ is($r->{headers}{'x-s-action'}, 'fresh', 'and it took the slot');
 
 # the wait bound: 503, Retry-After and an OpenAI-style error
 $t->fake_script({ completion => { delay_ms => 1500 } });
+my $got = reached('slow');
 my $slow = $t->async_post('/v1/chat/completions', $chat,
                           headers => { 'X-Session-Id' => 'slow' });
-sleep 0.3;
+wait_reached('slow', $got);
 my $t0 = time;
 $r = ask('impatient', path => '/short/v1/chat/completions');
 my $waited = time - $t0;
@@ -149,12 +178,13 @@ ok($t->log_lines(qr/session "impatient-\w+" waited \d+ ms for slot 0/),
    'the error log tells who waited in vain');
 
 # a client that leaves while waiting: its place is dropped
+$got = reached('slow');
 $slow = $t->async_post('/v1/chat/completions', $chat,
                        headers => { 'X-Session-Id' => 'slow' });
-sleep 0.3;
+wait_reached('slow', $got);
 my $s = $t->raw_open('POST', '/v1/chat/completions', $chat,
                      headers => { 'X-Session-Id' => 'leaver' });
-sleep 0.3;
+wait_queued(1);
 close $s;
 my $next = $t->async_post('/v1/chat/completions', $chat,
                           headers => { 'X-Session-Id' => 'after-leaver' });
@@ -170,15 +200,17 @@ $t->fake_script({});
 # arrival order; a session swapped in takes its waiting requests first
 $t->fake_script({ completion => { delay_ms => 400 } });
 my @h;
+$got = reached('holder');
 push @h, $t->async_post('/v1/chat/completions', $chat,
                         headers => { 'X-Session-Id' => 'holder' });
-sleep 0.2;
+wait_reached('holder', $got);
+my $queued = 0;
 for my $sid (qw(B1 A1 B2 A2)) {
     my $sess = substr($sid, 0, 1);
     push @h, $t->async_post('/v1/chat/completions',
                             { %$chat, tag => $sid },
                             headers => { 'X-Session-Id' => "order-$sess" });
-    sleep 0.1;
+    wait_queued(++$queued);
 }
 my @res = map { $t->async_wait($_) } @h;
 is(scalar(grep { $_->{status} == 200 } @res), 5, 'all five were served');
@@ -285,9 +317,10 @@ is(ask('down')->{headers}{'x-s-action'}, 'hit', 'and the next turn is a hit');
 
 # a reload under traffic: the zone survives, the stream completes
 $t->fake_script({ completion => { delay_ms => 800 } });
+$got = reached('reloaded');
 $slow = $t->async_post('/v1/chat/completions', $chat,
                        headers => { 'X-Session-Id' => 'reloaded' });
-sleep 0.3;
+wait_reached('reloaded', $got);
 $t->reload;
 my $waiter = $t->async_post('/v1/chat/completions', $chat,
                             headers => { 'X-Session-Id' => 'reloaded' });

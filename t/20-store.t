@@ -69,28 +69,17 @@ print $fh 'an older alpha';
 close $fh;
 
 my $fake = $t->fake;
-my $http = <<'EOF';
-    llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=4
-                       save_idle=1s backend=127.0.0.1:%%LLAMA%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+my $http = $t->site(
+    zone => q{
+        llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=4
+                           save_idle=1s;
+    },
+    upstream => '',
+    server => q{
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Key $llama_session_key always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-
+    },
+    extra => q{
         location /api/ {
             llama_session_api llama;
             allow 127.0.0.1;
@@ -101,8 +90,7 @@ my $http = <<'EOF';
             llama_session_api llama;
             deny all;
         }
-    }
-EOF
+    });
 $t->nginx($http);
 
 ok($t->log_lines(qr/llama_session zone "llama": 3 saved sessions, \d+ bytes/),
@@ -168,6 +156,8 @@ cmp_ok($idle[0]{time} - $t0, '>=', 1, 'not before save_idle');
 ok($t->wait_for(sub { !$t->get('/api/sessions/current')->{json}{slots}[0]
                                 {changed_since_save} }, 10),
    'the slot is clean after the idle save');
+# a fixed time on purpose: longer than save_idle=1s, in which a second
+# save of the clean slot would have happened
 sleep 1.5;
 is(scalar(grep { $_->{query} eq 'action=save' && $_->{time} >= $t0 }
           @{ $t->fake_calls }), 1, 'a clean slot is not saved again');

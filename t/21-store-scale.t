@@ -34,30 +34,13 @@ for my $i (0 .. 999) {
 }
 
 $t->fake;
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:4m store=%%SLOTS%% max_files=990;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:4m store=%%SLOTS%% max_files=990;',
+    server => q{
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Wait $llama_session_wait_ms always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-    }
-EOF
+    },
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 ok($t->log_lines(qr/llama_session zone "llama": 1000 saved sessions/),
    'the index at start has the 1,000 files');

@@ -17,28 +17,13 @@ use Test::More;
 my $t = LlamaTest->new(workers => 2);
 my $llama = $t->llama;
 
-my $conf = <<'EOF';
-    llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=1s
-                       backend=127.0.0.1:%%LLAMA%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+my $conf = $t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=1s;',
+    upstream => '',
+    location => q{
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+    });
 
 $t->nginx($conf);
 

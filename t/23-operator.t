@@ -17,20 +17,14 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake(np => 1);
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m slots=1 store=%%SLOTS%% save_idle=1s
-                       backend=127.0.0.1:%%LLAMA%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            error_log %%DIR%%/site-error.log info;
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            add_header X-S-Action $llama_session_action always;
-        }
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m slots=1 store=%%SLOTS%% save_idle=1s;',
+    location => q{
+        error_log %%DIR%%/site-error.log info;
+        add_header X-S-Action $llama_session_action always;
+    },
+    slots => 'proxy_read_timeout 1s;',
+    extra => q{
         location /api/ {
             llama_session_api llama;
         }
@@ -45,14 +39,7 @@ $t->nginx(<<'EOF2');
             default_type application/json;
             return 403 '{"error":{"code":403,"message":"forbidden","type":"permission_error"}}\n';
         }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-            proxy_read_timeout 1s;
-        }
-    }
-EOF2
+    }));
 
 sub turn {
     my ($sid, $text) = @_;

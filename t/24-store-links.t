@@ -17,27 +17,9 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake(np => 1);
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 my $slots = $t->{slots};
 my $fp = LlamaTest::fake_fp();

@@ -31,27 +31,9 @@ for my $i (0 .. 2499) {
 }
 
 $t->fake;
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=5000;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% max_files=5000;',
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 sub folder {
     my @bins = grep { !/\.del$/ } glob("$slots/*.bin");

@@ -76,27 +76,24 @@ sub grown {
     return $max;
 }
 
-my $STD = <<'EOF';
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    # a cache manager and loader run beside the workers
-    proxy_cache_path %%DIR%%/cache keys_zone=cache:1m;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
+# the site of every case but its zone (LlamaTest::site)
+my %STD = (
+    upstream => '',
+    http => q{
+        # a cache manager and loader run beside the workers
+        proxy_cache_path %%DIR%%/cache keys_zone=cache:1m;
+    },
+    server => q{
         client_max_body_size 32m;
 
         add_header X-S-Id $llama_session_id always;
         add_header X-S-Key $llama_session_key always;
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Wait $llama_session_wait_ms always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_buffering off;
-        }
-
+    },
+    location => 'proxy_buffering off;',
+    slots => 'error_page 500 502 503 504 /50x.html;',
+    extra => q{
         location /linger/ {
             llama_session llama;
             lingering_close always;
@@ -132,17 +129,10 @@ my $STD = <<'EOF';
             root %%DIR%%/html;
         }
 
-        location /_llama_slots/ {
-            internal;
-            error_page 500 502 503 504 /50x.html;
-            proxy_pass http://llama/;
-        }
-
         location /api/ {
             llama_session_api llama;
         }
-    }
-EOF
+    });
 
 sub ask {
     my ($t, $sid, %o) = @_;
@@ -177,7 +167,7 @@ sub setup {
     close $fh;
     $t->fake(%{ $o{fake} // {} });
     my $zone = $o{zone} // 'llama_session_zone zone=llama:1m store=%%SLOTS%%;';
-    $t->nginx("$zone\n$STD");
+    $t->nginx($t->site(zone => $zone, %STD));
     return $t;
 }
 
@@ -269,9 +259,10 @@ sub setup {
                          headers => { 'X-Session-Id' => 'alpha' });
     ok($t->wait_for(sub { grep { $_->{query} eq 'action=restore' }
                           slot_calls($t) }, 5), 'a restore started');
-    sleep 0.2;
+    sleep 0.2;       # a fixed time: the client leaves within the 800 ms restore
     close $s;
-    sleep 1;
+    $t->wait_for(sub { $t->log_lines(qr/ended during a restore of slot 0/) },
+                 10);
     $t->fake_script({});
 
     my $r = ask($t, 'beta', body => chat_of('beta text 2'));
@@ -343,7 +334,8 @@ sub setup {
     my $n = () = completions($t);
     $r = ask($t, 'mirrored', path => '/mirrored/v1/chat/completions');
     is($r->{status}, 200, 'a mirrored inference request is served');
-    sleep 0.3;
+    $t->wait_for(sub { $t->log_lines(qr/refused a subrequest to "\/mirror"/) },
+                 10);
     is(scalar(() = completions($t)), $n + 1,
        'the mirror subrequest never reached the backend');
     ok($t->log_lines(qr/refused a subrequest to "\/mirror"/),
@@ -464,7 +456,7 @@ sub setup {
     $t->fake_script({ slots => { processing => 1 } });
     my $h = $t->async_post('/v1/chat/completions', $chat,
                            headers => { 'X-Session-Id' => 'poll-b' });
-    sleep 3;
+    sleep 3;         # a fixed time: the GET /slots are counted over 3 s
     $t->fake_script({});
     is($t->async_wait($h)->{status}, 200, 'served once the slot is idle');
     my $gets = grep { $_->{method} eq 'GET' && $_->{path} eq '/slots' }
@@ -523,8 +515,11 @@ sub setup {
     $t->fake_script({ completion => { delay_ms => 3000 } });
     my $h = $t->async_post('/v1/chat/completions', $chat,
                            headers => { 'X-Session-Id' => 'api-b' });
-    sleep 0.3;
+    $t->wait_for(sub { grep { ($_->{headers}{'x-session-id'} // '') eq 'api-b' }
+                       completions($t) }, 10);
     my $s = $t->raw_open('POST', '/api/sessions/save', {});
+    # a fixed time: the API's wait for the slot shows nowhere (it is no
+    # waiter of the zone's queue), and the slot stays busy for 3 s
     sleep 0.3;
     close $s;
     my $t0 = time;
@@ -588,7 +583,7 @@ sub setup {
 # down instead of failing every 50 ms
 {
     my $t = setup(zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% '
-                          . 'save_idle=200ms backend=127.0.0.1:%%LLAMA%%;');
+                          . 'save_idle=200ms;');
     for my $i (1 .. 6) {
         ask($t, "idle-$i");
         ok($t->wait_for(sub { $t->log_lines(qr/idle save of "idle-$i-\w+"/) },
@@ -607,7 +602,7 @@ sub setup {
        . 'loader') or diag "@by / " . join(' ', keys %workers);
     ask($t, 'idle-b');
     $t->stop_proc('fake');
-    sleep 4;
+    sleep 4;         # a fixed time: the tries are counted over 4 s
     my $n = () = $t->log_lines(qr/\(111: Connection refused\)/);
     cmp_ok($n, '>=', 1, 'an idle save that cannot connect is logged');
     cmp_ok($n, '<=', 8, "$n tries in 4 s from 2 workers: they back off "
@@ -626,13 +621,18 @@ sub setup {
                                       path => '/v1/completions' } });
     my $s = $t->raw_open('POST', '/v1/completions', chat_of('foxtrot 2'),
                          headers => { 'X-Session-Id' => 'foxtrot' });
-    sleep 0.3;
+    $t->wait_for(sub { grep { $_->{path} eq '/v1/completions' } completions($t) },
+                 10);
     close $s;
+    # a fixed time, short: nginx sees the client gone (within llama-server's
+    # 800 ms before the request takes the slot) before kilo asks
     sleep 0.05;
     my $t0 = time;
     my $r = ask($t, 'kilo', body => chat_of('kilo text 2'));
     is($r->{status}, 200, 'the next session after a client left mid-request');
     cmp_ok(time - $t0, '>', 1, 'waited for the slot to be quiet');
+    # a fixed time: had kilo not waited, the late request would have run
+    # on the slot by then
     sleep 1;
     $t->fake_script({});
     ask($t, 'third', body => chat_of('third text'));          # kilo saved

@@ -20,33 +20,15 @@ my $JSON = $LlamaTest::JSON;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake;
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    upstream => '',
+    server => q{
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Wait $llama_session_wait_ms always;
-
-        location / {
-            llama_session llama;
-            llama_session_wait_timeout 40s;
-            proxy_pass http://llama;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-    }
-EOF
+    },
+    location => 'llama_session_wait_timeout 40s;',
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 $t->allow_alerts(qr/worker process \d+ exited on signal 9/,
                  qr/died holding slot/);
@@ -108,7 +90,7 @@ sub queued_on {
             return ($s, $w);
         }
         close $s;
-        sleep 0.05;
+        sleep 0.05;    # a pause between tries, nothing awaited
     }
     return;
 }
@@ -175,7 +157,10 @@ ok($s, "alpha's restore runs on worker $ws");
 ok($t->wait_for(sub { grep { $_->{query} eq 'action=restore' }
                       @{ $t->fake_calls } }, 5), 'the restore started');
 kill 'KILL', $ws;
-sleep 2;
+# the restore the dead worker asked for ends in the backend: the slot
+# holds alpha's file then
+$t->wait_for(sub { $t->read_file('fake.state') =~ /alpha text/ }, 10)
+    or diag 'the restore never ended in the backend';
 $t->fake_script({});
 my $r = ask('beta', 'beta text 2');
 is($r->{status}, 200, 'beta is served after the holder died');

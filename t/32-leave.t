@@ -24,31 +24,17 @@ my $JSON = $LlamaTest::JSON;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake;
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    upstream => '',
+    server => q{
         listen 127.0.0.1:%%H2%% http2;
 
         add_header X-S-Action $llama_session_action always;
 
         llama_session_warm system min=16;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_buffering off;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+    },
+    location => 'proxy_buffering off;'));
 
 my ($curl) = grep { -x } map { "$_/curl" } split /:/, $ENV{PATH};
 
@@ -101,7 +87,7 @@ sub leave {
     }
     my $s = $t->raw_open('POST', '/v1/chat/completions', $body,
                          headers => { 'X-Session-Id' => $sid });
-    sleep $after;
+    sleep $after;    # a fixed time: the client leaves during the stage
     close $s;
 }
 
@@ -152,6 +138,8 @@ for my $proto ('http/1.1', 'h2') {
             push @names, $leaver;
             $t->fake_script($script);
             leave($proto, $leaver, 0.3, $how eq 'warm');
+            # a fixed time: longer than the stage's 800 ms, whose end in
+            # the backend leaves no trace (this site has no API location)
             sleep 1;
             $t->fake_script({});
 
@@ -174,6 +162,7 @@ for my $proto ('http/1.1', 'h2') {
                "$proto, left during $stage: no temporary file stays");
             if ($stage =~ /save/) {
                 # as the next start would: the next stages look for theirs
+                # (a fixed time: the late write would have happened by then)
                 sleep 1;
                 unlink glob($t->dir . '/slots/*.tmp');
             }

@@ -22,29 +22,12 @@ my $t = LlamaTest->new(workers => 2, timeout => 300);
 my $llama = $t->llama;
 my $slots = $t->dir . '/slots';
 
-my $HTTP = <<'EOF';
-    llama_session_zone zone=llama:1m store=%%STORE%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        add_header X-S-Action $llama_session_action always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_read_timeout 300s;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-            proxy_read_timeout 300s;
-        }
-    }
-EOF
+my $HTTP = $t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%STORE%%;',
+    upstream => '',
+    server => 'add_header X-S-Action $llama_session_action always;',
+    location => 'proxy_read_timeout 300s;',
+    slots => 'proxy_read_timeout 300s;');
 
 $t->nginx($HTTP =~ s/%%STORE%%/%%SLOTS%%/r);
 

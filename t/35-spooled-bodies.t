@@ -16,28 +16,18 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 1);
 $t->fake(np => 1);
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    server => q{
         client_max_body_size 16m;
         client_body_buffer_size 16k;
-
-        location / {
-            llama_session llama;
-            llama_session_wait_timeout 300s;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            add_header X-S-Action $llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+    },
+    location => q{
+        llama_session_wait_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+    },
+    # the test sees the queue there
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 my $rss = sub { my $s = `ps -o rss= -p $_[0]`; $s =~ s/\s//g; $s || 0 };
 my ($worker) = split ' ', `pgrep -P \$(cat ${\ $t->dir}/nginx.pid)`;
@@ -56,12 +46,17 @@ $t->fake_script({ completion => { until => $gate, match => 'holder' } });
 my $holder = $t->async_post('/v1/chat/completions',
                             { messages => [ { role => 'user', content => 'holder' } ] },
                             headers => { 'X-Session-Id' => 'holder' });
-sleep 1;
+$t->wait_for(sub { grep { ($_->{headers}{'x-session-id'} // '') eq 'holder' }
+                   @{ $t->fake_calls } }, 30)
+    or diag 'the holder never reached the backend';
 
 my $before = $rss->($worker);
 my @h = map { $t->async_post('/v1/chat/completions', body($_, 2),
                              headers => { 'X-Session-Id' => "w$_" }) } 1 .. 10;
-sleep 5;    # all read and queued
+# all read and queued
+$t->wait_for(sub { ($t->get('/api/sessions/current')->{json}{waiting} // 0)
+                   >= 10 }, 60)
+    or diag 'the ten never waited in the queue';
 my $grew = $rss->($worker) - $before;
 SKIP: {
     # AddressSanitizer keeps freed memory in quarantine, valgrind its own

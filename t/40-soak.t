@@ -30,31 +30,16 @@ my $CLIENTS = 4;
 
 my $t = LlamaTest->new(workers => 4, timeout => 300);
 my $llama = $t->llama(ctx => 8192);
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 4; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        add_header X-S-Action $llama_session_action always;
-
-        location / {
-            llama_session llama;
-            llama_session_wait_timeout 120s;
-            proxy_pass http://llama;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_read_timeout 120s;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    upstream => 'keepalive 4;',
+    server => 'add_header X-S-Action $llama_session_action always;',
+    location => q{
+        llama_session_wait_timeout 120s;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_read_timeout 120s;
+    }));
 
 my @names = qw(Alpha Bravo Charlie Delta Echo Foxtrot Golf Hotel India
                Juliett Kilo Lima Mike November Oscar Papa Quebec Romeo
@@ -110,7 +95,7 @@ for my $c (0 .. $CLIENTS - 1) {
                 # a client that leaves at a random moment
                 my $s = $t->raw_open('POST', '/v1/chat/completions', $body,
                                      headers => { 'X-Session-Id' => $name });
-                sleep rand(0.4);
+                sleep rand(0.4);      # a random moment, on purpose
                 close $s;
                 $rec->{left} = 1;
                 @$turns = ();     # what the slot holds now is unknown

@@ -19,28 +19,18 @@ use Test::More;
 my $t = LlamaTest->new(workers => 2);
 $t->llama;
 
-my $conf = <<'EOF';
-    llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=1s
-                       backend=127.0.0.1:%%LLAMA%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    map $http_x_tenant $tenant { default $http_x_tenant; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        llama_session_namespace $tenant;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Key $llama_session_key always;
-            add_header X-S-Id $llama_session_id always;
-        }
-
+my $conf = $t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=1s;',
+    upstream => '',
+    http => 'map $http_x_tenant $tenant { default $http_x_tenant; }',
+    server => 'llama_session_namespace $tenant;',
+    location => q{
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Key $llama_session_key always;
+        add_header X-S-Id $llama_session_id always;
+    },
+    extra => q{
         location /cold/ {
             llama_session llama;
             llama_session_warm off;
@@ -52,13 +42,7 @@ my $conf = <<'EOF';
         location /api/ {
             llama_session_api llama;
         }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+    });
 
 $t->nginx($conf);
 
@@ -186,7 +170,10 @@ my $follow = chat('chat-9', [ { role => 'user', content =>
     . "user might naturally ask next.\n<chat_history>\n$history\n"
     . "</chat_history>" } ], max => 8);
 isnt($follow->{key}, $c2->{key}, 'so is a follow-up request');
-sleep 1.5;                                      # an idle save in between
+# an idle save in between (save_idle=1s)
+my $idle = () = $t->log_lines(qr/idle save of /);
+$t->wait_for(sub { $t->log_lines(qr/idle save of /) > $idle }, 15)
+    or diag 'no idle save in between';
 push @chat, { role => 'assistant', content => 'More.' },
             { role => 'user', content => 'Thanks, one more.' };
 my $c3 = chat('chat-9', \@chat);

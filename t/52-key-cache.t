@@ -18,30 +18,13 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 1);
 $t->fake;
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    server => q{
         llama_session_warm system min=16;
         add_header X-S-Action $llama_session_action always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+    },
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 my $system = 'You answer in one line. ' x 4;
 

@@ -18,28 +18,14 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 $t->llama;
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        llama_session_namespace $http_x_tenant;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-            proxy_read_timeout 300s;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    server => 'llama_session_namespace $http_x_tenant;',
+    location => q{
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+    },
+    slots => 'proxy_read_timeout 300s;'));
 
 my $system = join ' ', map { "Rule $_: answer briefly and politely." } 1 .. 200;
 

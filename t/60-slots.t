@@ -19,36 +19,18 @@ use Time::HiRes qw(sleep time);
 my $t = LlamaTest->new(workers => 4);
 $t->llama(np => 4, ctx => 4 * 8192);
 
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m slots=4 store=%%SLOTS%% save_idle=1s
-                       backend=127.0.0.1:%%LLAMA%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 8; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            llama_session_wait_timeout 120s;
-            proxy_pass http://llama;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Slot $llama_session_slot always;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m slots=4 store=%%SLOTS%% save_idle=1s;',
+    upstream => 'keepalive 8;',
+    location => q{
+        llama_session_wait_timeout 120s;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Slot $llama_session_slot always;
+    },
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 my $system = join ' ', map { "Policy $_ applies to every answer." } 1 .. 30;
 

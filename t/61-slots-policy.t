@@ -19,33 +19,15 @@ my $JSON = $LlamaTest::JSON;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake(np => 4);
-$t->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m slots=4 store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m slots=4 store=%%SLOTS%%;',
+    upstream => '',
+    server => q{
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Slot $llama_session_slot always;
         add_header X-S-Id $llama_session_id always;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-        }
-
-        location /api/ {
-            llama_session_api llama;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+    },
+    extra => 'location /api/ { llama_session_api llama; }'));
 
 sub ask {
     my ($sid, %o) = @_;
@@ -163,31 +145,11 @@ ok(!(grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots} }
 
 # slots=auto: the backend's slot count, learned at the first request
 $t->stop_nginx;
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=auto:1m slots=auto store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        add_header X-S-Slot $llama_session_slot always;
-
-        location / {
-            llama_session auto;
-            proxy_pass http://llama;
-        }
-
-        location /api/ {
-            llama_session_api auto;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=auto:1m slots=auto store=%%SLOTS%%;',
+    upstream => '',
+    server => 'add_header X-S-Slot $llama_session_slot always;',
+    extra => 'location /api/ { llama_session_api auto; }'));
 is(scalar @{ $t->get('/api/sessions/current')->{json}{slots} }, 0,
    'slots=auto: no slot before the first request');
 my %seen;

@@ -21,29 +21,15 @@ use Test::More;
 my @owners = map { LlamaTest->new(workers => 2) } 1 .. 3;
 for my $o (@owners) {
     $o->llama(ctx => 8192);
-    $o->nginx(<<'EOF');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
+    $o->nginx($o->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        upstream => '',
+        location => q{
             proxy_read_timeout 300s;
             add_header X-S-Action $llama_session_action always;
             add_header X-S-Key $llama_session_key always;
             add_header X-Owner $server_port always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-        }
-    }
-EOF
+        }));
 }
 
 my $servers = join "\n", map { "        server 127.0.0.1:$_->{nginx_port} "
@@ -147,7 +133,9 @@ is_deeply(\@bad, [], "owner $gone stopped: its $load{$gone} sessions go "
 # it comes back: its sessions return to it and find the state they left
 # there, a prefix of their conversation now
 $down->start_nginx;
-sleep 5;                                        # the edges' fail_timeout
+# a fixed time: the edges try the owner again after their fail_timeout
+# (2 s), which nothing shows before a request goes there
+sleep 5;
 my ($back, $restored) = (0, 0);
 @bad = ();
 for my $i (0 .. $#sessions) {

@@ -16,23 +16,8 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake(script => { router => 1 });
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;'));
 
 my $r = $t->post('/v1/chat/completions',
                  { model => 'any', messages => [ { role => 'user',
@@ -52,24 +37,8 @@ $t->stop;
 
 $t = LlamaTest->new(workers => 2);
 $t->fake(script => { router => 1 });
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=small:1m model=small store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session small;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=small:1m model=small store=%%SLOTS%%;'));
 
 my $conf = $t->read_file('nginx.conf');
 $conf =~ s/model=small/model=big/ or die;

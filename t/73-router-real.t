@@ -22,12 +22,9 @@ my %layers = (small => 4, mid => 8, big => 12);
 
 sub config {
     return <<'EOF2';
-    llama_session_zone zone=small:1m model=small store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
-    llama_session_zone zone=mid:1m model=mid store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
-    llama_session_zone zone=big:1m model=big store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
+    llama_session_zone zone=small:1m model=small store=%%SLOTS%%;
+    llama_session_zone zone=mid:1m model=mid store=%%SLOTS%%;
+    llama_session_zone zone=big:1m model=big store=%%SLOTS%%;
 
     server {
         listen 127.0.0.1:%%PORT%%;

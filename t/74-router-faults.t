@@ -20,12 +20,9 @@ my $t = LlamaTest->new(workers => 2);
 $t->router(models => { small => 4, big => 12 }, max => 1);
 
 $t->nginx(<<'EOF2');
-    llama_session_zone zone=small:1m model=small store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
-    llama_session_zone zone=big:1m model=big store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
-    llama_session_zone zone=ghost:1m model=ghost store=%%SLOTS%%
-                       backend=127.0.0.1:%%LLAMA%%;
+    llama_session_zone zone=small:1m model=small store=%%SLOTS%%;
+    llama_session_zone zone=big:1m model=big store=%%SLOTS%%;
+    llama_session_zone zone=ghost:1m model=ghost store=%%SLOTS%%;
 
     server {
         listen 127.0.0.1:%%PORT%%;
@@ -104,7 +101,7 @@ ok($r->{json}{timings}{cache_n} >= $prompt - 1,
 $prompt = $r->{json}{usage}{prompt_tokens};
 
 chmod 02775, $t->{slots};
-sleep 1;   # the idle saver's back-off after its failures
+sleep 1;   # a fixed time: the idle saver's back-off after its failures
 my $ok = $t->wait_for(sub { turn('b', 'small')->{status} == 200 }, 30);
 ok($ok, 'once big can be saved, b runs on small');
 is($t->router_models->{big}, 'unloaded', 'big went');
@@ -124,26 +121,15 @@ $t = LlamaTest->new(workers => 2);
 $t->router(models => { small => 4 }, max => 1,
            args => [ '--sleep-idle-seconds', 2 ]);
 
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=small:1m model=small store=%%SLOTS%%
-                       save_idle=500ms backend=127.0.0.1:%%LLAMA%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session small;
-            llama_session_wait_timeout 60s;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            add_header X-S-Action $llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => q{
+        llama_session_zone zone=small:1m model=small store=%%SLOTS%%
+                           save_idle=500ms;
+    },
+    location => q{
+        llama_session_wait_timeout 60s;
+        add_header X-S-Action $llama_session_action always;
+    }));
 
 $r = turn('s', 'small');
 is($r->{status}, 200, 'a session on small');

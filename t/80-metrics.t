@@ -21,33 +21,24 @@ use Test::More;
 my $t = LlamaTest->new(workers => 2);
 $t->fake(np => 1);
 
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-    llama_session_zone zone=other:1m;
-
-    log_format cache '$llama_session_id $llama_session_action '
-                     'cached=$llama_session_cached_tokens';
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            access_log %%DIR%%/cache.log cache;
-            add_header X-S-Action $llama_session_action always;
-        }
-
+$t->nginx($t->site(
+    zone => q{
+        llama_session_zone zone=llama:1m store=%%SLOTS%%;
+        llama_session_zone zone=other:1m;
+    },
+    http => q{
+        log_format cache '$llama_session_id $llama_session_action '
+                         'cached=$llama_session_cached_tokens';
+    },
+    location => q{
+        access_log %%DIR%%/cache.log cache;
+        add_header X-S-Action $llama_session_action always;
+    },
+    extra => q{
         location = /metrics { llama_session_metrics; }
         location = /metrics/llama { llama_session_metrics llama; }
         location /api/ { llama_session_api llama; }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+    }));
 
 my %conv;
 

@@ -24,27 +24,11 @@ for my $bin (qw(prometheus promtool)) {
 my $t = LlamaTest->new(workers => 2);
 $t->llama(np => 1, ctx => 8192);
 
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            proxy_read_timeout 300s;
-        }
-
-        location = /metrics { llama_session_metrics; }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-            proxy_read_timeout 300s;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    location => 'proxy_read_timeout 300s;',
+    slots => 'proxy_read_timeout 300s;',
+    extra => 'location = /metrics { llama_session_metrics; }'));
 
 my %conv;
 

@@ -24,28 +24,22 @@ open my $pw, '>', $t->dir . '/htpasswd' or die;
 print $pw "carol:{PLAIN}c-secret\ndave:{PLAIN}d-secret\n";
 close $pw;
 
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    map $http_authorization $llama_tenant {
-        default                      "";
-        "Bearer sk-team-alpha-5f2c"  alpha;
-        "Bearer sk-team-beta-91d0"   beta;
-    }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        llama_session_namespace $llama_tenant;
-
-        location / {
-            if ($llama_tenant = "") { return 401; }
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            add_header X-S-Action $llama_session_action always;
-            add_header X-S-Key $llama_session_key always;
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    http => q{
+        map $http_authorization $llama_tenant {
+            default                      "";
+            "Bearer sk-team-alpha-5f2c"  alpha;
+            "Bearer sk-team-beta-91d0"   beta;
         }
-
+    },
+    server => 'llama_session_namespace $llama_tenant;',
+    location => q{
+        if ($llama_tenant = "") { return 401; }
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Key $llama_session_key always;
+    },
+    extra => q{
         location /users/ {
             auth_basic "llama";
             auth_basic_user_file %%DIR%%/htpasswd;
@@ -60,13 +54,7 @@ $t->nginx(<<'EOF2');
             if ($llama_tenant = "") { return 401; }
             llama_session_api llama;
         }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+    }));
 
 my %auth = (alpha => 'Bearer sk-team-alpha-5f2c',
             beta  => 'Bearer sk-team-beta-91d0');

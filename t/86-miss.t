@@ -18,24 +18,9 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 $t->fake(np => 1);
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            add_header X-S-Action $llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    location => 'add_header X-S-Action $llama_session_action always;'));
 
 sub send_msgs {
     my ($sid, $msgs) = @_;

@@ -21,35 +21,22 @@ my $key = 'sekrit-' . $$;
 my $t = LlamaTest->new(workers => 2);
 my $llama = $t->llama(args => [ '--api-key', $key ]);
 
-my $conf = <<"EOF";
-    llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=300ms;
-
-    upstream llama { server 127.0.0.1:%%LLAMA%%; keepalive 4; }
-
-    log_format slots '\$uri?\$args \$status';
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            proxy_pass http://llama;
-            proxy_set_header Authorization "Bearer $key";
-            proxy_read_timeout 300s;
-            add_header X-S-Action \$llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_set_header Authorization "Bearer $key";
-            log_subrequest on;
-            access_log %%DIR%%/slots.log slots;
-        }
-    }
-EOF
+my $conf = $t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=300ms;',
+    upstream => 'keepalive 4;',
+    http => q{log_format slots '$uri?$args $status';},
+    location => qq{
+        proxy_set_header Authorization "Bearer $key";
+        proxy_read_timeout 300s;
+        add_header X-S-Action \$llama_session_action always;
+    },
+    slots => qq{
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_set_header Authorization "Bearer $key";
+        log_subrequest on;
+        access_log %%DIR%%/slots.log slots;
+    });
 
 $t->nginx($conf);
 

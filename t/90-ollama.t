@@ -23,31 +23,19 @@ chomp $modules;
 
 my $t = LlamaTest->new(workers => 2);
 $t->llama(np => 1, ctx => 8192);
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            llama_session_ollama on;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            proxy_buffering off;
-            proxy_read_timeout 300s;
-            add_header X-S-Action $llama_session_action always;
-        }
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    location => q{
+        llama_session_ollama on;
+        proxy_buffering off;
+        proxy_read_timeout 300s;
+        add_header X-S-Action $llama_session_action always;
+    },
+    extra => q{
         location = /metrics {
             llama_session_metrics;
         }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+    }));
 
 my $dir = $t->dir . '/clients';
 mkdir $dir;

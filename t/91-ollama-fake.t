@@ -17,20 +17,14 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 1);
 $t->fake(np => 1);
-$t->nginx(<<'EOF2');
-    llama_session_zone zone=llama:1m store=%%SLOTS%%;
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session llama;
-            llama_session_ollama on;
-            proxy_pass http://127.0.0.1:%%LLAMA%%;
-            proxy_buffering off;
-            client_max_body_size 16m;
-        }
-
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    location => q{
+        llama_session_ollama on;
+        proxy_buffering off;
+        client_max_body_size 16m;
+    },
+    extra => q{
         location /buffered/ {
             llama_session llama;
             llama_session_ollama on;
@@ -40,13 +34,7 @@ $t->nginx(<<'EOF2');
             proxy_busy_buffers_size 4k;
             proxy_max_temp_file_size 10m;
         }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA%%/;
-        }
-    }
-EOF2
+    }));
 
 sub sent {
     my ($path) = @_;

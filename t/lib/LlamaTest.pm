@@ -425,6 +425,106 @@ EOF
     return $self->start_nginx;
 }
 
+# the usual site of a test, as text for nginx() (or nginx_test()):
+#
+#   llama_session_zone ...;                          zone
+#   upstream llama { server 127.0.0.1:%%LLAMA%%; }   with upstream => only
+#   ...                                              http
+#   server {
+#       listen 127.0.0.1:%%PORT%%;                   + listen
+#       ...                                          server
+#       location / {
+#           llama_session NAME;                      the first zone's name
+#           proxy_pass http://BACKEND;
+#           ...                                      location
+#       }
+#       location /_llama_slots/ {
+#           internal;
+#           proxy_pass http://BACKEND/;
+#           ...                                      slots
+#       }
+#       ...                                          extra
+#   }
+#
+# Pieces (all optional; text of one or more lines, re-indented):
+#   zone      the llama_session_zone line(s), default
+#             "llama_session_zone zone=llama:1m;"; location / has the
+#             llama_session of the first zone
+#   upstream  proxy through "upstream llama { server 127.0.0.1:%%LLAMA%%;
+#             ... }", with these directives after the server ('' for none,
+#             'keepalive 4;'): BACKEND is then llama, without upstream =>
+#             127.0.0.1:%%LLAMA%%
+#   http      more of http {}: upstream, map, log_format, ...
+#   listen    parameters of the listen line after the address (reuseport)
+#   server    directives of the server before its locations (add_header,
+#             llama_session_namespace, another listen, ...)
+#   location  directives of location / after llama_session and proxy_pass
+#   slots     directives of the slots location after internal and proxy_pass
+#   extra     more locations of the server (/api/, /metrics, ...)
+#
+#   $t->nginx($t->site(
+#       zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+#       location => 'add_header X-S-Action $llama_session_action always;',
+#       extra => 'location /api/ { llama_session_api llama; }'));
+#
+# The placeholders are left for nginx() to expand; the text depends on
+# nothing of $t, so LlamaTest->site(...) gives it before there is one.
+my %SITE = map { $_ => 1 }
+           qw(zone upstream http listen server location slots extra);
+
+sub site {
+    my ($self, %o) = @_;
+
+    my @unknown = grep { !$SITE{$_} } sort keys %o;
+    die "site: no piece named @unknown\n" if @unknown;
+
+    my $zone = $o{zone} // 'llama_session_zone zone=llama:1m;';
+    my ($name) = $zone =~ /\bzone=([^:\s;]+):/
+        or die "site: no zone=name:size in '$zone'\n";
+    my $backend = defined $o{upstream} ? 'llama' : '127.0.0.1:%%LLAMA%%';
+    my $listen = join ' ', '127.0.0.1:%%PORT%%',
+                 grep { defined && /\S/ } $o{listen};
+
+    # a piece at an indentation of its own: its common indent removed,
+    # the one of its place added, no blank line at its ends
+    my $at = sub {
+        my ($text, $n) = @_;
+        return '' unless defined $text && $text =~ /\S/;
+        $text =~ s/\A\s*\n//;
+        $text =~ s/\s+\z//;
+        my ($min) = sort { $a <=> $b }
+                    map { /^(\s*)/; length $1 } grep { /\S/ } split /\n/, $text;
+        my $pad = ' ' x $n;
+        return join '', map { /\S/ ? $pad . substr($_, $min) . "\n" : "\n" }
+                        split /\n/, $text;
+    };
+    my $para = sub { my $s = $at->(@_); length $s ? "\n$s" : '' };
+
+    my $text = $at->($zone, 4);
+    if (defined $o{upstream}) {
+        (my $u = $o{upstream}) =~ s/^\s+|\s+$//g;
+        $text .= "\n    upstream llama { server 127.0.0.1:%%LLAMA%%;"
+               . (length $u ? " $u" : '') . " }\n";
+    }
+    $text .= $para->($o{http}, 4);
+    $text .= "\n    server {\n        listen $listen;\n";
+    $text .= $para->($o{server}, 8);
+    $text .= "\n        location / {\n"
+           . "            llama_session $name;\n"
+           . "            proxy_pass http://$backend;\n"
+           . $at->($o{location}, 12)
+           . "        }\n";
+    $text .= "\n        location /_llama_slots/ {\n"
+           . "            internal;\n"
+           . "            proxy_pass http://$backend/;\n"
+           . $at->($o{slots}, 12)
+           . "        }\n";
+    $text .= $para->($o{extra}, 8);
+    $text .= "    }\n";
+
+    return $text;
+}
+
 # starts nginx on DIR/nginx.conf as it is (after stop_nginx, say)
 sub start_nginx {
     my ($self) = @_;
