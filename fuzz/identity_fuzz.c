@@ -96,20 +96,12 @@ static ngx_str_t  fuzz_uri = ngx_string("/v1/chat/completions");
 
 
 /*
- * The rest of the module that identify() calls: router mode's zone choice
- * (no zone list here: the request keeps its zone), the messages' digests
- * of miss.c (compiled in, fuzzed with the rest) with a stand-in for
- * nginx's MurmurHash2 that reads every byte it is given, and the slot's
+ * The rest of the module that identify() calls (router mode's zone choice
+ * is body.c's own and finds no zone list: the request keeps its zone):
+ * the messages' digests of miss.c (compiled in, fuzzed with the rest)
+ * with a stand-in for nginx's MurmurHash2 that reads every byte it is given, and the slot's
  * copy of them, which identify() never makes.
  */
-
-ngx_int_t
-ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
-{
-    return NGX_OK;
-}
-
 
 uint32_t
 ngx_murmur_hash2(u_char *data, size_t len)

@@ -20,7 +20,6 @@
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
-#include "ngx_http_llama_session_router.h"
 
 #include <cjson/cJSON.h>
 #include <openssl/evp.h>
@@ -44,6 +43,8 @@ static ngx_int_t ngx_http_llama_session_digest_string(ngx_http_request_t *r,
     size_t *budget);
 static void ngx_http_llama_session_body_span_list(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t **sp);
+static ngx_int_t ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_uint_t ngx_http_llama_session_probe(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
@@ -1710,4 +1711,44 @@ ngx_http_llama_session_sha256_free(void)
 
     ngx_http_llama_session_sha256_ctx = NULL;
     ngx_http_llama_session_sha256_md = NULL;
+}
+
+
+/*
+ * Router mode: the zone of the request's "model" among the location's
+ * (llama_session zoneA zoneB ...); NGX_DECLINED: none drives it.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_uint_t                          i;
+    ngx_http_llama_session_zone_t     **zp;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    if (ctx->identity || llcf->zones == NULL) {
+        return NGX_OK;
+    }
+
+    zp = llcf->zones->elts;
+
+    for (i = 0; i < llcf->zones->nelts; i++) {
+        if (zp[i]->model.len == ctx->model.len
+            && ngx_strncmp(zp[i]->model.data, ctx->model.data,
+                           ctx->model.len) == 0)
+        {
+            ctx->zone = zp[i];
+            return NGX_OK;
+        }
+    }
+
+    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                  "llama_session: no zone of this location drives the "
+                  "model \"%*s\"%s: refused", ngx_min(ctx->model.len, 64),
+                  ctx->model.data, ctx->model.len > 64 ? "..." : "");
+
+    return NGX_DECLINED;
 }

@@ -76,43 +76,6 @@ static ngx_http_llama_session_zone_t *ngx_http_llama_session_group_zone(
     ngx_http_llama_session_zone_t *zone, const char *model);
 
 
-/* the zone of the request's "model" among the location's; body.c */
-
-ngx_int_t
-ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
-{
-    ngx_uint_t                          i;
-    ngx_http_llama_session_zone_t     **zp;
-    ngx_http_llama_session_loc_conf_t  *llcf;
-
-    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-
-    if (ctx->identity || llcf->zones == NULL) {
-        return NGX_OK;
-    }
-
-    zp = llcf->zones->elts;
-
-    for (i = 0; i < llcf->zones->nelts; i++) {
-        if (zp[i]->model.len == ctx->model.len
-            && ngx_strncmp(zp[i]->model.data, ctx->model.data,
-                           ctx->model.len) == 0)
-        {
-            ctx->zone = zp[i];
-            return NGX_OK;
-        }
-    }
-
-    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                  "llama_session: no zone of this location drives the "
-                  "model \"%*s\"%s: refused", ngx_min(ctx->model.len, 64),
-                  ctx->model.data, ctx->model.len > 64 ? "..." : "");
-
-    return NGX_DECLINED;
-}
-
-
 /* the request holds its slot: is its model up?  handler.c's plan */
 
 ngx_int_t

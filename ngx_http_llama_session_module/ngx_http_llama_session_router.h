@@ -18,8 +18,6 @@ ngx_int_t ngx_http_llama_session_route(ngx_http_request_t *r,
 ngx_int_t ngx_http_llama_session_routed(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx);
-ngx_int_t ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_ROUTER_H_INCLUDED_ */

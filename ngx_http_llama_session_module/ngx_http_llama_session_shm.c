@@ -9,9 +9,7 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_shm.h"
-#include "ngx_http_llama_session_store.h"
 
 
 static ngx_http_llama_session_node_t *ngx_http_llama_session_lookup(
@@ -1552,34 +1550,35 @@ ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
 
 
 /*
- * The slot's last prompt as text for a session's .json (base64), when the
- * slot holds that session; 0: none.
+ * A copy of the slot's last prompt (its messages' digests), when the slot
+ * holds that session: how many; 0: none.
  */
 
-size_t
-ngx_http_llama_session_slot_msgs_text(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t n, u_char *key, size_t len, u_char *dst, size_t size,
-    ngx_uint_t *tokens)
+ngx_uint_t
+ngx_http_llama_session_slot_msgs_copy(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t n, u_char *key, size_t len, ngx_http_llama_session_msg_t *out,
+    ngx_uint_t max, ngx_uint_t *tokens)
 {
-    ngx_int_t                       rc;
+    ngx_uint_t                      count;
     ngx_http_llama_session_slot_t  *slot;
 
     slot = &zone->sh->slots[n];
-    rc = 0;
+    count = 0;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     if (slot->msgs && slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
         && slot->key_len == len && ngx_memcmp(slot->key, key, len) == 0)
     {
-        rc = ngx_http_llama_session_msgs_encode(dst, size, slot->msgs,
-                                                slot->nmsgs);
+        count = ngx_min(slot->nmsgs, max);
+        ngx_memcpy(out, slot->msgs,
+                   count * sizeof(ngx_http_llama_session_msg_t));
         *tokens = slot->prompt_tokens;
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
-    return (rc > 0) ? (size_t) rc : 0;
+    return count;
 }
 
 

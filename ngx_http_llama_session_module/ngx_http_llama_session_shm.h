@@ -50,9 +50,10 @@ void ngx_http_llama_session_set_fingerprint(
     ngx_uint_t total_slots, ngx_str_t *model_path);
 void ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t prompt_tokens);
-size_t ngx_http_llama_session_slot_msgs_text(
+ngx_uint_t ngx_http_llama_session_slot_msgs_copy(
     ngx_http_llama_session_zone_t *zone, ngx_uint_t n, u_char *key,
-    size_t len, u_char *dst, size_t size, ngx_uint_t *tokens);
+    size_t len, ngx_http_llama_session_msg_t *out, ngx_uint_t max,
+    ngx_uint_t *tokens);
 ngx_uint_t ngx_http_llama_session_restores_off(
     ngx_http_llama_session_zone_t *zone, u_char *fp);
 ngx_uint_t ngx_http_llama_session_unloading_locked(

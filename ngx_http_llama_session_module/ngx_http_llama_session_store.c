@@ -890,7 +890,8 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
                                         * sizeof(ngx_http_llama_session_msg_t))
                                         + 1];
     size_t                         mlen;
-    ngx_uint_t                     tokens;
+    ngx_int_t                      rc;
+    ngx_uint_t                     tokens, nmsgs;
     u_char                         file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
     u_char                         id[NGX_HTTP_LLAMA_SESSION_ID_SHOW + 1];
     u_char                         model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
@@ -901,6 +902,7 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     ssize_t                        n;
     ngx_fd_t                       fd;
     ngx_http_llama_session_node_t  node;
+    ngx_http_llama_session_msg_t   prompt[NGX_HTTP_LLAMA_SESSION_MSGS_MAX];
 
     if (ngx_http_llama_session_node_info(zone, name, len, &node) != NGX_OK) {
         return NGX_DECLINED;
@@ -958,9 +960,16 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     /* the prompt of the session in the slot, to explain a later miss */
 
     tokens = 0;
-    mlen = ngx_http_llama_session_slot_msgs_text(zone, slot, name,
+    mlen = 0;
+    nmsgs = ngx_http_llama_session_slot_msgs_copy(zone, slot, name,
                                    len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                                   msgs, sizeof(msgs), &tokens);
+                                   prompt, NGX_HTTP_LLAMA_SESSION_MSGS_MAX,
+                                   &tokens);
+    if (nmsgs) {
+        rc = ngx_http_llama_session_msgs_encode(msgs, sizeof(msgs), prompt,
+                                                nmsgs);
+        mlen = (rc > 0) ? (size_t) rc : 0;
+    }
 
     if (mlen
         && (cJSON_AddStringToObject(json, "msgs", (char *) msgs) == NULL
