@@ -37,9 +37,9 @@ static ngx_int_t ngx_http_llama_session_idle_start(
     ngx_log_t *log);
 static void ngx_http_llama_session_idle_resume(ngx_http_request_t *r);
 static void ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
-    ngx_http_llama_session_idle_t *job);
+    ngx_http_llama_session_idle_t *idle);
 static void ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
-    ngx_http_llama_session_idle_t *job);
+    ngx_http_llama_session_idle_t *idle);
 static void ngx_http_llama_session_idle_end(void *data);
 
 
@@ -194,34 +194,34 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
     ngx_pool_cleanup_t             *cln;
     ngx_http_request_t             *r;
     ngx_http_llama_session_ctx_t   *ctx;
-    ngx_http_llama_session_idle_t  *job;
+    ngx_http_llama_session_idle_t  *idle;
 
     r = ngx_http_llama_session_job_request(zone, log);
     if (r == NULL) {
         return NGX_ERROR;
     }
 
-    job = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_idle_t));
+    idle = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_idle_t));
     cln = ngx_pool_cleanup_add(r->pool, 0);
 
-    if (job == NULL || cln == NULL) {
+    if (idle == NULL || cln == NULL) {
         ngx_http_llama_session_job_close(r);
         return NGX_ERROR;
     }
 
     /* from here on, the request's end is the job's */
 
-    ctx = &job->ctx;
+    ctx = &idle->ctx;
     *ctx = *probe;
     ctx->request = r;
     ctx->job.own = 1;
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
 
-    job->failed = 1;
-    job->state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
+    idle->failed = 1;
+    idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
 
     cln->handler = ngx_http_llama_session_idle_end;
-    cln->data = job;
+    cln->data = idle;
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
@@ -254,22 +254,22 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 static void
 ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 {
-    ngx_http_llama_session_idle_t  *job;
+    ngx_http_llama_session_idle_t  *idle;
 
-    job = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+    idle = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (job == NULL || !job->ctx.job.call_done) {
+    if (idle == NULL || !idle->ctx.job.call_done) {
         return;
     }
 
     r->write_event_handler = ngx_http_request_empty_handler;
 
-    if (job->ctx.job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
-        ngx_http_llama_session_idle_checked(r, job);
+    if (idle->ctx.job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        ngx_http_llama_session_idle_checked(r, idle);
         return;
     }
 
-    ngx_http_llama_session_idle_saved(r, job);
+    ngx_http_llama_session_idle_saved(r, idle);
 }
 
 
@@ -277,13 +277,13 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 
 static void
 ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
-    ngx_http_llama_session_idle_t *job)
+    ngx_http_llama_session_idle_t *idle)
 {
     ngx_int_t                      rc;
     ngx_log_t                     *log;
     ngx_http_llama_session_ctx_t  *ctx;
 
-    ctx = &job->ctx;
+    ctx = &idle->ctx;
     log = r->connection->log;
 
     switch (ngx_http_llama_session_slots_verdict(log, ctx)) {
@@ -296,9 +296,9 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
                       "save", &ctx->zone->model, ctx->job.out_len,
                           ctx->job.out_key);
 
-        job->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        job->model_gone = 1;
-        job->failed = 0;
+        idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        idle->model_gone = 1;
+        idle->failed = 0;
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_NO_API:
@@ -311,7 +311,7 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_http_llama_session_slot_saved(ctx->zone, ctx->job.slot,
                                           ctx->job.out_key,
                                           ctx->job.out_len);
-        job->failed = 0;
+        idle->failed = 0;
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_ERROR:
@@ -325,24 +325,24 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED:
         ngx_http_llama_session_slot_lost(ctx);
-        job->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        job->failed = 0;
+        idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        idle->failed = 0;
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY:
         /* still running for a client that left: later */
-        job->failed = 0;
+        idle->failed = 0;
         break;
 
     default: /* NGX_HTTP_LLAMA_SESSION_SLOTS_IDLE */
 
-        job->failed = 0;
+        idle->failed = 0;
 
         if (!ngx_http_llama_session_may_save(ctx)) {
             break;
         }
 
-        job->failed = 1;
+        idle->failed = 1;
 
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
         r->write_event_handler = ngx_http_llama_session_idle_resume;
@@ -365,16 +365,16 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
 
 static void
 ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
-    ngx_http_llama_session_idle_t *job)
+    ngx_http_llama_session_idle_t *idle)
 {
     ngx_uint_t                     reason;
     ngx_http_llama_session_ctx_t  *ctx;
 
-    ctx = &job->ctx;
+    ctx = &idle->ctx;
 
     if (ctx->job.call_status == 0) {
         /* llama-server may have died in the middle, or not answered */
-        job->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
     }
 
     reason = ctx->zone->sh->unloading ? NGX_HTTP_LLAMA_SESSION_SAVE_UNLOAD
@@ -384,7 +384,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
                                          ctx->job.out_key, ctx->job.out_len)
         == NGX_OK)
     {
-        job->failed = 0;
+        idle->failed = 0;
 
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.idle_saves);
 
@@ -406,12 +406,12 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
 static void
 ngx_http_llama_session_idle_end(void *data)
 {
-    ngx_http_llama_session_idle_t *job = data;
+    ngx_http_llama_session_idle_t *idle = data;
 
     ngx_http_llama_session_ctx_t   *ctx;
     ngx_http_llama_session_zone_t  *zone;
 
-    ctx = &job->ctx;
+    ctx = &idle->ctx;
     zone = ctx->zone;
 
     if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
@@ -422,9 +422,9 @@ ngx_http_llama_session_idle_end(void *data)
     }
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
-    ngx_http_llama_session_release(ctx, job->state);
+    ngx_http_llama_session_release(ctx, idle->state);
 
-    if (job->model_gone) {
+    if (idle->model_gone) {
         /* its slots are empty: the model is loaded again when needed */
         (void) ngx_http_llama_session_model_reset(zone, NULL,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
@@ -435,7 +435,7 @@ ngx_http_llama_session_idle_end(void *data)
 
     zone->idle_busy = 0;
 
-    if (job->failed) {
+    if (idle->failed) {
         zone->idle_backoff = ngx_min(ngx_max(zone->idle_backoff * 2, 1000),
                                      60000);
         zone->idle_next = ngx_current_msec + zone->idle_backoff;
