@@ -88,6 +88,8 @@ rig: deps
 	rig/make-model.sh
 	rig/make-model.sh 4
 	rig/make-model.sh 12
+	rig/make-model.sh gemma3
+	rig/make-model.sh lfm2
 	rig/npm-clients.sh
 
 # NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's

@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# Writes the rig's small random-weight model once into the cache and prints
-# its path.  Needs the llama.cpp tree that build-llama-server.sh unpacked.
+# Writes one of the rig's small random-weight models once into the cache and
+# prints its path.  Needs the llama.cpp tree that build-llama-server.sh
+# unpacked.
+#
+#   make-model.sh               the llama model (8 layers)
+#   make-model.sh 4             the llama model with another number of layers
+#                               (router mode's second and third models)
+#   make-model.sh gemma3 [N]    sliding-window attention (6 layers: 5 with a
+#                               256-token window, 1 global)
+#   make-model.sh lfm2 [N]      hybrid short-conv + attention (6 layers,
+#                               attention at 2 and 5)
 set -euo pipefail
 
 version=${NODE_LLAMA_CPP:-3.21.1}
@@ -8,13 +17,37 @@ cache=${LLAMA_RIG_CACHE:-/var/cache/llama-session-rig}
 src=$cache/node-llama-cpp-$version/src
 here=$(cd "$(dirname "$0")" && pwd)
 
-# the generator's own version: bump it when make-model.py changes;
-# an argument asks for another number of layers (router mode's second model)
-layers=${1:-8}
-if [ "$layers" = 8 ]; then
-    model=$cache/models/tiny-llama-v1.gguf
+arch=llama
+case ${1:-} in
+    llama|gemma3|lfm2) arch=$1; shift ;;
+    ''|*[!0-9]*)
+        if [ -n "${1:-}" ]; then
+            echo "usage: $0 [llama|gemma3|lfm2] [LAYERS]" >&2
+            exit 2
+        fi ;;
+esac
+
+# each architecture's default number of layers (as in make-model.py)
+case $arch in
+    llama) default=8 ;;
+    *) default=6 ;;
+esac
+layers=${1:-$default}
+case $layers in
+    ''|*[!0-9]*) echo "usage: $0 [llama|gemma3|lfm2] [LAYERS]" >&2; exit 2 ;;
+esac
+
+# the generator's own version of each architecture's file: bump it when
+# make-model.py changes what it writes for that architecture
+case $arch in
+    llama) v=v1 ;;
+    gemma3) v=v1 ;;
+    lfm2) v=v1 ;;
+esac
+if [ "$layers" = "$default" ]; then
+    model=$cache/models/tiny-$arch-$v.gguf
 else
-    model=$cache/models/tiny-llama-l$layers-v1.gguf
+    model=$cache/models/tiny-$arch-l$layers-$v.gguf
 fi
 
 if [ -s "$model" ]; then
@@ -26,5 +59,5 @@ fi
 
 mkdir -p "$cache/models"
 echo "make-model: writing $model" >&2
-/usr/bin/python3 "$here/make-model.py" "$src" "$model" "$layers"
+/usr/bin/python3 "$here/make-model.py" "$src" "$model" "$layers" --arch "$arch"
 echo "$model"
