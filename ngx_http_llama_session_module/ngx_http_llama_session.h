@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     6
+#define NGX_HTTP_LLAMA_SESSION_VERSION     7
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -118,8 +118,27 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_WARM,
     NGX_HTTP_LLAMA_SESSION_ST_PROXY,
     NGX_HTTP_LLAMA_SESSION_ST_DONE,
-    NGX_HTTP_LLAMA_SESSION_ST_OLLAMA    /* GET /v1/models for Ollama's */
+    NGX_HTTP_LLAMA_SESSION_ST_OLLAMA,   /* GET /v1/models for Ollama's */
+    NGX_HTTP_LLAMA_SESSION_ST_REPRIME   /* before a save (reprime.c) */
 } ngx_http_llama_session_state_e;
+
+
+/* the model's memory (gguf.c): what a slot file can bring back */
+
+#define NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN   0
+#define NGX_HTTP_LLAMA_SESSION_MEMORY_FULL      1
+#define NGX_HTTP_LLAMA_SESSION_MEMORY_SWA       2
+#define NGX_HTTP_LLAMA_SESSION_MEMORY_HYBRID    3
+#define NGX_HTTP_LLAMA_SESSION_MEMORY_RECURRENT 4
+
+#define NGX_HTTP_LLAMA_SESSION_ARCH_MAX         32
+
+typedef struct {
+    uint64_t                        n_embd;
+    uint32_t                        window;     /* SWA: tokens */
+    u_char                          kind;
+    u_char                          arch[NGX_HTTP_LLAMA_SESSION_ARCH_MAX];
+} ngx_http_llama_session_memory_t;
 
 
 /* Ollama's requests (ollama.c) */
@@ -162,7 +181,9 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,         /* the router's GET /models */
     NGX_HTTP_LLAMA_SESSION_CALL_RPROPS,         /* the router's GET /props */
     NGX_HTTP_LLAMA_SESSION_CALL_LOAD,           /* POST /models/load */
-    NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD          /* POST /models/unload */
+    NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD,         /* POST /models/unload */
+    NGX_HTTP_LLAMA_SESSION_CALL_APPLY,          /* POST /apply-template */
+    NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE        /* the re-prime's */
 } ngx_http_llama_session_call_e;
 
 
@@ -232,6 +253,9 @@ typedef struct {
     ngx_http_llama_session_msg_t   *msgs;       /* slab, NULL: none */
     ngx_uint_t                      nmsgs;
     ngx_uint_t                      prompt_tokens;
+
+    /* the last turn it ran, in the store's turn file (turn.c), 0: none */
+    ngx_uint_t                      turn_seq;
 } ngx_http_llama_session_slot_t;
 
 
@@ -298,6 +322,9 @@ typedef struct {
     ngx_atomic_uint_t               model_lost; /* router: behind its back */
     ngx_atomic_uint_t               effective;  /* restores the reply used */
     ngx_atomic_uint_t               ineffective; /* ... and did not */
+    ngx_atomic_uint_t               reprimes;   /* before a save */
+    ngx_atomic_uint_t               reprime_failed;
+    ngx_atomic_uint_t               reprime_tokens; /* evaluated by them */
 } ngx_http_llama_session_stats_t;
 
 
@@ -364,6 +391,12 @@ typedef struct {
     u_char                          restores_off_fp[
                                         NGX_HTTP_LLAMA_SESSION_FP_LEN];
 
+    /* the model's memory, for the configuration memory_fp (gguf.c) */
+    u_char                          memory_known;
+    u_char                          memory_fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+    ngx_http_llama_session_memory_t memory;
+    ngx_atomic_uint_t               turn_next;  /* turn files written */
+
     /* router mode: this zone's model */
     ngx_msec_t                      model_used; /* its last request */
     ngx_pid_t                       unloading;  /* a request unloads it */
@@ -392,6 +425,7 @@ struct ngx_http_llama_session_zone_s {
     ngx_uint_t                      max_files;  /* 0: no limit */
     off_t                           max_size;   /* 0: no limit */
     ngx_msec_t                      save_idle;  /* 0: off */
+    ngx_uint_t                      reprime;    /* reprime=on */
     ngx_event_t                     idle_ev;    /* this worker's */
     ngx_http_core_loc_conf_t       *log_conf;   /* the first location with
                                                    the zone: its error_log
@@ -504,7 +538,9 @@ typedef struct {
     ngx_int_t                       call_status;
     ngx_buf_t                      *call_reply;
     ngx_buf_t                      *capture;    /* reused across calls */
-    ngx_buf_t                      *call_body;  /* a prime's, warm.c's */
+    ngx_buf_t                      *call_body;  /* a prime's (warm.c), a
+                                                   re-prime's (reprime.c) */
+    void                           *reprime;    /* reprime.c's steps */
     ngx_uint_t                      polls;
     ngx_msec_t                      quiet_until;
 
@@ -513,6 +549,7 @@ typedef struct {
     ngx_str_t                       props_model;
     ngx_uint_t                      props_n_ctx;
     ngx_uint_t                      props_slots;
+    uint64_t                        props_n_embd; /* /v1/models, 0: none */
 
     /* what the slot holds: the zone's word, then GET /slots's */
     ngx_int_t                       slot_tokens; /* -1: unknown */
@@ -686,6 +723,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        reply_scan:1;
     unsigned                        reply_done:1;
 
+    void                           *turn;       /* the reply kept, turn.c */
     void                           *api;        /* the management API's */
 };
 

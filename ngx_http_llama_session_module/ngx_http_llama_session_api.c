@@ -23,6 +23,7 @@
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
@@ -1213,6 +1214,16 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             goto wait;
         }
 
+        if (ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
+            rc = ngx_http_llama_session_reprime_next(r, ctx);
+
+            if (rc == NGX_AGAIN) {
+                goto wait;
+            }
+
+            return rc;
+        }
+
         if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
             rc = ngx_http_llama_session_api_checked(r, api);
 
@@ -1350,10 +1361,8 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
             return NGX_DECLINED;
         }
 
-        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
-        rc = ngx_http_llama_session_call(r, ctx,
-                                         NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                         ctx->job.out_key, ctx->job.out_len);
+        /* re-primed first when its last turn is known (reprime.c) */
+        rc = ngx_http_llama_session_save(r, ctx);
 
     } else {
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);

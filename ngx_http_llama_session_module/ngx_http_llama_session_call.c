@@ -89,6 +89,12 @@ static ngx_http_llama_session_call_t  ngx_http_llama_session_calls[] = {
       ngx_null_string, ngx_null_string, NGX_HTTP_POST },
 
     { ngx_string("POST /models/unload"), ngx_string("/models/unload"),
+      ngx_null_string, ngx_null_string, NGX_HTTP_POST },
+
+    { ngx_string("POST /apply-template"), ngx_string("/apply-template"),
+      ngx_null_string, ngx_null_string, NGX_HTTP_POST },
+
+    { ngx_string("the re-prime's POST /completion"), ngx_string("/completion"),
       ngx_null_string, ngx_null_string, NGX_HTTP_POST }
 };
 
@@ -289,7 +295,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
  * A POST call's JSON body: the file of the session to save or restore
  * (key: only [A-Za-z0-9_-], and "@" in router mode), the model in router
  * mode (its name has no character to escape, see module.c), or the
- * prime's, which warm.c made.
+ * one made for the call: a prime's (warm.c), a re-prime's (reprime.c).
  */
 
 static ngx_buf_t *
@@ -300,7 +306,10 @@ ngx_http_llama_session_call_body(ngx_http_request_t *r,
     size_t      blen;
     ngx_buf_t  *b;
 
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_APPLY
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE)
+    {
         b = ctx->job.call_body;
         ctx->job.call_body = NULL;
 
@@ -583,6 +592,8 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
  *   waiting, GET /props, GET /slots   untouched: as the zone says
  *   a save in flight                  the slot still holds the session
  *                                     leaving; its temporary file goes
+ *   its re-prime                      the same (a prefix of it), that
+ *                                     llama-server may still extend
  *   a restore or an erase             anything: unknown
  *   proxying                          this session, unless the backend
  *                                     failed or vanished: unknown
@@ -615,6 +626,16 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
             ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
                                                   ctx->job.out_key,
                                                       ctx->job.out_len);
+        }
+
+        break;
+
+    case NGX_HTTP_LLAMA_SESSION_ST_REPRIME:
+
+        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
+            && !ctx->job.call_done)
+        {
+            ctx->job.quarantine = 1;
         }
 
         break;

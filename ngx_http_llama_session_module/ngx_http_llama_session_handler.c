@@ -21,6 +21,7 @@
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_pin.h"
@@ -148,6 +149,13 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_GET,
                                            NULL, 0);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_REPRIME:
+        if (!ctx->job.call_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_llama_session_reprime_next(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
         if (!ctx->job.call_done) {
@@ -964,10 +972,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     }
 
     if (ngx_http_llama_session_may_save(ctx)) {
-        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
-        return ngx_http_llama_session_call(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                           ctx->job.out_key, ctx->job.out_len);
+        /* re-primed first when its last turn is known (reprime.c) */
+        return ngx_http_llama_session_save(r, ctx);
     }
 
     ctx->job.save_pending = 0;

@@ -17,6 +17,7 @@
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_idle.h"
 #include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
 
@@ -269,6 +270,16 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
         return;
     }
 
+    if (idle->ctx.job.state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
+        r->write_event_handler = ngx_http_llama_session_idle_resume;
+
+        if (ngx_http_llama_session_reprime_next(r, &idle->ctx) != NGX_AGAIN) {
+            ngx_http_llama_session_job_close(r);
+        }
+
+        return;
+    }
+
     ngx_http_llama_session_idle_saved(r, idle);
 }
 
@@ -344,12 +355,11 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
 
         idle->failed = 1;
 
-        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
         r->write_event_handler = ngx_http_llama_session_idle_resume;
 
-        rc = ngx_http_llama_session_call(r, ctx,
-                                         NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                         ctx->job.out_key, ctx->job.out_len);
+        /* re-primed first when its last turn is known (reprime.c) */
+        rc = ngx_http_llama_session_save(r, ctx);
+
         if (rc == NGX_AGAIN) {
             return;
         }

@@ -40,6 +40,9 @@
  *   PROXY     yes         none: proxy_pass runs   ctx's r_* (reply.c)
  *   DONE      no          none                    nothing
  *   OLLAMA    no          GET /v1/models          ctx's ollama_reply
+ *   REPRIME   yes         POST /apply-template,   ctx->job.reprime, the
+ *                         /completion             slot (a prefix of the
+ *                                                 session leaving)
  *
  * Every state may start a call (call, call_* and capture, call.c) and
  * end the job (released, quarantine).  The end of a job gives the slot
@@ -50,6 +53,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_shm.h"
@@ -69,7 +73,7 @@ static void ngx_http_llama_session_job_event(ngx_event_t *ev);
 
 static char  *ngx_http_llama_session_state_names[] = {
     "body", "acquire", "router", "props", "check", "pause", "save", "load",
-    "warm", "proxy", "done", "ollama"
+    "warm", "proxy", "done", "ollama", "reprime"
 };
 
 
@@ -91,6 +95,17 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
                    ctx->job.own ? " (the module's own request)" : "");
 
     ctx->job.state = state;
+
+    if (ctx->job.acquired && !ctx->job.released
+        && (state == NGX_HTTP_LLAMA_SESSION_ST_LOAD
+            || state == NGX_HTTP_LLAMA_SESSION_ST_WARM
+            || state == NGX_HTTP_LLAMA_SESSION_ST_PROXY))
+    {
+        /* the slot's content changes: its last turn no longer tells it */
+        ngx_shmtx_lock(&ctx->zone->shpool->mutex);
+        ctx->zone->sh->slots[ctx->job.slot].turn_seq = 0;
+        ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
+    }
 }
 
 
@@ -376,6 +391,9 @@ ngx_http_llama_session_learn(ngx_http_request_t *r,
     {
         return NGX_ERROR;
     }
+
+    /* what a slot file can bring back on this model (gguf.c) */
+    ngx_http_llama_session_memory_learn(r, ctx);
 
     return NGX_OK;
 }

@@ -404,7 +404,7 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
- *     [max_size=size] [save_idle=time] [model=name];
+ *     [max_size=size] [save_idle=time] [model=name] [reprime=on|off];
  * (backend= and api_key=: deprecated, ignored)
  */
 
@@ -419,6 +419,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_int_t                        n;
     ngx_str_t                       *value, name, s, store, model;
     ngx_uint_t                       i, nslots, max_files, max_waiting;
+    ngx_uint_t                       reprime;
     ngx_msec_t                       save_idle;
     ngx_shm_zone_t                  *shm_zone;
     ngx_http_llama_session_zone_t   *zone, **zp;
@@ -432,6 +433,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     max_waiting = 0;
     max_size = 0;
     save_idle = 0;
+    reprime = 1;
     ngx_str_null(&store);
     ngx_str_null(&model);
 
@@ -594,6 +596,14 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                 return NGX_CONF_ERROR;
             }
 
+            continue;
+        }
+
+        if (ngx_strcmp(value[i].data, "reprime=on") == 0
+            || ngx_strcmp(value[i].data, "reprime=off") == 0)
+        {
+            /* the last turn made the slot's before each save (reprime.c) */
+            reprime = (value[i].data[9] == 'n');
             continue;
         }
 
@@ -772,6 +782,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     zone->max_files = max_files;
     zone->max_size = max_size;
     zone->save_idle = save_idle;
+    zone->reprime = reprime;
     zone->shm_zone = shm_zone;
 
     /* shm.c drops a file whose record it must recycle through the store */

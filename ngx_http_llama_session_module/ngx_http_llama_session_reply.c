@@ -19,6 +19,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_reply.h"
+#include "ngx_http_llama_session_turn.h"
 
 
 static ngx_int_t ngx_http_llama_session_reply_header(ngx_http_request_t *r);
@@ -97,6 +98,9 @@ ngx_http_llama_session_reply_header(ngx_http_request_t *r)
         ctx->r_cache_read = -1;
         ctx->r_input_tokens = -1;
         ctx->r_prompt_ms = -1;
+
+        /* a chat turn's message is kept for the re-prime (turn.c) */
+        ngx_http_llama_session_turn_start(r, ctx);
     }
 
     return ngx_http_next_header_filter(r);
@@ -125,6 +129,10 @@ ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
 
     for (cl = in; cl; cl = cl->next) {
         b = cl->buf;
+
+        if (ctx->turn) {
+            ngx_http_llama_session_turn_data(r, ctx, b);
+        }
 
         if (ngx_buf_in_memory(b) && b->last > b->pos) {
 
@@ -167,6 +175,7 @@ ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
             ngx_http_llama_session_scan(ctx, ctx->carry,
                                         ctx->carry + ctx->carry_len, 1);
             ngx_http_llama_session_reply_end(r, ctx);
+            ngx_http_llama_session_turn_end(r, ctx);
             break;
         }
     }
@@ -363,6 +372,35 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                   ctx->key_len, ctx->key, ctx->job.loaded_tokens, cached);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (sh->memory_known && sh->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
+        && ngx_memcmp(sh->memory_fp, ctx->job.fp,
+                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0
+        && !sh->restores_off)
+    {
+        /*
+         * sliding-window attention: a slot file holds the window only,
+         * reused only with --swa-full; one restore that brought nothing
+         * says llama-server runs without it
+         */
+
+        sh->restores_off = 1;
+        ngx_memcpy(sh->restores_off_fp, ctx->job.fp,
+                   NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: the model of zone \"%V\" has "
+                      "sliding-window attention and its restore brought "
+                      "nothing: llama-server runs without --swa-full, and "
+                      "its slot files keep only the window; the zone stops "
+                      "saving and restoring for backend %*s and keeps "
+                      "sessions resident; start llama-server with "
+                      "--swa-full for restores that work", &zone->name,
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+        return;
+    }
 
     if (++sh->ineffective_run >= NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX
         && !sh->restores_off)

@@ -353,7 +353,18 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 
     meta = cJSON_GetObjectItemCaseSensitive(model, "meta");
 
+    ctx->job.props_n_embd = 0;
+
     if (cJSON_IsObject(meta)) {
+        item = cJSON_GetObjectItemCaseSensitive(meta, "n_embd");
+
+        if (cJSON_IsNumber(item) && item->valuedouble > 0
+            && item->valuedouble < 1e9)
+        {
+            /* to tell the model's file from another's (gguf.c) */
+            ctx->job.props_n_embd = (uint64_t) item->valuedouble;
+        }
+
         for (i = 0; fields[i]; i++) {
             item = cJSON_GetObjectItemCaseSensitive(meta, fields[i]);
 

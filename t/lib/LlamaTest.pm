@@ -136,7 +136,7 @@ sub wait_port {
 }
 
 # a real llama-server: returns its port.  Options: np, ctx, args (array),
-# slots (save folder, default DIR/slots), name
+# slots (save folder, default DIR/slots), name, model (a path)
 sub llama {
     my ($self, %o) = @_;
 
@@ -145,7 +145,7 @@ sub llama {
     my ($uid, $gid) = (getpwnam($LLAMA_USER))[2, 3];
     my $slots = slots_dir($o{slots} // "$self->{dir}/slots", $uid);
 
-    my @cmd = (llama_binary(), '-m', llama_model(),
+    my @cmd = (llama_binary(), '-m', $o{model} // llama_model(),
                '--host', '127.0.0.1', '--port', $port,
                '-np', $o{np} // 1, '-c', $o{ctx} // 16384,
                '--slot-save-path', $slots,
