@@ -157,4 +157,68 @@ scenario(name => 'llamaoff', reprime => 'reprime=off', reprime_off => 1,
                     'without the re-prime the reply is evaluated again');
          });
 
+# the rig's hybrid model (short convolutions + attention): a restore is
+# reused only when the next prompt extends all of the saved sequence
+my $lfm2 = LlamaTest::rig_path('make-model.sh lfm2');
+my $think = "$LlamaTest::ROOT/rig/templates/chatml-think.jinja";
+
+scenario(name => 'lfm2', model => $lfm2, idle => 1, stream => 1,
+         restart => 1, check => $all_but_new,
+         warns => sub { ok(!grep(/llama_session/, @_),
+                           'lfm2: no warning (' . scalar(@_) . ')') });
+scenario(name => 'lfm2swap', model => $lfm2, check => $all_but_new);
+
+# a reasoning template that drops the previous turn's thinking
+scenario(name => 'lfm2think', model => $lfm2, stream => 1, restart => 1,
+         args => [ '--jinja', '--chat-template-file', $think ],
+         check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
+
+# the same without the re-prime: the restored slot ends with the reply's
+# thinking, which the next prompt no longer has: nothing is reused
+scenario(name => 'lfm2thinkoff', model => $lfm2, reprime => 'reprime=off',
+         reprime_off => 1,
+         args => [ '--jinja', '--chat-template-file', $think ],
+         check => sub { cmp_ok($_[0]{cache_n}, '<', 100, $_[1]) });
+
+# sliding-window attention with --swa-full: re-primed files work
+my $gemma3 = LlamaTest::rig_path('make-model.sh gemma3');
+
+scenario(name => 'gemma3full', model => $gemma3, idle => 1, restart => 1,
+         args => [ '--swa-full' ], check => $all_but_new);
+scenario(name => 'gemma3think', model => $gemma3, stream => 1,
+         args => [ '--swa-full', '--jinja', '--chat-template-file', $think ],
+         check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
+
+# without --swa-full: the memory is said at start, one restore that brings
+# nothing stops saves and restores, with the fix in the log
+{
+    my $t = LlamaTest->new(workers => 2);
+    $t->llama(model => $gemma3);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        location => 'add_header X-S-Action $llama_session_action always;'));
+
+    my $a = conversation_of('Ann');
+    my ($reply) = reply_of(turn($t, 'ann-swa', $a));
+    ok($t->log_lines(qr/the model of zone "llama" \(gemma3\) has sliding-window attention \(256 tokens\).*--swa-full/),
+       'gemma3: its sliding window is said at start, with --swa-full');
+
+    turn($t, 'bob-swa', conversation_of('Bob'));
+    push @$a, { role => 'assistant', content => $reply },
+              { role => 'user', content => 'And then?' };
+    my $r = turn($t, 'ann-swa', $a);
+    is($r->{headers}{'x-s-action'}, 'restore', 'gemma3: ann restored once');
+    ok($t->wait_for(sub { $t->log_lines(qr/sliding-window attention and its restore brought nothing: llama-server runs without --swa-full/) }, 5),
+       'gemma3: the restore that brought nothing stops saves, with the fix');
+
+    my @before = glob($t->dir . '/slots/*.bin');
+    turn($t, 'bob-swa', conversation_of('Bob'));
+    my @after = glob($t->dir . '/slots/*.bin');
+    is(scalar @after, scalar @before, 'gemma3: no file saved since');
+    my $r2 = turn($t, 'ann-swa', $a);
+    isnt($r2->{headers}{'x-s-action'}, 'restore', 'gemma3: no restore since');
+
+    $t->stop;
+}
+
 done_testing;
