@@ -20,6 +20,13 @@
           returning turns a side: llama-server's RAM cache (two sessions'
           budget) against the module with idle saves; where the module's
           time goes (its swap: GET /slots and the restore; the rest)
+8. models the memory kinds (the rig's llama: full attention, lfm2: hybrid,
+          gemma3: sliding window) with ChatML and a reasoning template: two
+          sessions on one slot taking turns; the returning turns' reuse of
+          the history they share with the previous turn and their time to
+          first token, through the module against llama-server alone at its
+          defaults and with --cache-ram 0
+9. kvq    slot files and restores with the KV cache in f16 and q8_0
 6. team   M sessions on 4 slots (-np 4), 4 clients with think time:
           llama-server alone at its defaults, with a RAM budget of two
           sessions, and nginx + module (slots=4), M = 4, 8, 16
@@ -52,8 +59,9 @@ MODULE = os.environ.get('NGINX_MODULE',
                                      'ngx_http_llama_session_module.so'))
 
 
-def rig(script):
-    return subprocess.check_output([os.path.join(ROOT, 'rig', script)],
+def rig(script, *args):
+    return subprocess.check_output([os.path.join(ROOT, 'rig', script)]
+                                   + list(args),
                                    stderr=subprocess.DEVNULL).decode().strip()
 
 
@@ -96,13 +104,15 @@ def p95(xs):
 class Llama:
     """a real llama-server of the rig"""
 
-    def __init__(self, work, name, ctx, cache_ram=0, args=None, np=1):
+    def __init__(self, work, name, ctx, cache_ram=0, args=None, np=1,
+                 model=None, extra=()):
         self.name = name
         self.port = free_port()
         self.slots = os.path.join(work, name + '-slots')
         os.makedirs(self.slots, exist_ok=True)
         self.log = open(os.path.join(work, name + '.log'), 'ab')
-        self.args = [rig('build-llama-server.sh'), '-m', rig('make-model.sh'),
+        self.args = [rig('build-llama-server.sh'), '-m',
+                     model or rig('make-model.sh'),
                      '--host', '127.0.0.1', '--port', str(self.port),
                      '-np', str(np), '-c', str(ctx), '--slot-save-path',
                      self.slots, '-t', '2', '--no-webui']
@@ -117,6 +127,8 @@ class Llama:
             # what the module expects
             self.args += ['--no-kv-unified', '--no-cache-idle-slots',
                           '-sps', '0', '--cache-ram', '0']
+        # the model's own flags (a template, --swa-full), on every side
+        self.args += list(extra)
         self.start()
 
     def start(self):
@@ -175,8 +187,7 @@ def module_nginx(work, name, llama):
     idle saves after 500 ms: (the Nginx, its port)"""
     nport = free_port()
     ngx = Nginx(work, name, '''
-    llama_session_zone zone=llama:4m store=%s save_idle=500ms
-                       backend=127.0.0.1:%d;
+    llama_session_zone zone=llama:4m store=%s save_idle=500ms;
     server {
         listen 127.0.0.1:%d;
         location / {
@@ -192,7 +203,7 @@ def module_nginx(work, name, llama):
             proxy_pass http://127.0.0.1:%d/;
             proxy_read_timeout 900s;
         }
-    }''' % (llama.slots, llama.port, nport, llama.port, llama.port))
+    }''' % (llama.slots, nport, llama.port, llama.port))
     wait_http(nport)
     return ngx, nport
 
@@ -844,6 +855,192 @@ def bench_oneslot(work, quick):
     return res
 
 
+# 8. memory kinds and templates ------------------------------------------
+
+# random weights: byte tokens make invalid UTF-8, which the chat parser
+# refuses with 500; they are banned in every side's requests
+BAN = [[i, False] for i in range(3, 259)]
+
+
+def chat_turn(port, messages, sid, max_tokens):
+    """a streamed chat turn with the byte tokens banned: (ttft, reply,
+    cache_n, prompt tokens, completion tokens, headers)"""
+    body = json.dumps({'messages': messages, 'max_tokens': max_tokens,
+                       'seed': 1, 'logit_bias': BAN, 'stream': True,
+                       'stream_options': {'include_usage': True}}).encode()
+    c = http.client.HTTPConnection('127.0.0.1', port, timeout=900)
+    t0 = time.perf_counter()
+    c.request('POST', '/v1/chat/completions', body,
+              {'Content-Type': 'application/json', 'X-Session-Id': sid})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError('turn failed: %d %s' % (r.status, r.read()[:200]))
+    ttft = None
+    text = ''
+    cache_n = prompt = completion = None
+    buf = b''
+    while True:
+        chunk = r.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b'\n\n' in buf:
+            event, buf = buf.split(b'\n\n', 1)
+            if not event.startswith(b'data: ') or event == b'data: [DONE]':
+                continue
+            d = json.loads(event[6:])
+            for ch in d.get('choices', []):
+                delta = ch.get('delta') or {}
+                piece = delta.get('content') or delta.get('reasoning_content')
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text += delta.get('content') or ''
+            if 'timings' in d:
+                cache_n = d['timings'].get('cache_n')
+                prompt = d['timings'].get('prompt_n', 0) + (cache_n or 0)
+            if d.get('usage'):
+                completion = d['usage'].get('completion_tokens')
+    if ttft is None:
+        ttft = time.perf_counter() - t0
+    hdrs = dict(r.getheaders())
+    c.close()
+    return ttft, text, cache_n, prompt, completion, hdrs
+
+
+def bench_models(work, quick):
+    """per memory kind and template: two sessions on one slot taking turns,
+    the returning turns through the module against llama-server alone at
+    its defaults (RAM prompt cache) and with --cache-ram 0"""
+    ptoks = 1536 if quick else 3072
+    turns = 4 if quick else 8
+    think = os.path.join(ROOT, 'rig', 'templates', 'chatml-think.jinja')
+    tmpl = ['--jinja', '--chat-template-file', think]
+    cases = [('llama', 'full', 'chatml', None, [], []),
+             ('llama', 'full', 'think', None, tmpl, []),
+             ('lfm2', 'hybrid', 'chatml', 'lfm2', [], []),
+             ('lfm2', 'hybrid', 'think', 'lfm2', tmpl, []),
+             ('gemma3', 'swa', 'chatml', 'gemma3', [], ['--swa-full']),
+             ('gemma3', 'swa', 'think', 'gemma3', tmpl, ['--swa-full'])]
+    ctx = ptoks * 2 + 2048
+    out = []
+    for name, kind, template, gen, extra, module_only in cases:
+        model = rig('make-model.sh', gen) if gen else None
+        defaults = Llama(work, 'm-%s-%s-def' % (name, template), ctx,
+                         args=[], model=model, extra=extra)
+        noram = Llama(work, 'm-%s-%s-noram' % (name, template), ctx,
+                      args=['--cache-ram', '0'], model=model, extra=extra)
+        withmod = Llama(work, 'm-%s-%s-mod' % (name, template), ctx,
+                        model=model, extra=extra + module_only)
+        ngx, nport = module_nginx(work, 'nginx-m-%s-%s' % (name, template),
+                                  withmod)
+        sides = [('alone_defaults', defaults.port),
+                 ('alone_cache_ram_0', noram.port), ('module', nport)]
+        nwords = words_for(withmod.port, ptoks, 'mA')
+        system = filler('sys', nwords // 4)
+        conv = {}
+        prev = {}
+        rec = {s: {'ttft': [], 'reuse': [], 'cache_n': []} for s, _ in sides}
+        for n in range(turns + 1):
+            for sid in ('A', 'B'):
+                for side, port in sides:
+                    msgs = conv.setdefault((side, sid), [
+                        {'role': 'system', 'content': system},
+                        {'role': 'user', 'content':
+                         filler(sid + 'h', nwords * 3 // 4) + ' Q1?'}])
+                    if n:
+                        msgs.append({'role': 'user', 'content':
+                                     'Q%d? %s' % (n + 1, filler('q', 6))})
+                    ttft, text, cache_n, prompt, completion, _ = chat_turn(
+                        port, msgs, sid, 24)
+                    msgs.append({'role': 'assistant', 'content': text})
+                    if n:
+                        # the history the turn shares with the previous one
+                        shared = sum(prev[(side, sid)])
+                        rec[side]['ttft'].append(ttft)
+                        rec[side]['cache_n'].append(cache_n)
+                        rec[side]['reuse'].append(
+                            min(1.0, (cache_n or 0) / shared))
+                    prev[(side, sid)] = (prompt or 0, completion or 0)
+                time.sleep(0.7)     # think time: the idle save runs
+        row = {'model': name, 'memory': kind, 'template': template,
+               'prompt_tokens': ptoks, 'returning_turns': 2 * turns,
+               'module_flags': module_only, 'sides': {}}
+        for side, _ in sides:
+            r = rec[side]
+            row['sides'][side] = {
+                'ttft_median': median(sorted(r['ttft'])),
+                'reuse_min': min(r['reuse']), 'reuse_median':
+                    median(sorted(r['reuse'])),
+                'cache_n_median': median(sorted(r['cache_n']))}
+        d = row['sides']
+        row['module_vs_defaults'] = (d['module']['ttft_median']
+                                     / d['alone_defaults']['ttft_median'])
+        print('models %-6s %-6s %-6s reuse min %.2f / %.2f / %.2f, ttft '
+              'median %s / %s / %s s (alone defaults / cache-ram 0 / '
+              'module), module %.2fx' % (
+                  name, kind, template,
+                  d['alone_defaults']['reuse_min'],
+                  d['alone_cache_ram_0']['reuse_min'],
+                  d['module']['reuse_min'],
+                  fmt(d['alone_defaults']['ttft_median']),
+                  fmt(d['alone_cache_ram_0']['ttft_median']),
+                  fmt(d['module']['ttft_median']),
+                  row['module_vs_defaults']))
+        out.append(row)
+        ngx.stop()
+        for srv in (defaults, noram, withmod):
+            srv.stop()
+            shutil.rmtree(srv.slots, ignore_errors=True)
+    return out
+
+
+def bench_kvq(work, quick):
+    """slot files and restores with the KV cache in f16 and in q8_0 (-ctk
+    q8_0 -ctv q8_0 -fa on), the same session, side by side"""
+    ptoks = 2048 if quick else 8192
+    reps = 3 if quick else 7
+    ctx = ptoks + 2048
+    sides = [('f16', ['-fa', 'on']),
+             ('q8_0', ['-fa', 'on', '-ctk', 'q8_0', '-ctv', 'q8_0'])]
+    servers = {name: Llama(work, 'kvq-' + name, ctx, extra=flags)
+               for name, flags in sides}
+    nwords = words_for(servers['f16'].port, ptoks, 'kq')
+    msgs = [{'role': 'system', 'content': filler('sys', nwords // 4)},
+            {'role': 'user', 'content': filler('kqh', nwords * 3 // 4)}]
+    res = {'prompt_tokens': ptoks, 'sides': {}}
+    for name, _ in sides:
+        srv = servers[name]
+        chat_turn(srv.port, msgs, 'kv', 4)
+        saves, restores = [], []
+        size = None
+        for _ in range(reps):
+            st, _, p = post(srv.port, '/slots/0?action=save',
+                            {'filename': 'kv.bin'})
+            saves.append(json.loads(p)['timings']['save_ms'])
+            size = os.path.getsize(os.path.join(srv.slots, 'kv.bin'))
+            post(srv.port, '/slots/0?action=erase', {})
+            st, _, p = post(srv.port, '/slots/0?action=restore',
+                            {'filename': 'kv.bin'})
+            restores.append(json.loads(p)['timings']['restore_ms'])
+        res['sides'][name] = {'file_bytes': size,
+                              'save_ms_median': median(sorted(saves)),
+                              'restore_ms_median': median(sorted(restores))}
+    d = res['sides']
+    res['q8_0_vs_f16_bytes'] = d['q8_0']['file_bytes'] / d['f16']['file_bytes']
+    res['q8_0_vs_f16_restore'] = (d['q8_0']['restore_ms_median']
+                                  / d['f16']['restore_ms_median'])
+    print('kvq %d tokens: file %d / %d bytes (f16 / q8_0, %.2fx), restore '
+          '%.1f / %.1f ms (%.2fx), save %.1f / %.1f ms' % (
+              ptoks, d['f16']['file_bytes'], d['q8_0']['file_bytes'],
+              res['q8_0_vs_f16_bytes'], d['f16']['restore_ms_median'],
+              d['q8_0']['restore_ms_median'], res['q8_0_vs_f16_restore'],
+              d['f16']['save_ms_median'], d['q8_0']['save_ms_median']))
+    for srv in servers.values():
+        srv.stop()
+        shutil.rmtree(srv.slots, ignore_errors=True)
+    return res
+
+
 # 6. a team on four slots ------------------------------------------------
 
 def bench_team(work, quick, full=False):
@@ -978,7 +1175,8 @@ def main():
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
                                                   'latest.json'))
     ap.add_argument('--only',
-                    default='ttft,swap,hit,scale,warm,team,oneslot')
+                    default='ttft,swap,hit,scale,warm,team,oneslot,models,'
+                            'kvq')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '

@@ -325,6 +325,7 @@ typedef struct {
     ngx_atomic_uint_t               reprimes;   /* before a save */
     ngx_atomic_uint_t               reprime_failed;
     ngx_atomic_uint_t               reprime_tokens; /* evaluated by them */
+    ngx_atomic_uint_t               reprefills; /* a restore cost more */
 } ngx_http_llama_session_stats_t;
 
 
@@ -332,6 +333,19 @@ typedef struct {
     ngx_atomic_uint_t               bucket[NGX_HTTP_LLAMA_SESSION_BUCKETS];
     ngx_atomic_uint_t               sum_us;
 } ngx_http_llama_session_hist_t;
+
+
+/* what a restore and a prefill cost on a backend (cost.c) */
+
+typedef struct {
+    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+    ngx_uint_t                      prefill_samples;
+    ngx_uint_t                      restore_samples;
+    double                          prefill_ms_per_token;
+    double                          restore_ms_per_byte;
+    ngx_uint_t                      skipped;    /* re-prefills in a row */
+    ngx_uint_t                      probing;    /* a restore to measure */
+} ngx_http_llama_session_cost_t;
 
 
 /* for the metrics (metrics.c), kept with the stats */
@@ -396,6 +410,17 @@ typedef struct {
     u_char                          memory_fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
     ngx_http_llama_session_memory_t memory;
     ngx_atomic_uint_t               turn_next;  /* turn files written */
+    ngx_http_llama_session_cost_t   cost;
+
+    /*
+     * re-primes that found the slot already holding what the next turn
+     * extends (a template that renders each reply as generated): after a
+     * few in a row they stop for that configuration (reprime.c)
+     */
+    ngx_uint_t                      reprime_extends;
+    u_char                          reprime_off;
+    u_char                          reprime_off_fp[
+                                        NGX_HTTP_LLAMA_SESSION_FP_LEN];
 
     /* router mode: this zone's model */
     ngx_msec_t                      model_used; /* its last request */
@@ -543,6 +568,8 @@ typedef struct {
     void                           *reprime;    /* reprime.c's steps */
     ngx_uint_t                      polls;
     ngx_msec_t                      quiet_until;
+    double                          est_restore_ms; /* cost.c's, when */
+    double                          est_prefill_ms; /* reprefill */
 
     /* GET /props, until GET /v1/models completes the fingerprint */
     ngx_str_t                       props_text;
@@ -578,6 +605,7 @@ typedef struct {
     unsigned                        restarted:1;
     unsigned                        slots_checked:1; /* GET /slots vouched */
     unsigned                        quarantine:1;
+    unsigned                        reprefill:1; /* no restore: cost.c */
 } ngx_http_llama_session_job_t;
 
 
@@ -598,6 +626,7 @@ typedef struct {
     unsigned                        history:1;
     unsigned                        base_built:1;
     unsigned                        base_file:1;
+    unsigned                        prefix:1;   /* the prefix prime */
 } ngx_http_llama_session_warm_t;
 
 

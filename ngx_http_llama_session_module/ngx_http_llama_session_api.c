@@ -21,6 +21,7 @@
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_reprime.h"
@@ -523,7 +524,8 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
 {
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t                          n;
-    cJSON                          *json, *list, *item, *backend, *stats;
+    cJSON                          *json, *list, *item, *backend, *stats,
+                                   *memory;
     cJSON                          *file, *session;
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_int_t                       rc;
@@ -600,6 +602,32 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
         }
     }
 
+    if (copy.fp_known && copy.memory_known
+        && ngx_memcmp(copy.memory_fp, copy.fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
+           == 0)
+    {
+        /* what a slot file can bring back on this model (gguf.c) */
+
+        memory = cJSON_AddObjectToObject(backend, "memory");
+
+        if (memory == NULL
+            || cJSON_AddStringToObject(memory, "kind",
+                              ngx_http_llama_session_memory_name(
+                                                     copy.memory.kind))
+               == NULL
+            || (copy.memory.kind != NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN
+                && cJSON_AddStringToObject(memory, "architecture",
+                                           (char *) copy.memory.arch)
+                   == NULL)
+            || (copy.memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
+                && cJSON_AddNumberToObject(memory, "sliding_window",
+                                           copy.memory.window)
+                   == NULL))
+        {
+            goto failed;
+        }
+    }
+
 #define ngx_http_llama_session_api_stat(name)                                 \
     if (cJSON_AddNumberToObject(stats, #name, copy.stats.name) == NULL) {    \
         goto failed;                                                         \
@@ -627,6 +655,10 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     ngx_http_llama_session_api_stat(probes);
     ngx_http_llama_session_api_stat(unloads);
     ngx_http_llama_session_api_stat(model_lost);
+    ngx_http_llama_session_api_stat(reprimes);
+    ngx_http_llama_session_api_stat(reprime_failed);
+    ngx_http_llama_session_api_stat(reprime_tokens);
+    ngx_http_llama_session_api_stat(reprefills);
 
 #undef ngx_http_llama_session_api_stat
 

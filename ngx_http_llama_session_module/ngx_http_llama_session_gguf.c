@@ -99,6 +99,30 @@ ngx_http_llama_session_memory_name(ngx_uint_t kind)
 }
 
 
+/* the memory of the backend of fingerprint fp, as far as it is known */
+
+ngx_uint_t
+ngx_http_llama_session_memory_kind(ngx_http_llama_session_zone_t *zone,
+    u_char *fp)
+{
+    ngx_uint_t                    kind;
+    ngx_http_llama_session_sh_t  *sh;
+
+    sh = zone->sh;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    kind = (sh->memory_known
+            && ngx_memcmp(sh->memory_fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
+               == 0)
+           ? sh->memory.kind : NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN;
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return kind;
+}
+
+
 /*
  * Reads the memory of the model at path (NUL-terminated) into mem.
  * NGX_OK: known; NGX_DECLINED: no such file here, or not a GGUF that

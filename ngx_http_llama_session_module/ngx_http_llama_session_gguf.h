@@ -14,6 +14,8 @@
 
 
 char *ngx_http_llama_session_memory_name(ngx_uint_t kind);
+ngx_uint_t ngx_http_llama_session_memory_kind(
+    ngx_http_llama_session_zone_t *zone, u_char *fp);
 ngx_int_t ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
     ngx_http_llama_session_memory_t *mem);
 void ngx_http_llama_session_memory_learn(ngx_http_request_t *r,

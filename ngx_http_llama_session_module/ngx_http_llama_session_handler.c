@@ -18,13 +18,14 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
+#include "ngx_http_llama_session_cost.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
-#include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_pin.h"
+#include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_router.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
@@ -812,6 +813,9 @@ static ngx_int_t
 ngx_http_llama_session_files(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    off_t       bytes;
+    ngx_uint_t  tokens;
+
     if (!ctx->default_session) {
         ngx_http_llama_session_remember(ctx, ctx->key, ctx->key_len,
                                         &ctx->id);
@@ -823,6 +827,19 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         /* restores bring nothing on this backend: neither save nor load */
         ctx->job.load_file = 0;
         ctx->job.save_pending = 0;
+    }
+
+    if (ctx->job.load_file
+        && ngx_http_llama_session_file_size(ctx, ctx->key, ctx->key_len,
+                                            &bytes, &tokens) == NGX_OK
+        && ngx_http_llama_session_cost_reprefill(ctx, bytes, tokens,
+                                                 &ctx->job.est_restore_ms,
+                                                 &ctx->job.est_prefill_ms))
+    {
+        /* its file would take longer to read than its prompt to prefill */
+        ctx->job.load_file = 0;
+        ctx->job.reprefill = 1;
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.reprefills);
     }
 
     if (ctx->job.restarted) {
@@ -1175,6 +1192,13 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     } else if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_WARM) {
         p = ngx_slprintf(p, last, "fresh");
+
+        if (ctx->job.reprefill) {
+            p = ngx_slprintf(p, last, " (re-prefilled: its file would take "
+                             "~%.0f ms to restore, its prompt ~%.0f ms to "
+                             "prefill)", ctx->job.est_restore_ms,
+                             ctx->job.est_prefill_ms);
+        }
 
     } else if (ctx->warm.trimmed) {
         p = ngx_slprintf(p, last, "warm from the slot's system prompt "

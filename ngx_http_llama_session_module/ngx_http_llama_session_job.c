@@ -53,6 +53,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
+#include "ngx_http_llama_session_cost.h"
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
@@ -330,6 +331,9 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
         (void) ngx_atomic_fetch_add(&ctx->zone->sh->metrics.bytes_restored,
                                     (ngx_atomic_uint_t) bytes);
         ngx_http_llama_session_observe(&ctx->zone->sh->metrics.restore, ms);
+
+        /* the disk's speed, for when a restore pays (cost.c) */
+        ngx_http_llama_session_cost_restore(ctx->zone, ctx->job.fp, bytes, ms);
 
         return NGX_OK;
     }

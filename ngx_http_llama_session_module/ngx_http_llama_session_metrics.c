@@ -13,6 +13,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_shm.h"
 
@@ -59,6 +60,10 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_RESTARTS,
     NGX_HTTP_LLAMA_SESSION_M_UNLOADS,
     NGX_HTTP_LLAMA_SESSION_M_LOST,
+    NGX_HTTP_LLAMA_SESSION_M_REPRIMES,
+    NGX_HTTP_LLAMA_SESSION_M_REPRIME_TOKENS,
+    NGX_HTTP_LLAMA_SESSION_M_MEMORY,
+    NGX_HTTP_LLAMA_SESSION_M_REPREFILLS,
     NGX_HTTP_LLAMA_SESSION_M_FAMILIES
 } ngx_http_llama_session_family_e;
 
@@ -132,7 +137,18 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "after its sessions were saved." },
     { "model_lost_sessions_total", "counter",
       "Router mode: sessions whose latest turns went with a model unloaded "
-      "or asleep behind the module's back." }
+      "or asleep behind the module's back." },
+    { "reprimes_total", "counter",
+      "Re-primes before a save (the slot made to hold what the next turn "
+      "shares), by result." },
+    { "reprime_tokens_total", "counter",
+      "Tokens the re-primes evaluated." },
+    { "model_memory", "gauge",
+      "The model's memory, from its file: full, swa, hybrid, recurrent or "
+      "unknown (1 for the kind)." },
+    { "reprefills_total", "counter",
+      "Sessions re-prefilled instead of restored: their file would have "
+      "taken longer to read than their prompt to prefill." }
 };
 
 
@@ -392,7 +408,7 @@ static ngx_int_t
 ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
     ngx_http_llama_session_snap_t *snap, ngx_uint_t family)
 {
-    ngx_uint_t                         i;
+    ngx_uint_t                         i, kind;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_stats_t    *st;
     ngx_http_llama_session_metrics_t  *m;
@@ -485,6 +501,39 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
     case NGX_HTTP_LLAMA_SESSION_M_DISABLED:
         return ngx_http_llama_session_sample("restores_disabled", "",
                                              sh->restores_off);
+
+    case NGX_HTTP_LLAMA_SESSION_M_REPRIMES:
+        if (ngx_http_llama_session_sample("reprimes_total",
+                                          ",result=\"ok\"", st->reprimes)
+            || ngx_http_llama_session_sample("reprimes_total",
+                                          ",result=\"failed\"",
+                                          st->reprime_failed))
+        {
+            return NGX_ERROR;
+        }
+
+        return NGX_OK;
+
+    case NGX_HTTP_LLAMA_SESSION_M_REPRIME_TOKENS:
+        return ngx_http_llama_session_sample("reprime_tokens_total", "",
+                                             st->reprime_tokens);
+
+    case NGX_HTTP_LLAMA_SESSION_M_MEMORY:
+
+        /* a model of this backend's configuration, if known */
+
+        kind = (sh->memory_known && sh->fp_known
+                && ngx_memcmp(sh->memory_fp, sh->fp,
+                              NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
+               ? sh->memory.kind : NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN;
+
+        return ngx_http_llama_session_print(out,
+                    "nginx_llama_session_model_memory{%V,kind=\"%s\"} 1\n",
+                    &snap->labels, ngx_http_llama_session_memory_name(kind));
+
+    case NGX_HTTP_LLAMA_SESSION_M_REPREFILLS:
+        return ngx_http_llama_session_sample("reprefills_total", "",
+                                             st->reprefills);
 
     case NGX_HTTP_LLAMA_SESSION_M_EVICTIONS:
         return ngx_http_llama_session_sample("evictions_total", "",

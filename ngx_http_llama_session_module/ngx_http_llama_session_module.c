@@ -599,11 +599,22 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
-        if (ngx_strcmp(value[i].data, "reprime=on") == 0
-            || ngx_strcmp(value[i].data, "reprime=off") == 0)
-        {
+        if (ngx_strncmp(value[i].data, "reprime=", 8) == 0) {
             /* the last turn made the slot's before each save (reprime.c) */
-            reprime = (value[i].data[9] == 'n');
+
+            if (ngx_strcmp(value[i].data + 8, "on") == 0) {
+                reprime = 1;
+
+            } else if (ngx_strcmp(value[i].data + 8, "off") == 0) {
+                reprime = 0;
+
+            } else {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid value \"%V\": \"reprime=\" is "
+                                   "\"on\" or \"off\"", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
             continue;
         }
 

@@ -17,6 +17,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_cost.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_reply.h"
 #include "ngx_http_llama_session_turn.h"
@@ -291,6 +292,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                          cached, evaluated, expected;
+    ngx_uint_t                         again;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_zone_t     *zone;
     ngx_http_llama_session_metrics_t  *m;
@@ -340,6 +342,13 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
 
     ngx_http_llama_session_miss(r, ctx, cached, evaluated);
 
+    if (ctx->r_prompt_n > 0 && ctx->r_prompt_ms > 0) {
+        /* the backend's prompt speed, for when a restore pays (cost.c) */
+        ngx_http_llama_session_cost_prefill(zone, ctx->job.fp,
+                                            ctx->r_prompt_n,
+                                            ctx->r_prompt_ms);
+    }
+
     if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
         || ctx->job.loaded_tokens < 8)
     {
@@ -365,6 +374,27 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     }
 
     (void) ngx_atomic_fetch_add(&sh->stats.ineffective, 1);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    again = (sh->reprime_off
+             && ngx_memcmp(sh->reprime_off_fp, ctx->job.fp,
+                           NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);
+
+    if (again) {
+        /* the slot as it was did not extend into this turn: re-prime */
+        sh->reprime_off = 0;
+        sh->reprime_extends = 0;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (again) {
+        ngx_log_error(NGX_LOG_NOTICE, r->connection->log, 0,
+                      "llama_session: a restore in zone \"%V\" brought "
+                      "nothing: the zone re-primes sessions before their "
+                      "saves again", &zone->name);
+    }
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: the restore of \"%*s\" (%ui tokens) was "

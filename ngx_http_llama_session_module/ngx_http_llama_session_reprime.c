@@ -39,11 +39,22 @@
 
 
 typedef struct {
-    ngx_buf_t                      *second;     /* the render with "2" */
+    ngx_buf_t                      *sent;       /* the body in flight */
+    ngx_buf_t                      *second;     /* the body with "2" */
     ngx_str_t                       first;      /* the render with "1" */
-    ngx_uint_t                      seq;        /* the turn's */
+    ngx_uint_t                      step;       /* the call in flight */
+    ngx_int_t                       cached;     /* the completion's */
+    ngx_int_t                       evaluated;
     ngx_msec_t                      start;
-} ngx_http_llama_session_reprime_t;
+} ngx_http_llama_session_prefix_t;
+
+
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST     0
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND    1
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE  2
+
+/* re-primes in a row that found nothing to do, before they stop */
+#define NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX      3
 
 
 static ngx_int_t ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
@@ -51,14 +62,16 @@ static ngx_int_t ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t len,
     ngx_buf_t **first, ngx_buf_t **second);
-static ngx_int_t ngx_http_llama_session_reprime_prompt(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt);
-static void ngx_http_llama_session_reprime_result(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-static ngx_buf_t *ngx_http_llama_session_reprime_buf(ngx_http_request_t *r,
-    char *text);
 static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static void ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached);
+static ngx_int_t ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt);
+static void ngx_http_llama_session_prefix_result(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_prefix_t *pp);
+static ngx_buf_t *ngx_http_llama_session_prefix_buf(ngx_http_request_t *r,
+    char *text);
 
 
 /*
@@ -97,6 +110,110 @@ ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
 }
 
 
+/*
+ * A call of the re-prime answered: the next one, or the save.  NGX_AGAIN:
+ * a call is on its way; else an HTTP status.
+ */
+
+ngx_int_t
+ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                         rc, cached, evaluated;
+    ngx_http_llama_session_prefix_t  *pp;
+
+    pp = ctx->job.reprime;
+
+    rc = ngx_http_llama_session_prefix_next(r, ctx, "re-prime");
+
+    if (rc == NGX_AGAIN) {
+        return rc;
+    }
+
+    if (rc != NGX_OK) {
+        (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprime_failed, 1);
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: \"%*s\" is saved without a re-prime",
+                      ctx->job.out_len, ctx->job.out_key);
+
+        return ngx_http_llama_session_reprime_save(r, ctx);
+    }
+
+    ngx_http_llama_session_prefix_tokens(ctx, &cached, &evaluated);
+
+    (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprimes, 1);
+
+    if (evaluated > 0) {
+        (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprime_tokens,
+                                    (ngx_atomic_uint_t) evaluated);
+    }
+
+    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                  "llama_session: re-primed \"%*s\" on slot %ui of zone "
+                  "\"%V\" before its save: %i tokens from the slot, %i "
+                  "evaluated, in %M ms", ctx->job.out_len, ctx->job.out_key,
+                  ctx->job.slot, &ctx->zone->name, cached, evaluated,
+                  ngx_current_msec - pp->start);
+
+    ngx_http_llama_session_reprime_learn(r, ctx, cached);
+
+    return ngx_http_llama_session_reprime_save(r, ctx);
+}
+
+
+/*
+ * Did the slot hold all the re-prime needed (every token GET /slots
+ * showed it holding was reused)?  The template then renders each reply as
+ * it was generated, and a restore of the slot as it is extends into the
+ * next turn anyway: after a few such in a row, re-primes stop for this
+ * configuration, until a restore that brings nothing (reply.c).
+ */
+
+static void
+ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached)
+{
+    ngx_uint_t                      off;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *zone;
+
+    if (ctx->job.slot_tokens <= 0 || cached < 0) {
+        return;
+    }
+
+    zone = ctx->zone;
+    sh = zone->sh;
+    off = 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (cached < ctx->job.slot_tokens) {
+        sh->reprime_extends = 0;
+
+    } else if (++sh->reprime_extends >= NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX
+               && !sh->reprime_off)
+    {
+        sh->reprime_off = 1;
+        ngx_memcpy(sh->reprime_off_fp, ctx->job.fp,
+                   NGX_HTTP_LLAMA_SESSION_FP_LEN);
+        off = 1;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (off) {
+        ngx_log_error(NGX_LOG_NOTICE, r->connection->log, 0,
+                      "llama_session: %d re-primes in a row in zone \"%V\" "
+                      "found the slot holding what the next turn extends "
+                      "(the template renders replies as generated): the "
+                      "zone saves slots as they are for backend %*s, until "
+                      "a restore brings nothing",
+                      NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX, &zone->name,
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+    }
+}
+
+
 /* NGX_AGAIN: the first render is on its way; NGX_DECLINED: no re-prime */
 
 static ngx_int_t
@@ -111,9 +228,8 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     ngx_uint_t                         seq;
     ngx_file_t                         file;
     ngx_file_info_t                    fi;
-    ngx_buf_t                         *first;
+    ngx_buf_t                         *first, *second;
     ngx_http_llama_session_zone_t     *zone;
-    ngx_http_llama_session_reprime_t  *rp;
     ngx_http_llama_session_loc_conf_t *llcf;
 
     zone = ctx->zone;
@@ -125,8 +241,18 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     /* the slot's last turn, if nothing ran on it since */
 
     ngx_shmtx_lock(&zone->shpool->mutex);
+
     seq = zone->sh->slots[ctx->job.slot].turn_seq;
     zone->sh->slots[ctx->job.slot].turn_seq = 0;
+
+    if (zone->sh->reprime_off
+        && ngx_memcmp(zone->sh->reprime_off_fp, ctx->job.fp,
+                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
+    {
+        /* the slot as it is extends into the next turn (reprime_learn) */
+        seq = 0;
+    }
+
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     if (seq == 0) {
@@ -196,16 +322,8 @@ close:
         return NGX_DECLINED;
     }
 
-    rp = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_reprime_t));
-    if (rp == NULL) {
-        return NGX_DECLINED;
-    }
-
-    rp->seq = seq;
-    rp->start = ngx_current_msec;
-
     rc = ngx_http_llama_session_reprime_bodies(r, ctx, data, len, &first,
-                                               &rp->second);
+                                               &second);
 
     ngx_pfree(r->pool, data);
 
@@ -213,21 +331,16 @@ close:
         return NGX_DECLINED;
     }
 
-    ctx->job.reprime = rp;
-    ctx->job.call_body = first;
-
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_REPRIME);
 
-    return ngx_http_llama_session_call(r, ctx,
-                                       NGX_HTTP_LLAMA_SESSION_CALL_APPLY,
-                                       NULL, 0);
+    return ngx_http_llama_session_prefix_start(r, ctx, first, second);
 }
 
 
 /*
  * The two bodies of POST /apply-template: the turn's request with its
- * reply and a user message appended.  The file is the module's own, of
- * the session whose slot the job holds: its key must be the session's.
+ * reply appended.  The file is the module's own, of the session whose
+ * slot the job holds: its key must be the session's.
  */
 
 static ngx_int_t
@@ -235,12 +348,9 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t len,
     ngx_buf_t **first, ngx_buf_t **second)
 {
-    u_char  *nl;
-    char    *text;
-    cJSON   *head, *body, *key, *message, *messages, *user, *content;
-
-    *first = NULL;
-    *second = NULL;
+    u_char     *nl;
+    cJSON      *head, *body, *key, *message, *messages;
+    ngx_int_t   rc;
 
     nl = ngx_strlchr(data, data + len, '\n');
     if (nl == NULL) {
@@ -254,6 +364,8 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     message = cJSON_DetachItemFromObjectCaseSensitive(head, "message");
     messages = cJSON_GetObjectItemCaseSensitive(body, "messages");
 
+    rc = NGX_DECLINED;
+
     if (!cJSON_IsString(key) || !cJSON_IsObject(message)
         || !cJSON_IsArray(messages)
         || ngx_strlen(key->valuestring) != ctx->job.out_len
@@ -264,32 +376,55 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
                       "llama_session: the turn file of slot %ui is not of "
                       "\"%*s\", it is saved without a re-prime",
                       ctx->job.slot, ctx->job.out_len, ctx->job.out_key);
-        goto failed;
+        cJSON_Delete(message);
+
+    } else {
+        cJSON_AddItemToArray(messages, message);
+        rc = ngx_http_llama_session_prefix_bodies(r, body, first, second);
     }
 
-    cJSON_AddItemToArray(messages, message);
-    message = NULL;
+    cJSON_Delete(head);
+    cJSON_Delete(body);
+
+    return rc;
+}
+
+
+/*
+ * The prefix prime, for the re-prime and for a warm start's base: the
+ * bodies of the two renders, a chat request's body with a user message
+ * "1", then "2", appended to its messages (body is the caller's, changed).
+ */
+
+ngx_int_t
+ngx_http_llama_session_prefix_bodies(ngx_http_request_t *r, cJSON *body,
+    ngx_buf_t **first, ngx_buf_t **second)
+{
+    cJSON  *messages, *user, *content;
+
+    *first = NULL;
+    *second = NULL;
+
+    messages = cJSON_GetObjectItemCaseSensitive(body, "messages");
+    if (!cJSON_IsArray(messages)) {
+        return NGX_DECLINED;
+    }
 
     user = cJSON_CreateObject();
     if (user == NULL) {
-        goto failed;
+        return NGX_ERROR;
     }
 
     cJSON_AddItemToArray(messages, user);
 
-    content = cJSON_CreateString("1");
-
     if (cJSON_AddStringToObject(user, "role", "user") == NULL
-        || content == NULL)
+        || cJSON_AddStringToObject(user, "content", "1") == NULL)
     {
-        cJSON_Delete(content);
-        goto failed;
+        return NGX_ERROR;
     }
 
-    cJSON_AddItemToObject(user, "content", content);
-
-    text = cJSON_PrintUnformatted(body);
-    *first = ngx_http_llama_session_reprime_buf(r, text);
+    *first = ngx_http_llama_session_prefix_buf(r,
+                                               cJSON_PrintUnformatted(body));
 
     content = cJSON_CreateString("2");
 
@@ -297,99 +432,95 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
         || !cJSON_ReplaceItemInObjectCaseSensitive(user, "content", content))
     {
         cJSON_Delete(content);
-        goto failed;
+        return NGX_ERROR;
     }
 
-    text = cJSON_PrintUnformatted(body);
-    *second = ngx_http_llama_session_reprime_buf(r, text);
+    *second = ngx_http_llama_session_prefix_buf(r,
+                                                cJSON_PrintUnformatted(body));
 
-    if (*first == NULL || *second == NULL) {
-        goto failed;
-    }
-
-    cJSON_Delete(head);
-    cJSON_Delete(body);
-
-    return NGX_OK;
-
-failed:
-
-    cJSON_Delete(message);
-    cJSON_Delete(head);
-    cJSON_Delete(body);
-
-    return NGX_DECLINED;
+    return (*first && *second) ? NGX_OK : NGX_ERROR;
 }
 
 
-/* a body of a call from cJSON's text, which is freed */
+/* starts the first render; NGX_AGAIN: on its way, else an HTTP status */
 
-static ngx_buf_t *
-ngx_http_llama_session_reprime_buf(ngx_http_request_t *r, char *text)
+ngx_int_t
+ngx_http_llama_session_prefix_start(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *first, ngx_buf_t *second)
 {
-    size_t      len;
-    ngx_buf_t  *b;
+    ngx_http_llama_session_prefix_t  *pp;
 
-    if (text == NULL) {
-        return NULL;
+    pp = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_prefix_t));
+    if (pp == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    len = ngx_strlen(text);
+    pp->second = second;
+    pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST;
+    pp->cached = -1;
+    pp->evaluated = -1;
+    pp->start = ngx_current_msec;
 
-    b = ngx_create_temp_buf(r->pool, len);
+    ctx->job.reprime = pp;
+    ctx->job.call_body = first;
+    pp->sent = first;
 
-    if (b) {
-        b->last = ngx_cpymem(b->pos, text, len);
-    }
-
-    cJSON_free(text);
-
-    return b;
+    return ngx_http_llama_session_call(r, ctx,
+                                       NGX_HTTP_LLAMA_SESSION_CALL_APPLY,
+                                       NULL, 0);
 }
 
 
 /*
- * A call of the re-prime answered: the next one, or the save.  NGX_AGAIN:
- * a call is on its way; else an HTTP status.
+ * A call of the prefix prime answered.  NGX_AGAIN: the next is on its
+ * way; NGX_OK: the slot holds the prefix; NGX_DECLINED: it failed
+ * (logged, "what" says whose), the slot holds what it held or a prefix
+ * of it.
  */
 
 ngx_int_t
-ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
+ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, char *what)
 {
-    cJSON                             *json, *prompt;
-    ngx_str_t                          common;
-    ngx_http_llama_session_reprime_t  *rp;
+    cJSON                            *json, *prompt;
+    ngx_uint_t                        call;
+    ngx_str_t                         common;
+    ngx_http_llama_session_prefix_t  *pp;
 
-    rp = ctx->job.reprime;
+    pp = ctx->job.reprime;
 
-    if (rp == NULL) {
-        return ngx_http_llama_session_reprime_save(r, ctx);
+    if (pp == NULL) {
+        return NGX_DECLINED;
     }
 
-    if (ctx->job.call_status == 0) {
-        /* llama-server did not answer: the save will tell what it is */
-        goto failed;
+    /* the body answered goes (a conversation's size: its own allocation) */
+
+    if (pp->sent) {
+        ngx_pfree(r->pool, pp->sent->start);
+        pp->sent = NULL;
     }
+
+    call = (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE)
+           ? NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
+           : NGX_HTTP_LLAMA_SESSION_CALL_APPLY;
 
     if (ctx->job.call_status != NGX_HTTP_OK) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: the re-prime of \"%*s\" failed: %V "
-                      "answered %i \"%*s\"; it is saved as it is",
-                      ctx->job.out_len, ctx->job.out_key,
-                      ngx_http_llama_session_call_name(ctx->job.call),
+                      "llama_session: the %s on slot %ui failed: %V "
+                      "answered %i \"%*s\"", what, ctx->job.slot,
+                      ngx_http_llama_session_call_name(call),
                       ctx->job.call_status,
                       ctx->job.call_reply
                       ? ngx_min(ctx->job.call_reply->last
                                 - ctx->job.call_reply->pos, 200) : 0,
                       ctx->job.call_reply ? ctx->job.call_reply->pos
                                           : (u_char *) "");
-        goto failed;
+        return NGX_DECLINED;
     }
 
-    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE) {
-        ngx_http_llama_session_reprime_result(r, ctx);
-        return ngx_http_llama_session_reprime_save(r, ctx);
+    if (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE) {
+        ngx_http_llama_session_prefix_result(ctx, pp);
+        return NGX_OK;
     }
 
     json = ctx->job.call_reply
@@ -403,27 +534,28 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     if (!cJSON_IsString(prompt)) {
         cJSON_Delete(json);
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: POST /apply-template gave no prompt, "
-                      "\"%*s\" is saved without a re-prime",
-                      ctx->job.out_len, ctx->job.out_key);
-        goto failed;
+                      "llama_session: POST /apply-template gave the %s no "
+                      "prompt", what);
+        return NGX_DECLINED;
     }
 
-    if (rp->first.data == NULL) {
-        /* the first render: keep it, the second is asked */
+    if (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST) {
+        /* the first render: kept, the second is asked */
 
-        rp->first.len = ngx_strlen(prompt->valuestring);
-        rp->first.data = ngx_pnalloc(r->pool, rp->first.len);
+        pp->first.len = ngx_strlen(prompt->valuestring);
+        pp->first.data = ngx_pnalloc(r->pool, pp->first.len);
 
-        if (rp->first.data == NULL) {
+        if (pp->first.data == NULL) {
             cJSON_Delete(json);
-            goto failed;
+            return NGX_DECLINED;
         }
 
-        ngx_memcpy(rp->first.data, prompt->valuestring, rp->first.len);
+        ngx_memcpy(pp->first.data, prompt->valuestring, pp->first.len);
         cJSON_Delete(json);
 
-        ctx->job.call_body = rp->second;
+        pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND;
+        ctx->job.call_body = pp->second;
+        pp->sent = pp->second;
 
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_APPLY,
@@ -432,13 +564,13 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
 
     /* the second: what both share, up to its last newline */
 
-    common.data = rp->first.data;
+    common.data = pp->first.data;
     common.len = 0;
 
-    while (common.len < rp->first.len
+    while (common.len < pp->first.len
            && prompt->valuestring[common.len] != '\0'
-           && prompt->valuestring[common.len] == (char) rp->first.data[
-                                                                common.len])
+           && prompt->valuestring[common.len]
+              == (char) pp->first.data[common.len])
     {
         common.len++;
     }
@@ -452,37 +584,48 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     if (common.len == 0) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the template renders no common line "
-                      "for \"%*s\", it is saved without a re-prime",
-                      ctx->job.out_len, ctx->job.out_key);
-        goto failed;
+                      "for the %s", what);
+        return NGX_DECLINED;
     }
 
-    if (ngx_http_llama_session_reprime_prompt(r, ctx, &common) != NGX_OK) {
-        goto failed;
+    if (ngx_http_llama_session_prefix_prompt(r, ctx, &common) != NGX_OK) {
+        return NGX_DECLINED;
     }
 
-    ngx_pfree(r->pool, rp->first.data);
-    ngx_str_null(&rp->first);
+    ngx_pfree(r->pool, pp->first.data);
+    ngx_str_null(&pp->first);
+
+    pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE;
+    pp->sent = ctx->job.call_body;
 
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE,
                                        NULL, 0);
+}
 
-failed:
 
-    (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprime_failed, 1);
+/* what the completion took from the slot, and evaluated; -1: not said */
 
-    return ngx_http_llama_session_reprime_save(r, ctx);
+void
+ngx_http_llama_session_prefix_tokens(ngx_http_llama_session_ctx_t *ctx,
+    ngx_int_t *cached, ngx_int_t *evaluated)
+{
+    ngx_http_llama_session_prefix_t  *pp;
+
+    pp = ctx->job.reprime;
+
+    *cached = pp ? pp->cached : -1;
+    *evaluated = pp ? pp->evaluated : -1;
 }
 
 
 /* POST /completion's body: the prefix, on the job's slot, one token */
 
 static ngx_int_t
-ngx_http_llama_session_reprime_prompt(ngx_http_request_t *r,
+ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt)
 {
-    char   *text;
+    char   *text, *copy;
     cJSON  *json, *p;
 
     json = cJSON_CreateObject();
@@ -507,7 +650,7 @@ ngx_http_llama_session_reprime_prompt(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    /* the prompt: a NUL-terminated copy, as cJSON wants it */
+    /* the prompt: a NUL-terminated copy, which cJSON only refers to */
 
     p->valuestring = (char *) ngx_pnalloc(r->pool, prompt->len + 1);
     if (p->valuestring == NULL) {
@@ -521,26 +664,24 @@ ngx_http_llama_session_reprime_prompt(ngx_http_request_t *r,
 
     cJSON_AddItemToObject(json, "prompt", p);
 
+    copy = p->valuestring;
     text = cJSON_PrintUnformatted(json);
     cJSON_Delete(json);
+    ngx_pfree(r->pool, copy);
 
-    ctx->job.call_body = ngx_http_llama_session_reprime_buf(r, text);
+    ctx->job.call_body = ngx_http_llama_session_prefix_buf(r, text);
 
     return ctx->job.call_body ? NGX_OK : NGX_ERROR;
 }
 
 
-/* the re-prime's reply: what it cost, for the log and the metrics */
+/* the completion's reply: what it took from the slot, and evaluated */
 
 static void
-ngx_http_llama_session_reprime_result(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
+ngx_http_llama_session_prefix_result(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_prefix_t *pp)
 {
-    cJSON                             *json, *timings, *cached, *evaluated;
-    ngx_int_t                          c, e;
-    ngx_http_llama_session_reprime_t  *rp;
-
-    rp = ctx->job.reprime;
+    cJSON  *json, *timings, *cached, *evaluated;
 
     json = ctx->job.call_reply
            ? ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
@@ -552,22 +693,43 @@ ngx_http_llama_session_reprime_result(ngx_http_request_t *r,
     cached = cJSON_GetObjectItemCaseSensitive(timings, "cache_n");
     evaluated = cJSON_GetObjectItemCaseSensitive(timings, "prompt_n");
 
-    c = cJSON_IsNumber(cached) ? (ngx_int_t) cached->valuedouble : -1;
-    e = cJSON_IsNumber(evaluated) ? (ngx_int_t) evaluated->valuedouble : -1;
-
-    cJSON_Delete(json);
-
-    (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprimes, 1);
-
-    if (e > 0) {
-        (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprime_tokens,
-                                    (ngx_atomic_uint_t) e);
+    if (cJSON_IsNumber(cached) && cached->valuedouble >= 0
+        && cached->valuedouble < 1e12)
+    {
+        pp->cached = (ngx_int_t) cached->valuedouble;
     }
 
-    ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                  "llama_session: re-primed \"%*s\" on slot %ui of zone "
-                  "\"%V\" before its save: %i tokens from the slot, %i "
-                  "evaluated, in %M ms", ctx->job.out_len, ctx->job.out_key,
-                  ctx->job.slot, &ctx->zone->name, c, e,
-                  ngx_current_msec - rp->start);
+    if (cJSON_IsNumber(evaluated) && evaluated->valuedouble >= 0
+        && evaluated->valuedouble < 1e12)
+    {
+        pp->evaluated = (ngx_int_t) evaluated->valuedouble;
+    }
+
+    cJSON_Delete(json);
+}
+
+
+/* a body of a call from cJSON's text, which is freed */
+
+static ngx_buf_t *
+ngx_http_llama_session_prefix_buf(ngx_http_request_t *r, char *text)
+{
+    size_t      len;
+    ngx_buf_t  *b;
+
+    if (text == NULL) {
+        return NULL;
+    }
+
+    len = ngx_strlen(text);
+
+    b = ngx_create_temp_buf(r->pool, len);
+
+    if (b) {
+        b->last = ngx_cpymem(b->last, text, len);
+    }
+
+    cJSON_free(text);
+
+    return b;
 }

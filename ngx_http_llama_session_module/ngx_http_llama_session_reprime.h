@@ -2,7 +2,7 @@
 /*
  * Copyright (C) ngx_http_llama_session_module authors
  *
- * A session's save, re-primed first: the functions of ngx_http_llama_session_reprime.c.
+ * The prefix prime: a session's save re-primed first, a base's prime: the functions of ngx_http_llama_session_reprime.c.
  */
 
 
@@ -17,6 +17,14 @@ ngx_int_t ngx_http_llama_session_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_prefix_bodies(ngx_http_request_t *r,
+    cJSON *body, ngx_buf_t **first, ngx_buf_t **second);
+ngx_int_t ngx_http_llama_session_prefix_start(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *first, ngx_buf_t *second);
+ngx_int_t ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, char *what);
+void ngx_http_llama_session_prefix_tokens(ngx_http_llama_session_ctx_t *ctx,
+    ngx_int_t *cached, ngx_int_t *evaluated);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_REPRIME_H_INCLUDED_ */

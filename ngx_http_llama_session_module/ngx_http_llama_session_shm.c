@@ -1274,6 +1274,41 @@ ngx_http_llama_session_file_known(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/* the bytes and tokens of the session's file; NGX_DECLINED: not known */
+
+ngx_int_t
+ngx_http_llama_session_file_size(ngx_http_llama_session_ctx_t *ctx,
+    u_char *key, size_t len, off_t *bytes, ngx_uint_t *tokens)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_int_t                       rc;
+    ngx_http_llama_session_node_t  *node;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_lookup(zone->sh, name, n,
+                                         ngx_crc32_short(name, n));
+
+    rc = NGX_DECLINED;
+
+    if (node && node->saved && node->bytes > 0 && node->tokens > 0) {
+        *bytes = node->bytes;
+        *tokens = node->tokens;
+        rc = NGX_OK;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return rc;
+}
+
+
 void
 ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
     u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens, off_t bytes)

@@ -36,6 +36,9 @@ void ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state);
 void ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state, u_char *key, size_t len, ngx_uint_t dirty);
+ngx_int_t ngx_http_llama_session_file_size(
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t *bytes,
+    ngx_uint_t *tokens);
 ngx_int_t ngx_http_llama_session_file_known(
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 void ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,

@@ -35,8 +35,10 @@
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
@@ -51,6 +53,8 @@ static ngx_int_t ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action);
 static ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
+static ngx_int_t ngx_http_llama_session_prime_prefix(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_uint_t ngx_http_llama_session_prime_tokens(ngx_log_t *log,
     ngx_buf_t *b, ngx_int_t *cached);
 
@@ -148,7 +152,7 @@ static ngx_int_t
 ngx_http_llama_session_warm_call(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t step)
 {
-    ngx_uint_t  call;
+    ngx_uint_t  call, kind;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_WARM);
     ctx->warm.warm_step = step;
@@ -167,6 +171,18 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
             != NGX_OK)
         {
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        kind = ngx_http_llama_session_memory_kind(ctx->zone, ctx->job.fp);
+
+        ctx->warm.prefix = (!ctx->anthropic
+                            && (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_HYBRID
+                                || kind
+                                   == NGX_HTTP_LLAMA_SESSION_MEMORY_RECURRENT));
+
+        if (ctx->warm.prefix) {
+            /* the prefix prime (reprime.c) of that body */
+            return ngx_http_llama_session_prime_prefix(r, ctx);
         }
 
         break;
@@ -193,7 +209,7 @@ ngx_int_t
 ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_int_t   status;
+    ngx_int_t   status, rc, cached, evaluated;
     ngx_uint_t  step;
 
     static char  *names[] = { "", "restore of the base", "erase",
@@ -251,7 +267,17 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_WARM_PRIME:
 
-        if (status != NGX_HTTP_OK) {
+        rc = NGX_OK;
+
+        if (ctx->warm.prefix) {
+            rc = ngx_http_llama_session_prefix_next(r, ctx, "base's prime");
+
+            if (rc == NGX_AGAIN) {
+                return rc;
+            }
+        }
+
+        if (status != NGX_HTTP_OK || rc != NGX_OK) {
             /*
              * the template may refuse a system prompt alone: the slot
              * must not keep another session's history for this one
@@ -280,10 +306,18 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                             NGX_HTTP_LLAMA_SESSION_WARM_CLEAN);
         }
 
-        ctx->warm.base_tokens = ngx_http_llama_session_prime_tokens(
+        if (!ctx->warm.prefix) {
+            ctx->warm.base_tokens = ngx_http_llama_session_prime_tokens(
                                          r->connection->log,
                                              ctx->job.call_reply,
                                          &ctx->warm.base_cached);
+
+        } else {
+            ngx_http_llama_session_prefix_tokens(ctx, &cached, &evaluated);
+            ctx->warm.base_cached = cached;
+            ctx->warm.base_tokens = (cached >= 0 && evaluated >= 0)
+                                    ? (ngx_uint_t) (cached + evaluated) : 0;
+        }
 
         /* one slot at a time saves a base: its file has one name */
 
@@ -449,6 +483,45 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     *out = b;
 
     return NGX_OK;
+}
+
+
+/*
+ * A chat base's prime on a model with recurrent or hybrid memory: the
+ * system prompt (and tools) rendered with a user message after it, cut
+ * where that message starts, is all the slot holds (reprime.c), so that
+ * every session's first turn extends it, as such a model needs to reuse a
+ * restored base.  A completion of the system prompt alone ends with the
+ * template's assistant prompt, which no next turn has: models with full
+ * attention (and sliding windows, whose next turn differs within the
+ * window) reuse the rest of it, and keep that one call.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_prime_prefix(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    cJSON      *body;
+    ngx_int_t   rc;
+    ngx_buf_t  *b, *first, *second;
+
+    b = ctx->job.call_body;
+    ctx->job.call_body = NULL;
+
+    body = ngx_http_llama_session_json_tree(b->pos, b->last - b->pos);
+    if (body == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    rc = ngx_http_llama_session_prefix_bodies(r, body, &first, &second);
+
+    cJSON_Delete(body);
+
+    if (rc != NGX_OK) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    return ngx_http_llama_session_prefix_start(r, ctx, first, second);
 }
 
 

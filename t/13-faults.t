@@ -115,7 +115,8 @@ sub slot_calls {
 }
 
 sub completions {
-    return grep { $_->{path} !~ m{^/slots} && $_->{method} eq 'POST' }
+    return grep { $_->{path} !~ m{^/slots} && $_->{method} eq 'POST'
+                  && !LlamaTest::prefix_call($_) }
            @{ $t->fake_calls };
 }
 

@@ -149,7 +149,8 @@ sub slot_calls {
 
 sub completions {
     my ($t) = @_;
-    return grep { $_->{path} !~ m{^/slots} && $_->{method} eq 'POST' }
+    return grep { $_->{path} !~ m{^/slots} && $_->{method} eq 'POST'
+                  && !LlamaTest::prefix_call($_) }
            @{ $t->fake_calls };
 }
 

@@ -14,10 +14,13 @@ use lib "$FindBin::Bin/lib";
 use LlamaTest;
 use Test::More;
 
+# reprime=off: the fake backend, in Perl, takes seconds to render a 2 MB
+# body through its template; the re-prime of spooled bodies is the last
+# part's
 my $t = LlamaTest->new(workers => 1);
 $t->fake(np => 1);
 $t->nginx($t->site(
-    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% reprime=off;',
     server => q{
         client_max_body_size 16m;
         client_body_buffer_size 16k;
@@ -86,4 +89,32 @@ ok(@prime, 'the prime had the system prompt, read again from the file, '
    . 'and none of the conversation');
 
 $t->stop;
+
+# the re-prime of a turn whose body nginx wrote to a file: the turn file
+# has the body, read from there, and the swap re-primes with it
+{
+    my $t = LlamaTest->new(workers => 1);
+    $t->fake(np => 1);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        server => 'client_body_buffer_size 16k;'));
+    my $big = { messages => [ { role => 'user',
+                                content => 'spooled ' . ('q' x 100_000) } ] };
+    is($t->post('/v1/chat/completions', $big,
+                headers => { 'X-Session-Id' => 'spool' })->{status}, 200,
+       'a turn with a 100 kB body');
+    ok($t->log_lines(qr/a client request body is buffered to a temporary file/),
+       'which nginx wrote to a file');
+    $t->post('/v1/chat/completions',
+             { messages => [ { role => 'user', content => 'other' } ] },
+             headers => { 'X-Session-Id' => 'other' });
+    ok($t->log_lines(qr/re-primed "spool-\w+" on slot 0/),
+       'its swap re-primed it, from the body kept');
+    my ($apply) = grep { $_->{path} eq '/apply-template' } @{ $t->fake_calls };
+    cmp_ok($apply ? $apply->{body_len} : 0, '>', 100_000,
+           'the render had the spooled body (' . ($apply ? $apply->{body_len} : 0)
+           . ' bytes)');
+    $t->stop;
+}
+
 done_testing;

@@ -59,6 +59,8 @@ sub what {
     my ($c) = @_;
     return $c->{path} =~ m{^/slots/\d+$} ? ($c->{query} =~ /action=(\w+)/)[0]
          : $c->{path} eq '/slots' ? 'get'
+         : $c->{path} eq '/apply-template' ? 'template'
+         : LlamaTest::prefix_call($c) ? 'reprime'
          : $c->{method} eq 'POST' ? (($c->{body} // '') =~ /"max_tokens":1,/
                                      ? 'prime' : 'completion')
          : 'other';
@@ -138,8 +140,9 @@ is($r->{status}, 200, 'a refused prime: the request is served');
 is($r->{action}, 'fresh', 'fresh');
 is($r->{cache_n}, 0, 'from an empty slot: nothing of gamma is reused');
 @calls = grep { $_ ne 'get' && $_ ne 'other' } map { what($_) } calls_since($n);
-is_deeply(\@calls, [ qw(save prime erase completion) ],
-          'the slot that held gamma is erased after the refused prime')
+is_deeply(\@calls, [ qw(template template reprime save prime erase completion) ],
+          'gamma, re-primed and saved, leaves the slot, which is erased '
+          . 'after the refused prime')
     or diag "@calls";
 ok($t->log_lines(qr/\[warn\].*llama-server refused the system prompt alone for base "base-[0-9a-f]{24}" \(400/),
    'the refusal is logged');

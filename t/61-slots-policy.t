@@ -47,7 +47,8 @@ sub ask {
 }
 
 sub pinned {
-    my @c = grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots} }
+    my @c = grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots}
+                 && !LlamaTest::prefix_call($_) }
             @{ $t->fake_calls };
     my $b = eval { $JSON->decode($c[-1]{body}) } // {};
     return $b->{id_slot};
@@ -105,7 +106,8 @@ for my $sid (qw(s4 s5 s6)) {
 $r = ask('s4', extra => { id_slot => ($slot{s4} + 1) % 4 });
 is(pinned(), $slot{s4}, 'a client\'s id_slot is overridden (the module\'s '
    . 'comes last)');
-my @c = grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots} }
+my @c = grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots}
+                 && !LlamaTest::prefix_call($_) }
         @{ $t->fake_calls };
 like($c[-1]{body}, qr/"id_slot":\d+,.*"id_slot":$slot{s4}\}$/,
      'both are in the body, the module\'s last');
@@ -119,7 +121,8 @@ is(pinned(), $r->{headers}{'x-s-slot'}, 'and pinned');
 my $big = { prompt => 'x' x 300_000 };
 $r = $t->post('/v1/completions', $big, headers => { 'X-Session-Id' => 'big' });
 is($r->{status}, 200, 'a 300 KB body (in a temporary file) is served');
-@c = grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots} }
+@c = grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots}
+                 && !LlamaTest::prefix_call($_) }
      @{ $t->fake_calls };
 is($c[-1]{body_len}, length($JSON->encode($big))
    + length(qq(,"id_slot":$r->{headers}{'x-s-slot'})),
@@ -139,7 +142,8 @@ $r = $t->request('POST', '/v1/completions', body => '["not", "an object"]',
                               'Content-Type' => 'application/json' });
 is($r->{status}, 400, 'a body that is no JSON object: 400');
 like($r->{content}, qr/must be a JSON object/, 'with the reason');
-ok(!(grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots} }
+ok(!(grep { $_->{method} eq 'POST' && $_->{path} !~ m{^/slots}
+                 && !LlamaTest::prefix_call($_) }
      @{ $t->fake_calls }[$n .. $#{ $t->fake_calls }]),
    'and never reaches llama-server');
 

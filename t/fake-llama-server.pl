@@ -8,6 +8,7 @@
 #   POST /slots/N?action=save|restore|erase   {"filename": "..."}
 #   POST /completion, /v1/completions, /v1/chat/completions, /v1/embeddings
 #        and anything else under POST: an inference with a fake cache
+#   POST /apply-template: the messages' JSON, the last one on its own line
 #
 # Its "KV cache" per slot is the request's prompt text; cache_n is the
 # length of the common prefix (in characters) with the slot's text.  Save
@@ -33,7 +34,9 @@
 # clock; reply (completion): the JSON a non-streamed request gets, events
 # (completion): the SSE events a streamed one gets, then [DONE];
 # discard (restore): a 200 that leaves the slot empty, as models with
-# recurrent or sliding-window layers do.  Every request is appended to
+# recurrent or sliding-window layers do; apply (POST /apply-template):
+# {"status": N}; restore_ms (restore): the time its reply reports (a slow
+# disk).  Every request is appended to
 # --calls as JSON.
 
 use strict;
@@ -336,7 +339,24 @@ sub handle {
         return reply($c, 200, { id_slot => $id, filename => $name,
                                 n_restored => $data->{n},
                                 n_read => -s $file,
-                                timings => { restore_ms => 0.5 } });
+                                timings => { restore_ms =>
+                                    $script->{restore}{restore_ms} // 0.5 } });
+    }
+
+    # the fake's chat template: the messages' JSON, the last one on a line
+    # of its own, so that a render with a message appended shares a line
+    # with the next turn's text (a prefix prime's cut, reprime.c)
+    if ($m eq 'POST' && $req->{path} eq '/apply-template') {
+        my $f = $script->{apply};
+        return error($c, $f->{status}, 'scripted failure')
+            if $f && $f->{status} && $f->{status} != 200;
+        my $body = eval { $json->decode($req->{body}) } // {};
+        my @m = @{ ref $body->{messages} eq 'ARRAY' ? $body->{messages} : [] };
+        return error($c, 400, 'no messages', 'invalid_request_error') unless @m;
+        my $last = pop @m;
+        my $prompt = '[' . join(',', map { $json->encode($_) } @m)
+                   . (@m ? ",\n" : '') . $json->encode($last) . ']';
+        return reply($c, 200, { prompt => $prompt });
     }
 
     if ($m eq 'POST') {
@@ -358,10 +378,12 @@ sub completion {
 
     my $id = defined $body->{id_slot} && $body->{id_slot} >= 0
              ? $body->{id_slot} % $o{np} : 0;
-    my $text = ref $body eq 'HASH'
-               ? $json->encode($body->{messages} // $body->{prompt}
-                               // $body->{input} // $body->{system} // '')
-               : $req->{body};
+    # a prompt given as text is the slot's text as it is (a prefix prime)
+    my $text = ref $body ne 'HASH' ? $req->{body}
+             : defined $body->{prompt} && !ref $body->{prompt}
+               && !defined $body->{messages} ? $body->{prompt}
+             : $json->encode($body->{messages} // $body->{prompt}
+                             // $body->{input} // $body->{system} // '');
 
     # the slot is taken while the request runs
     my $cache_n = with_state(sub {

@@ -266,6 +266,15 @@ sub fake_script {
 
 # the calls the fake backend got, in order: [{method, path, query, headers,
 # body}, ...]
+# a call the module makes for a prefix prime (reprime.c), not a client's:
+# a render, or the completion that makes the slot hold the prefix
+sub prefix_call {
+    my ($c) = @_;
+    return $c->{path} eq '/apply-template'
+        || ($c->{path} eq '/completion'
+            && ($c->{body} // '') =~ /^\{"n_predict":1,"cache_prompt":true,"id_slot":\d+,/);
+}
+
 sub fake_calls {
     my ($self, $name) = @_;
     my $f = "$self->{dir}/" . ($name // 'fake') . '.calls';
