@@ -189,6 +189,51 @@ scenario(name => 'gemma3think', model => $gemma3, stream => 1,
          args => [ '--swa-full', '--jinja', '--chat-template-file', $think ],
          check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
 
+# warm starts: the base (the system prompt alone) restored from its file
+# into a slot that held another system prompt is reused by a new
+# conversation on every memory kind
+# (on hybrid ones the base is made by the prefix prime, which ends where the
+# conversation's first message starts)
+sub warm_scenario {
+    my (%o) = @_;
+    my $name = $o{name};
+    my $t = LlamaTest->new(workers => 2);
+    my $llama = $t->llama(model => $o{model}, args => $o{args} // []);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        server => 'llama_session_warm system min=64;',
+        location => 'add_header X-S-Action $llama_session_action always;'));
+
+    turn($t, "first-$name", conversation_of('Ann'));
+    ok($t->wait_for(sub { $t->log_lines(qr/base "base-\w+" primed .* and saved: \d+ tokens/) }, 5),
+       "$name: the first conversation made the base");
+
+    # another system prompt takes the slot: the base must come from its file
+    my $other = conversation_of('Eve');
+    $other->[0]{content} = join ' ', map { "Law $_ binds each reply." } 1 .. 60;
+    turn($t, "other-$name", $other);
+
+    my $r = turn($t, "new-$name", conversation_of('Cy'));
+    my (undef, $tm) = reply_of($r);
+    is($r->{headers}{'x-s-action'}, 'warm', "$name: a new conversation starts warm");
+    my ($base) = map { /warm from base "base-\w+", (\d+) tokens/ ? $1 : () }
+                 $t->log_lines(qr/warm from base/);
+    ok($base, "$name: from the base's file");
+    # full attention and SWA: the base ends with the template's assistant
+    # prompt, which the conversation replaces (a few tokens); hybrid: the
+    # prefix prime's base ends where the conversation's first message starts
+    cmp_ok($tm->{cache_n}, '>=', ($base // 1e9) - ($o{exact} ? 0 : 4),
+           "$name: which it reuses: $tm->{cache_n} cached of the base's "
+           . ($base // '?') . " tokens, $tm->{prompt_n} evaluated");
+    $t->stop;
+}
+
+warm_scenario(name => 'llama');
+warm_scenario(name => 'lfm2', model => $lfm2, exact => 1);
+warm_scenario(name => 'lfm2think', model => $lfm2, exact => 1,
+              args => [ '--jinja', '--chat-template-file', $think ]);
+warm_scenario(name => 'gemma3', model => $gemma3, args => [ '--swa-full' ]);
+
 # without --swa-full: the memory is said at start, one restore that brings
 # nothing stops saves and restores, with the fix in the log
 {
