@@ -923,7 +923,10 @@ def bench_models(work, quick):
              ('gemma3', 'swa', 'think', 'gemma3', tmpl, ['--swa-full'])]
     ctx = ptoks * 2 + 2048
     out = []
+    only = os.environ.get('BENCH_MODELS')     # e.g. "lfm2:chatml"
     for name, kind, template, gen, extra, module_only in cases:
+        if only and '%s:%s' % (name, template) not in only.split(','):
+            continue
         model = rig('make-model.sh', gen) if gen else None
         defaults = Llama(work, 'm-%s-%s-def' % (name, template), ctx,
                          args=[], model=model, extra=extra)
@@ -960,6 +963,8 @@ def bench_models(work, quick):
                         rec[side]['cache_n'].append(cache_n)
                         rec[side]['reuse'].append(
                             min(1.0, (cache_n or 0) / shared))
+                        rec[side].setdefault('turns', []).append(
+                            [n, sid, cache_n, prompt, shared])
                     prev[(side, sid)] = (prompt or 0, completion or 0)
                 time.sleep(0.7)     # think time: the idle save runs
         row = {'model': name, 'memory': kind, 'template': template,
@@ -971,7 +976,8 @@ def bench_models(work, quick):
                 'ttft_median': median(sorted(r['ttft'])),
                 'reuse_min': min(r['reuse']), 'reuse_median':
                     median(sorted(r['reuse'])),
-                'cache_n_median': median(sorted(r['cache_n']))}
+                'cache_n_median': median(sorted(r['cache_n'])),
+                'turns': r['turns']}
         d = row['sides']
         row['module_vs_defaults'] = (d['module']['ttft_median']
                                      / d['alone_defaults']['ttft_median'])

@@ -32,6 +32,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_reprime.h"
@@ -166,22 +167,33 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
  * showed it holding was reused)?  The template then renders each reply as
  * it was generated, and a restore of the slot as it is extends into the
  * next turn anyway: after a few such in a row, re-primes stop for this
- * configuration, until a restore that brings nothing (reply.c).
+ * configuration, until a restore that brings nothing (reply.c).  Only on
+ * models known to attend to the whole context (or to a window, with
+ * --swa-full): there a guess that was wrong costs the reply's tokens.  On
+ * hybrid and recurrent models it costs the whole prompt (one reply in a
+ * few re-tokenises otherwise, measured on the rig's lfm2), while a
+ * re-prime that finds the slot as it should be evaluates only what the
+ * next turn would: they are always re-primed.
  */
 
 static void
 ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached)
 {
-    ngx_uint_t                      off;
+    ngx_uint_t                      off, kind;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *zone;
 
-    if (ctx->job.slot_tokens <= 0 || cached < 0) {
+    zone = ctx->zone;
+    kind = ngx_http_llama_session_memory_kind(zone, ctx->job.fp);
+
+    if (ctx->job.slot_tokens <= 0 || cached < 0
+        || (kind != NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
+            && kind != NGX_HTTP_LLAMA_SESSION_MEMORY_SWA))
+    {
         return;
     }
 
-    zone = ctx->zone;
     sh = zone->sh;
     off = 0;
 
