@@ -59,6 +59,11 @@ MODULE = os.environ.get('NGINX_MODULE',
                                      'ngx_http_llama_session_module.so'))
 
 
+# random weights: byte tokens make invalid UTF-8, which the chat parser
+# refuses with 500; they are banned in the requests of bench_models
+BAN = [[i, False] for i in range(3, 259)]
+
+
 def rig(script, *args):
     return subprocess.check_output([os.path.join(ROOT, 'rig', script)]
                                    + list(args),
@@ -221,45 +226,11 @@ def post(port, path, body, headers=None, timeout=600):
 
 
 def stream_turn(port, messages, sid):
-    """a streamed chat turn: (ttft seconds, reply text, cache_n, headers)"""
-    body = json.dumps({'messages': messages, 'max_tokens': 4,
-                       'temperature': 0, 'stream': True}).encode()
-    c = http.client.HTTPConnection('127.0.0.1', port, timeout=900)
-    t0 = time.perf_counter()
-    c.request('POST', '/v1/chat/completions', body,
-              {'Content-Type': 'application/json', 'X-Session-Id': sid})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError('turn failed: %d %s' % (r.status, r.read()[:200]))
-    ttft = None
-    text = ''
-    cache_n = None
-    prompt_n = None
-    buf = b''
-    while True:
-        chunk = r.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b'\n\n' in buf:
-            event, buf = buf.split(b'\n\n', 1)
-            if not event.startswith(b'data: ') or event == b'data: [DONE]':
-                continue
-            d = json.loads(event[6:])
-            for ch in d.get('choices', []):
-                piece = (ch.get('delta') or {}).get('content')
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text += piece
-            if 'timings' in d:
-                cache_n = d['timings'].get('cache_n')
-                prompt_n = d['timings'].get('prompt_n', 0) + (cache_n or 0)
-    if ttft is None:
-        ttft = time.perf_counter() - t0
-    hdrs = dict(r.getheaders())
-    c.close()
-    return ttft, text, cache_n, hdrs, prompt_n
+    """a streamed chat turn: (ttft seconds, reply text, cache_n, headers,
+    prompt tokens)"""
+    ttft, text, cache_n, prompt, _, hdrs = chat_turn(
+        port, messages, sid, 4, {'temperature': 0})
+    return ttft, text, cache_n, hdrs, prompt
 
 
 def words_for(port, tokens, prefix):
@@ -857,17 +828,15 @@ def bench_oneslot(work, quick):
 
 # 8. memory kinds and templates ------------------------------------------
 
-# random weights: byte tokens make invalid UTF-8, which the chat parser
-# refuses with 500; they are banned in every side's requests
-BAN = [[i, False] for i in range(3, 259)]
-
-
-def chat_turn(port, messages, sid, max_tokens):
-    """a streamed chat turn with the byte tokens banned: (ttft, reply,
-    cache_n, prompt tokens, completion tokens, headers)"""
-    body = json.dumps({'messages': messages, 'max_tokens': max_tokens,
-                       'seed': 1, 'logit_bias': BAN, 'stream': True,
-                       'stream_options': {'include_usage': True}}).encode()
+def chat_turn(port, messages, sid, max_tokens, extra=None):
+    """a streamed chat turn (extra: more of the body; else the byte tokens
+    banned): (ttft, reply, cache_n, prompt tokens, completion tokens,
+    headers)"""
+    body = {'messages': messages, 'max_tokens': max_tokens, 'stream': True,
+            'stream_options': {'include_usage': True}}
+    body.update(extra if extra is not None
+                else {'seed': 1, 'logit_bias': BAN})
+    body = json.dumps(body).encode()
     c = http.client.HTTPConnection('127.0.0.1', port, timeout=900)
     t0 = time.perf_counter()
     c.request('POST', '/v1/chat/completions', body,

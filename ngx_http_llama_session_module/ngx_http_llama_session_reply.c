@@ -292,7 +292,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                          cached, evaluated, expected;
-    ngx_uint_t                         again;
+    ngx_uint_t                         again, swa, stop;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_zone_t     *zone;
     ngx_http_llama_session_metrics_t  *m;
@@ -401,25 +401,32 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                   "ineffective: the reply shows %i tokens from the cache",
                   ctx->key_len, ctx->key, ctx->job.loaded_tokens, cached);
 
+    /*
+     * sliding-window attention: a slot file holds the window only, reused
+     * only with --swa-full; one restore that brought nothing says
+     * llama-server runs without it.  Else a few in a row stop restores.
+     */
+
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (sh->memory_known && sh->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
-        && ngx_memcmp(sh->memory_fp, ctx->job.fp,
-                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0
-        && !sh->restores_off)
-    {
-        /*
-         * sliding-window attention: a slot file holds the window only,
-         * reused only with --swa-full; one restore that brought nothing
-         * says llama-server runs without it
-         */
+    swa = (sh->memory_known
+           && sh->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
+           && ngx_memcmp(sh->memory_fp, ctx->job.fp,
+                         NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);
 
+    stop = !sh->restores_off
+           && (swa || ++sh->ineffective_run
+                      >= NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX);
+
+    if (stop) {
         sh->restores_off = 1;
         ngx_memcpy(sh->restores_off_fp, ctx->job.fp,
                    NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    }
 
-        ngx_shmtx_unlock(&zone->shpool->mutex);
+    ngx_shmtx_unlock(&zone->shpool->mutex);
 
+    if (stop && swa) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the model of zone \"%V\" has "
                       "sliding-window attention and its restore brought "
@@ -429,18 +436,8 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "sessions resident; start llama-server with "
                       "--swa-full for restores that work", &zone->name,
                       (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
-        return;
-    }
 
-    if (++sh->ineffective_run >= NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX
-        && !sh->restores_off)
-    {
-        sh->restores_off = 1;
-        ngx_memcpy(sh->restores_off_fp, ctx->job.fp,
-                   NGX_HTTP_LLAMA_SESSION_FP_LEN);
-
-        ngx_shmtx_unlock(&zone->shpool->mutex);
-
+    } else if (stop) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: %d restores in a row in zone \"%V\" "
                       "brought nothing (the model discards a restored cache: "
@@ -449,8 +446,5 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "or its configuration changes",
                       NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX, &zone->name,
                       (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
-        return;
     }
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
 }

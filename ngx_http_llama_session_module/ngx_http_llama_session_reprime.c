@@ -71,6 +71,8 @@ static ngx_int_t ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt);
 static void ngx_http_llama_session_prefix_result(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_prefix_t *pp);
+static cJSON *ngx_http_llama_session_prefix_reply(
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_buf_t *ngx_http_llama_session_prefix_buf(ngx_http_request_t *r,
     char *text);
 
@@ -535,11 +537,7 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    json = ctx->job.call_reply
-           ? ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                  ctx->job.call_reply->last
-                                  - ctx->job.call_reply->pos)
-           : NULL;
+    json = ngx_http_llama_session_prefix_reply(ctx);
 
     prompt = cJSON_GetObjectItemCaseSensitive(json, "prompt");
 
@@ -695,11 +693,7 @@ ngx_http_llama_session_prefix_result(ngx_http_llama_session_ctx_t *ctx,
 {
     cJSON  *json, *timings, *cached, *evaluated;
 
-    json = ctx->job.call_reply
-           ? ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                  ctx->job.call_reply->last
-                                  - ctx->job.call_reply->pos)
-           : NULL;
+    json = ngx_http_llama_session_prefix_reply(ctx);
 
     timings = cJSON_GetObjectItemCaseSensitive(json, "timings");
     cached = cJSON_GetObjectItemCaseSensitive(timings, "cache_n");
@@ -718,6 +712,20 @@ ngx_http_llama_session_prefix_result(ngx_http_llama_session_ctx_t *ctx,
     }
 
     cJSON_Delete(json);
+}
+
+
+/* the reply of the call, parsed; NULL: none, or not JSON */
+
+static cJSON *
+ngx_http_llama_session_prefix_reply(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_buf_t  *b;
+
+    b = ctx->job.call_reply;
+
+    return b ? ngx_http_llama_session_json_tree(b->pos, b->last - b->pos)
+             : NULL;
 }
 
 

@@ -81,7 +81,8 @@ sub scenario {
               . ($o{reprime} // '') . ';',
         location => 'proxy_read_timeout 300s;
                      add_header X-S-Action $llama_session_action always;',
-        slots => 'proxy_read_timeout 300s;'));
+        slots => 'proxy_read_timeout 300s;',
+        extra => 'location = /metrics { llama_session_metrics; }'));
 
     my $a = conversation_of('Ann');
     my $r1 = turn($t, "ann-$name", $a, stream => $o{stream});
@@ -130,6 +131,11 @@ sub scenario {
                          . "$t3->{prompt_n} evaluated");
     }
 
+    if ($o{kind}) {
+        like($t->get('/metrics')->{content},
+             qr/^nginx_llama_session_model_memory\{zone="llama",kind="$o{kind}"\} 1$/m,
+             "$name: the model's memory, from its file: $o{kind}");
+    }
     ok(!$t->log_lines(qr/\[(?:error|crit|alert)\]/), "$name: no error logged");
     my @warn = $t->log_lines(qr/\[warn\].*llama_session/);
     $o{warns}->(@warn) if $o{warns};
@@ -143,7 +149,7 @@ my $all_but_new = sub {
     cmp_ok($tm->{prompt_n}, '<=', 24, $what);
 };
 
-scenario(name => 'llama', idle => 1, stream => 1, restart => 1,
+scenario(name => 'llama', idle => 1, stream => 1, restart => 1, kind => 'full',
          check => $all_but_new);
 scenario(name => 'llamaswap', check => $all_but_new);
 
@@ -162,7 +168,7 @@ scenario(name => 'llamaoff', reprime => 'reprime=off', reprime_off => 1,
 my $lfm2 = LlamaTest::rig_path('make-model.sh lfm2');
 my $think = "$LlamaTest::ROOT/rig/templates/chatml-think.jinja";
 
-scenario(name => 'lfm2', model => $lfm2, idle => 1, stream => 1,
+scenario(name => 'lfm2', model => $lfm2, idle => 1, stream => 1, kind => 'hybrid',
          restart => 1, check => $all_but_new,
          warns => sub { ok(!grep(/llama_session/, @_),
                            'lfm2: no warning (' . scalar(@_) . ')') });
@@ -184,6 +190,7 @@ scenario(name => 'lfm2thinkoff', model => $lfm2, reprime => 'reprime=off',
 my $gemma3 = LlamaTest::rig_path('make-model.sh gemma3');
 
 scenario(name => 'gemma3full', model => $gemma3, idle => 1, restart => 1,
+         kind => 'swa',
          args => [ '--swa-full' ], check => $all_but_new);
 scenario(name => 'gemma3think', model => $gemma3, stream => 1,
          args => [ '--swa-full', '--jinja', '--chat-template-file', $think ],
