@@ -324,6 +324,13 @@ close:
                       ngx_close_file_n " \"%s\" failed", path);
     }
 
+    /* read once: the conversation's text stays no longer than needed */
+
+    if (ngx_delete_file(path) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", path);
+    }
+
     if (rc != NGX_OK) {
         if (data) {
             ngx_pfree(r->pool, data);

@@ -13,7 +13,9 @@
  *
  * and the slot's record takes N.  Whatever runs on the slot next (another
  * turn, a restore, a warm start, a re-prime) clears it (job_state()), so a
- * file whose N the slot does not have is never used.  Only chat requests
+ * file whose N the slot does not have is never used.  The re-prime that
+ * reads it deletes it: the store keeps a conversation's text only from
+ * the end of its turn to its slot's next save or turn.  Only chat requests
  * of a session, not probes, nor the default session, nor Anthropic's
  * (llama-server's /v1/messages has no template endpoint of its own).
  */
@@ -288,6 +290,10 @@ ngx_http_llama_session_turn_delta(ngx_http_request_t *r,
 
     calls = cJSON_GetObjectItemCaseSensitive(delta, "tool_calls");
     index = 0;
+
+    if (!cJSON_IsArray(calls)) {
+        return NGX_OK;
+    }
 
     cJSON_ArrayForEach(call, calls) {
         item = cJSON_GetObjectItemCaseSensitive(call, "index");

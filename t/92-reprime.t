@@ -102,6 +102,11 @@ sub scenario {
     } else {
         is(scalar @re, 1, "$name: ann was re-primed once, before her "
                           . ($o{idle} ? 'idle save' : 'swap') . ": @re");
+        my @left = grep { !/\.tmp$/ } glob($t->dir . '/slots/.turn.*');
+        # bob's own turn file is there (his turn ended), not ann's
+        my $text = @left ? $t->read_file($left[0]) : '';
+        unlike($text, qr/Ann keeps note/, "$name: ann's turn file went "
+                                          . 'with her re-prime');
     }
 
     # the returning turn, as a client sends it: the reply as it came
