@@ -11,6 +11,9 @@
 #             erase, GET /props, GET /v1/models
 #   ollama    Ollama's translation (ollama.c): requests, SSE events, whole
 #             replies
+#   turn      what the re-prime reads: a chat reply's assistant message,
+#             streamed or whole (turn.c), and a model file's GGUF header
+#             (gguf.c)
 #   differential  the module's reading of a body (the scanner, identify())
 #             against llama-server's own JSON library (nlohmann's json.hpp
 #             from the rig's llama.cpp tree, rig/build-llama-server.sh):
@@ -26,7 +29,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 src=/usr/share/nginx/src
 mod=$here/ngx_http_llama_session_module
 secs=${1:-60}
-targets=${2:-json identity replies ollama differential}
+targets=${2:-json identity replies ollama turn differential}
 inc="-I $src/src/core -I $src/src/event -I $src/src/event/modules
      -I $src/src/os/unix -I $src/src/http -I $src/src/http/modules
      -I $src/src/http/v2 -I $here/objs -I $mod -I $here/fuzz"
@@ -72,6 +75,9 @@ build() {
               libs="-lcjson -lcrypto" ;;
     ollama)   files="$here/fuzz/ollama_fuzz.c $here/fuzz/fuzz_ngx.c
                      $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
+              libs="-lcjson -lcrypto" ;;
+    turn)     files="$here/fuzz/turn_fuzz.c $here/fuzz/fuzz_ngx.c
+                     $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     differential)
               # C for the module's side, C++ for llama-server's library
