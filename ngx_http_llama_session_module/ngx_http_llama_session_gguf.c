@@ -317,7 +317,9 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
     }
 
     for (i = 0; ngx_http_llama_session_gguf_archs[i].arch; i++) {
-        if (ngx_strcmp(arch, ngx_http_llama_session_gguf_archs[i].arch) == 0) {
+        if (ngx_strcmp(mem->arch, ngx_http_llama_session_gguf_archs[i].arch)
+            == 0)
+        {
             mem->kind = ngx_http_llama_session_gguf_archs[i].kind;
 
             if (mem->window == 0) {
