@@ -300,6 +300,16 @@ ngx_chain_update_chains(ngx_pool_t *p, ngx_chain_t **free,
 }
 
 
+/* no harness has a body in a file: nothing is written */
+
+ssize_t
+ngx_write_file(ngx_file_t *file, u_char *buf, size_t size, off_t offset)
+{
+    fuzz_unexpected("ngx_write_file");
+    return NGX_ERROR;
+}
+
+
 /* the pool's memory goes at fuzz_pool_reset(), all of it */
 
 ngx_int_t

@@ -266,6 +266,7 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
     llcf.body_max = conf->body_max;
     llcf.namespace = (conf->flags & FUZZ_NAMESPACE) ? &fuzz_namespace : NULL;
     llcf.enable = 1;
+    llcf.canonical = 1;
 
     loc_conf[0] = &llcf;
 

@@ -6,7 +6,8 @@
 #   json      the body scanner alone (ngx_http_llama_session_json.c)
 #   identity  ngx_http_llama_session_identify() on any body (body.c):
 #             field paths, types, id cap, system-prompt digest, key, the
-#             messages' digests (miss.c)
+#             messages' digests (miss.c), the billing header's rewrite
+#             (canon.c)
 #   replies   the slot reply parsers (slots.c): GET /slots, save, restore,
 #             erase, GET /props, GET /v1/models
 #   ollama    Ollama's translation (ollama.c): requests, SSE events, whole
@@ -67,6 +68,7 @@ build() {
     json)     files="$here/fuzz/json_fuzz.c $mod/ngx_http_llama_session_json.c"
               libs=-lcjson ;;
     identity) files="$here/fuzz/identity_fuzz.c $here/fuzz/fuzz_ngx.c
+                     $mod/ngx_http_llama_session_canon.c
                      $mod/ngx_http_llama_session_json.c
                      $mod/ngx_http_llama_session_miss.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
@@ -94,12 +96,16 @@ build() {
                   -c "$mod/ngx_http_llama_session_miss.c" \
                   -o "$here/objs/differential_miss.o"
               nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
+                  -c "$mod/ngx_http_llama_session_canon.c" \
+                  -o "$here/objs/differential_canon.o"
+              nice -n 19 clang -g -O1 -fsanitize=fuzzer-no-link,address $inc \
                   -c "$(ngx_string_c)" -o "$here/objs/differential_string.o"
               nice -n 19 clang++ -g -O1 -std=c++17 -fsanitize=fuzzer,address \
                   -I "$vendor" -I "$here/fuzz" "$here/fuzz/differential_fuzz.cc" \
                   "$here/objs/differential.o" "$here/objs/differential_ngx.o" \
                   "$here/objs/differential_json.o" \
                   "$here/objs/differential_miss.o" \
+                  "$here/objs/differential_canon.o" \
                   "$here/objs/differential_string.o" -lcjson -lcrypto \
                   -o "$here/objs/differential_fuzz"
               return ;;

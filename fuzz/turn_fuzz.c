@@ -43,14 +43,6 @@ ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
 }
 
 
-ssize_t
-ngx_write_file(ngx_file_t *file, u_char *buf, size_t size, off_t offset)
-{
-    fuzz_unexpected("ngx_write_file");
-    return NGX_ERROR;
-}
-
-
 void
 ngx_shmtx_lock(ngx_shmtx_t *mtx)
 {

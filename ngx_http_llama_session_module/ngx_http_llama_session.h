@@ -521,6 +521,7 @@ typedef struct {
     size_t                          warm_min;   /* system prompt, bytes */
     ngx_flag_t                      enable;
     ngx_flag_t                      ollama;
+    ngx_flag_t                      canonical;  /* canon.c */
 } ngx_http_llama_session_loc_conf_t;
 
 

@@ -18,6 +18,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_canon.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
 
@@ -314,6 +315,12 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
 
     if (rc == NGX_DECLINED || body.len == 0) {
         goto fallback;
+    }
+
+    /* per-conversation parts of a system prompt made the same (canon.c) */
+
+    if (llcf->canonical && ngx_http_llama_session_canon(r, &body) != NGX_OK) {
+        return NGX_ERROR;
     }
 
     /* the members the module needs, at the top level of the object */

@@ -116,6 +116,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       offsetof(ngx_http_llama_session_loc_conf_t, wait_timeout),
       NULL },
 
+    { ngx_string("llama_session_canonical"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, canonical),
+      NULL },
+
     { ngx_string("llama_session_ollama"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_FLAG,
       ngx_conf_set_flag_slot,
@@ -284,6 +291,7 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
     conf->endpoints = NGX_CONF_UNSET_PTR;
     conf->metrics = NGX_CONF_UNSET_PTR;
     conf->ollama = NGX_CONF_UNSET;
+    conf->canonical = NGX_CONF_UNSET;
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->wait_timeout = NGX_CONF_UNSET_MSEC;
     conf->body_max = NGX_CONF_UNSET_SIZE;
@@ -336,6 +344,7 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
     }
 
     ngx_conf_merge_value(conf->ollama, prev->ollama, 0);
+    ngx_conf_merge_value(conf->canonical, prev->canonical, 1);
 
     if (conf->ollama && (!conf->enable || conf->zone == NULL)) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
