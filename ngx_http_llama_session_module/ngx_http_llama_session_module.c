@@ -18,6 +18,7 @@
 #include "ngx_http_llama_session_reply.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_turn.h"
 #include "ngx_http_llama_session_var.h"
 
 
@@ -1213,6 +1214,7 @@ ngx_http_llama_session_zone_start(ngx_shm_zone_t *shm_zone, void *data)
     }
 
     if (zone->store.len && data == NULL && !shm_zone->shm.exists) {
+        ngx_http_llama_session_turn_clean(zone, shm_zone->shm.log);
         return ngx_http_llama_session_store_index(zone, shm_zone->shm.log);
     }
 

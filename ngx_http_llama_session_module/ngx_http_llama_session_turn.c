@@ -102,6 +102,39 @@ ngx_http_llama_session_turn_path(ngx_http_llama_session_zone_t *zone,
 }
 
 
+/*
+ * A zone that starts anew has no turn of its slots to vouch for: the turn
+ * files an earlier nginx left (a conversation's text) go.
+ */
+
+void
+ngx_http_llama_session_turn_clean(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log)
+{
+    u_char      path[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    ngx_uint_t  i;
+
+    if (ngx_test_config) {
+        /* nginx -t: the running nginx's slots have their turns */
+        return;
+    }
+
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; i++) {
+        (void) ngx_http_llama_session_turn_path(zone, i, path);
+        ngx_snprintf(tmp, sizeof(tmp), "%s.tmp%Z", path);
+
+        if (ngx_delete_file(path) == NGX_FILE_ERROR
+            && ngx_errno != NGX_ENOENT)
+        {
+            ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                          ngx_delete_file_n " \"%s\" failed", path);
+        }
+
+        (void) ngx_delete_file(tmp);
+    }
+}
+
+
 /* the reply's header: is this a turn to keep? */
 
 void

@@ -15,6 +15,8 @@
 
 u_char *ngx_http_llama_session_turn_path(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t slot, u_char *buf);
+void ngx_http_llama_session_turn_clean(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log);
 void ngx_http_llama_session_turn_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_turn_data(ngx_http_request_t *r,

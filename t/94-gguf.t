@@ -75,11 +75,19 @@ for my $case (sort keys %files) {
     my $t = LlamaTest->new(workers => 1);
     $t->fake(model => $path, meta => { n_vocab => 32000, size => 1000000,
                                        n_embd => 256 });
+
+    # a turn file an earlier nginx left: a new zone vouches for no turn
+    my $stale = $t->dir . '/slots/.turn.llama.0';
+    open my $fh, '>', $stale or die;
+    print $fh qq({"seq":1,"key":"old"}\n{});
+    close $fh;
+
     $t->nginx($t->site(
         zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
         upstream => '',
         extra => 'location = /metrics { llama_session_metrics; }
                   location /api/ { llama_session_api llama; }'));
+    ok(!-e $stale, "$case: the stale turn file went at start");
     my $r = $t->post('/v1/chat/completions',
                      { messages => [ { role => 'user', content => 'hi' } ] },
                      headers => { 'X-Session-Id' => 'g' });
