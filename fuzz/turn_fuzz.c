@@ -26,6 +26,9 @@
 
 /* what turn.c and gguf.c call of nginx and of the module, outside these */
 
+ngx_uint_t  ngx_test_config;
+
+
 ngx_uint_t
 ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
 {
@@ -40,6 +43,15 @@ ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
 {
     fuzz_unexpected("ngx_http_llama_session_read_body");
     return NGX_ERROR;
+}
+
+
+ngx_uint_t
+ngx_http_llama_session_restores_off(ngx_http_llama_session_zone_t *zone,
+    u_char *fp)
+{
+    fuzz_unexpected("ngx_http_llama_session_restores_off");
+    return 0;
 }
 
 
@@ -59,7 +71,7 @@ static void
 fuzz_reply(const u_char *data, size_t size)
 {
     char                           *text;
-    cJSON                          *json, *choices, *message;
+    cJSON                          *json, *message;
     size_t                          chunk, n;
     ngx_buf_t                       b;
     ngx_connection_t                c;
@@ -108,17 +120,7 @@ fuzz_reply(const u_char *data, size_t size)
 
     if (!t->stream) {
         /* as turn_end() reads a whole reply */
-        json = cJSON_ParseWithLength((char *) t->data.data, t->data.len);
-        choices = cJSON_GetObjectItemCaseSensitive(json, "choices");
-        message = cJSON_GetObjectItemCaseSensitive(
-                                       cJSON_GetArrayItem(choices, 0),
-                                       "message");
-
-        if (cJSON_IsObject(message)) {
-            (void) ngx_http_llama_session_turn_delta(&r, t, message);
-        }
-
-        cJSON_Delete(json);
+        ngx_http_llama_session_turn_whole(&r, t);
     }
 
     message = ngx_http_llama_session_turn_message(t);

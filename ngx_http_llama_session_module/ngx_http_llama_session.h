@@ -254,7 +254,10 @@ typedef struct {
     ngx_uint_t                      nmsgs;
     ngx_uint_t                      prompt_tokens;
 
-    /* the last turn it ran, in the store's turn file (turn.c), 0: none */
+    /*
+     * the last turn it ran, in the store's turn file (turn.c), 0: none;
+     * only the slot's holder reads or writes it
+     */
     ngx_uint_t                      turn_seq;
 } ngx_http_llama_session_slot_t;
 

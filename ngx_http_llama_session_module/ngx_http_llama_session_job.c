@@ -102,10 +102,11 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
             || state == NGX_HTTP_LLAMA_SESSION_ST_WARM
             || state == NGX_HTTP_LLAMA_SESSION_ST_PROXY))
     {
-        /* the slot's content changes: its last turn no longer tells it */
-        ngx_shmtx_lock(&ctx->zone->shpool->mutex);
+        /*
+         * the slot's content changes: its last turn no longer tells it;
+         * only the slot's holder touches turn_seq, no lock is needed
+         */
         ctx->zone->sh->slots[ctx->job.slot].turn_seq = 0;
-        ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
     }
 }
 

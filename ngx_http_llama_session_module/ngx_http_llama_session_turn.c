@@ -23,6 +23,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_turn.h"
 
 
@@ -69,6 +70,8 @@ static void ngx_http_llama_session_turn_event(ngx_http_request_t *r,
     ngx_http_llama_session_turn_t *t, u_char *p, size_t len);
 static ngx_int_t ngx_http_llama_session_turn_delta(ngx_http_request_t *r,
     ngx_http_llama_session_turn_t *t, cJSON *delta);
+static void ngx_http_llama_session_turn_whole(ngx_http_request_t *r,
+    ngx_http_llama_session_turn_t *t);
 static cJSON *ngx_http_llama_session_turn_message(
     ngx_http_llama_session_turn_t *t);
 static ngx_int_t ngx_http_llama_session_turn_write(ngx_http_request_t *r,
@@ -146,7 +149,10 @@ ngx_http_llama_session_turn_start(ngx_http_request_t *r,
 
     ctx->turn = NULL;
 
+    /* nothing is saved on a backend where restores stopped: no turn */
+
     if (!ctx->zone->reprime || ctx->zone->store.len == 0 || ctx->probe
+        || ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
         || ctx->default_session || ctx->anthropic || ctx->key_len == 0
         || r->request_body == NULL || r->request_body->bufs == NULL
         || (ctx->ollama != NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
@@ -381,10 +387,9 @@ void
 ngx_http_llama_session_turn_end(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    cJSON                          *json, *choices, *message;
+    cJSON                          *message;
     ngx_uint_t                      seq;
     ngx_http_llama_session_sh_t    *sh;
-    ngx_http_llama_session_slot_t  *slot;
     ngx_http_llama_session_turn_t  *t;
     ngx_http_llama_session_zone_t  *zone;
 
@@ -396,23 +401,7 @@ ngx_http_llama_session_turn_end(ngx_http_request_t *r,
     }
 
     if (!t->stream) {
-        json = cJSON_ParseWithLength((char *) t->data.data, t->data.len);
-        choices = cJSON_GetObjectItemCaseSensitive(json, "choices");
-        message = cJSON_GetObjectItemCaseSensitive(
-                                       cJSON_GetArrayItem(choices, 0),
-                                       "message");
-
-        if (cJSON_IsObject(message)
-            && ngx_http_llama_session_turn_delta(r, t, message) == NGX_OK)
-        {
-            t->finished = 1;
-        }
-
-        cJSON_Delete(json);
-
-        if (t->data.data) {
-            ngx_pfree(r->pool, t->data.data);
-        }
+        ngx_http_llama_session_turn_whole(r, t);
     }
 
     if (!t->finished) {
@@ -437,19 +426,40 @@ ngx_http_llama_session_turn_end(ngx_http_request_t *r,
 
     cJSON_Delete(message);
 
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    slot = &sh->slots[ctx->job.slot];
-
-    if (slot->busy && slot->owner == ngx_pid) {
-        slot->turn_seq = seq;
-    }
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
+    /* the request holds the slot: only its holder touches turn_seq */
+    sh->slots[ctx->job.slot].turn_seq = seq;
 
     ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: turn %ui of \"%*s\" kept for its re-prime",
                    seq, ctx->key_len, ctx->key);
+}
+
+
+/* a whole reply, kept as it came: its message, as a stream's deltas */
+
+static void
+ngx_http_llama_session_turn_whole(ngx_http_request_t *r,
+    ngx_http_llama_session_turn_t *t)
+{
+    cJSON  *json, *choices, *message;
+
+    json = cJSON_ParseWithLength((char *) t->data.data, t->data.len);
+    choices = cJSON_GetObjectItemCaseSensitive(json, "choices");
+    message = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(choices, 0),
+                                               "message");
+
+    if (cJSON_IsObject(message)
+        && ngx_http_llama_session_turn_delta(r, t, message) == NGX_OK)
+    {
+        t->finished = 1;
+    }
+
+    cJSON_Delete(json);
+
+    if (t->data.data) {
+        ngx_pfree(r->pool, t->data.data);
+        ngx_memzero(&t->data, sizeof(ngx_http_llama_session_grow_t));
+    }
 }
 
 
