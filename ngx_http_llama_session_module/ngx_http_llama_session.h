@@ -525,6 +525,7 @@ typedef struct {
     ngx_flag_t                      enable;
     ngx_flag_t                      ollama;
     ngx_flag_t                      canonical;  /* canon.c */
+    ngx_flag_t                      anthropic;  /* anthropic.c */
 } ngx_http_llama_session_loc_conf_t;
 
 
@@ -722,6 +723,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        identity:1; /* llama_session identity */
     unsigned                        probe:1;
     unsigned                        anthropic:1; /* /v1/messages */
+    unsigned                        messages:1;  /* translated, anthropic.c */
 
     /* what the reply says of the prompt's cache, see reply.c */
     u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];
@@ -747,9 +749,11 @@ struct ngx_http_llama_session_ctx_s {
     ngx_uint_t                      nprev;
     ngx_uint_t                      prev_tokens;
 
-    /* Ollama's API (ollama.c): the kind of request, the reply's state */
+    /* Ollama's API (ollama.c): the kind of request */
     ngx_uint_t                      ollama;
-    void                           *ollama_reply;
+
+    /* the reply's translation for Ollama's or Anthropic's API (convert.c) */
+    void                           *conv;
 
     ngx_http_llama_session_route_t  route;      /* router.c's */
     unsigned                        hit_dirty:1; /* before the hit took it */

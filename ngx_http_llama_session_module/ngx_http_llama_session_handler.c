@@ -24,6 +24,7 @@
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_ollama.h"
+#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_pin.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_router.h"
@@ -379,6 +380,12 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
+    /* Anthropic's Messages API: translated into a chat completion */
+
+    ctx->messages = (llcf->anthropic && llcf->zone
+                     && r->method == NGX_HTTP_POST
+                     && ngx_http_llama_session_uri_ends(r, "/v1/messages"));
+
     if (llcf->ollama == 1) {
         /*
          * Ollama's API: its inference requests go the session's way; what
@@ -540,14 +547,18 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
                NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
-        } else if ((ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
-                    || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE
-                    || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED)
-                   && (rc = ngx_http_llama_session_ollama_request(r, ctx))
-                      != NGX_OK)
+        } else if (((ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
+                     || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE
+                     || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED)
+                    && (rc = ngx_http_llama_session_ollama_request(r, ctx))
+                       != NGX_OK)
+                   || (ctx->messages
+                       && (rc = ngx_http_llama_session_anthropic_request(r,
+                                                                      ctx))
+                          != NGX_OK))
         {
             if (rc == NGX_DONE) {
-                /* an Ollama error was sent */
+                /* an Ollama or Anthropic error was sent */
                 return;
             }
 
@@ -610,13 +621,16 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
     }
 
     if (!ctx->queued && ctx->zone->sh->nslots > 1
-        && (ngx_http_llama_session_uri_ends(r, "/messages")
+        && ((ngx_http_llama_session_uri_ends(r, "/messages")
+             && !ctx->messages)
             || ngx_http_llama_session_uri_ends(r, "/audio/transcriptions")))
     {
         /*
          * llama-server's Anthropic and transcription conversions drop
          * "id_slot" (a transcription is a form, not JSON): the request
-         * could run on any slot, on another session's cache
+         * could run on any slot, on another session's cache; the module's
+         * own translation of /v1/messages (llama_session_anthropic on)
+         * pins it
          */
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -630,8 +644,9 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                                   "not_implemented_error",
                                   "llama-server cannot run this endpoint on "
                                   "a chosen slot; with several slots, use "
-                                  "/v1/chat/completions, or a zone with "
-                                  "slots=1 for Anthropic clients", 0);
+                                  "/v1/chat/completions, or "
+                                  "\"llama_session_anthropic on\" for "
+                                  "Anthropic clients", 0);
     }
 
     rc = ngx_http_llama_session_acquire(ctx);

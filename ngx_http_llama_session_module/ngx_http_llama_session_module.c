@@ -14,6 +14,7 @@
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_idle.h"
 #include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_convert.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_reply.h"
 #include "ngx_http_llama_session_shm.h"
@@ -122,6 +123,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       ngx_conf_set_flag_slot,
       NGX_HTTP_LOC_CONF_OFFSET,
       offsetof(ngx_http_llama_session_loc_conf_t, canonical),
+      NULL },
+
+    { ngx_string("llama_session_anthropic"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_llama_session_loc_conf_t, anthropic),
       NULL },
 
     { ngx_string("llama_session_ollama"),
@@ -293,6 +301,7 @@ ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf)
     conf->metrics = NGX_CONF_UNSET_PTR;
     conf->ollama = NGX_CONF_UNSET;
     conf->canonical = NGX_CONF_UNSET;
+    conf->anthropic = NGX_CONF_UNSET;
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->wait_timeout = NGX_CONF_UNSET_MSEC;
     conf->body_max = NGX_CONF_UNSET_SIZE;
@@ -346,6 +355,7 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
     ngx_conf_merge_value(conf->ollama, prev->ollama, 0);
     ngx_conf_merge_value(conf->canonical, prev->canonical, 1);
+    ngx_conf_merge_value(conf->anthropic, prev->anthropic, 1);
 
     if (conf->ollama && (!conf->enable || conf->zone == NULL)) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
@@ -1268,7 +1278,7 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
     *h = ngx_http_llama_session_handler;
 
     if (ngx_http_llama_session_capture_init(cf) != NGX_OK
-        || ngx_http_llama_session_ollama_init(cf) != NGX_OK)
+        || ngx_http_llama_session_conv_init(cf) != NGX_OK)
     {
         return NGX_ERROR;
     }

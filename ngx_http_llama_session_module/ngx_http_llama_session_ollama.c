@@ -16,15 +16,16 @@
  *
  * The request body is read whole (llama_session_body_max), translated
  * with cJSON, and proxy_pass sends the translation to the new URI.  The
- * reply comes back through a header and a body filter: llama-server's
- * SSE events become Ollama's NDJSON lines as they arrive (Ollama streams
- * by default), a whole JSON reply one Ollama object, an error
+ * reply comes back through convert.c's filters: llama-server's SSE
+ * events become Ollama's NDJSON lines as they arrive (Ollama streams by
+ * default), a whole JSON reply one Ollama object, an error
  * {"error":"..."} with its status.
  */
 
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_convert.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_ollama.h"
@@ -34,21 +35,10 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_VERSION  "0.12.0"
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY    (8 * 1024 * 1024)
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT    (1024 * 1024)
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_ARGS     (8 * 1024 * 1024)
 
 /* the tool calls of one streamed reply */
 #define NGX_HTTP_LLAMA_SESSION_OLLAMA_CALLS    128
-
-/* the translation's output buffers, in flight at once */
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF      8192
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS     8
-
-/*
- * JSON values a request may have: cJSON spends some 64 bytes on each, so
- * a body of empty arrays would cost twenty times its size; 100,000 values
- * are more than a long conversation with tools has
- */
 
 
 /* the reply's translation, kept in the request's pool */
@@ -63,31 +53,14 @@ typedef struct {
 
 
 typedef struct {
+    ngx_http_llama_session_conv_t  *conv;       /* convert.c's part */
     ngx_uint_t                      kind;       /* CHAT, GENERATE, EMBED */
-    ngx_uint_t                      stream;
     ngx_str_t                       model;
-    ngx_buf_t                      *in;         /* what is not translated */
-    ngx_uint_t                      status;
     ngx_uint_t                      done;
     ngx_str_t                       done_reason;
-    ngx_uint_t                      prompt_tokens;
-    ngx_int_t                       prompt_n;   /* evaluated, -1: unknown */
-    ngx_int_t                       cached;     /* from the cache, -1 */
-    ngx_uint_t                      completion_tokens;
-    double                          prompt_ms;
-    double                          predicted_ms;
     cJSON                          *tool_calls; /* streamed, put together */
     ngx_array_t                    *args;       /* their arguments, as
                                                    they grow: buffers */
-
-    /* the body filter's flow control */
-    ngx_chain_t                    *pending;    /* llama-server's, not
-                                                   taken yet */
-    ngx_uint_t                      last;       /* its last buffer came */
-    ngx_buf_t                      *cur;        /* the output being filled */
-    ngx_chain_t                    *free;
-    ngx_chain_t                    *busy;
-    ngx_uint_t                      nbufs;      /* output buffers made */
 } ngx_http_llama_session_ollama_t;
 
 
@@ -97,50 +70,15 @@ static cJSON *ngx_http_llama_session_ollama_chat(cJSON *in,
     ngx_uint_t generate, ngx_uint_t *stream);
 static cJSON *ngx_http_llama_session_ollama_messages(cJSON *messages);
 static void ngx_http_llama_session_ollama_options(cJSON *in, cJSON *out);
-static ngx_int_t ngx_http_llama_session_ollama_header(ngx_http_request_t *r);
-static ngx_int_t ngx_http_llama_session_ollama_dups(ngx_pool_t *pool,
-    cJSON *item);
-static ngx_int_t ngx_http_llama_session_ollama_body(ngx_http_request_t *r,
-    ngx_chain_t *in);
 static ngx_int_t ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, u_char *data, size_t len,
-    ngx_chain_t ***ll);
+    ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
 static ngx_int_t ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll);
+    ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
 static cJSON *ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
     ngx_http_llama_session_ollama_t *o, ngx_uint_t done);
-static void ngx_http_llama_session_ollama_stats(
-    ngx_http_llama_session_ollama_t *o, cJSON *reply);
-static ngx_int_t ngx_http_llama_session_ollama_emit(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, cJSON *json, ngx_uint_t nl,
-    ngx_chain_t ***ll);
-static ngx_int_t ngx_http_llama_session_ollama_write(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, u_char *data, size_t len,
-    ngx_chain_t ***ll);
-static ngx_uint_t ngx_http_llama_session_ollama_inflight(
-    ngx_http_llama_session_ollama_t *o);
 static ngx_uint_t ngx_http_llama_session_ollama_index(
     ngx_http_llama_session_ollama_t *o, cJSON *mine);
-static ngx_int_t ngx_http_llama_session_ollama_consume(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll);
 static void ngx_http_llama_session_ollama_cleanup(void *data);
-
-
-static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
-static ngx_http_output_body_filter_pt    ngx_http_next_body_filter;
-
-
-ngx_int_t
-ngx_http_llama_session_ollama_init(ngx_conf_t *cf)
-{
-    ngx_http_next_header_filter = ngx_http_top_header_filter;
-    ngx_http_top_header_filter = ngx_http_llama_session_ollama_header;
-
-    ngx_http_next_body_filter = ngx_http_top_body_filter;
-    ngx_http_top_body_filter = ngx_http_llama_session_ollama_body;
-
-    return NGX_OK;
-}
 
 
 /*
@@ -292,75 +230,6 @@ ngx_http_llama_session_ollama_answer(ngx_http_request_t *r, ngx_uint_t status,
 
 
 /*
- * Has any object of the tree a member name twice (names as decoded)?
- * NGX_DECLINED then, NGX_OK if none.  The names of an object are sorted
- * (no pairwise compare: an object may have 100,000 members).
- */
-
-static int ngx_libc_cdecl
-ngx_http_llama_session_ollama_cmp(const void *a, const void *b)
-{
-    return ngx_strcmp(*(char **) a, *(char **) b);
-}
-
-
-static ngx_int_t
-ngx_http_llama_session_ollama_dups(ngx_pool_t *pool, cJSON *item)
-{
-    char        **names;
-    cJSON        *c;
-    ngx_int_t     rc;
-    ngx_uint_t    i, n;
-
-    for ( /* void */ ; item; item = item->next) {
-
-        if (item->child == NULL) {
-            continue;
-        }
-
-        if (cJSON_IsObject(item) && item->child->next) {
-            n = 0;
-
-            for (c = item->child; c; c = c->next) {
-                n++;
-            }
-
-            names = ngx_palloc(pool, n * sizeof(char *));
-            if (names == NULL) {
-                return NGX_ERROR;
-            }
-
-            n = 0;
-
-            for (c = item->child; c; c = c->next) {
-                names[n++] = c->string ? c->string : "";
-            }
-
-            ngx_qsort(names, n, sizeof(char *),
-                      ngx_http_llama_session_ollama_cmp);
-
-            for (i = 1; i < n; i++) {
-                if (ngx_strcmp(names[i - 1], names[i]) == 0) {
-                    ngx_pfree(pool, names);
-                    return NGX_DECLINED;
-                }
-            }
-
-            ngx_pfree(pool, names);
-        }
-
-        rc = ngx_http_llama_session_ollama_dups(pool, item->child);
-
-        if (rc != NGX_OK) {
-            return rc;
-        }
-    }
-
-    return NGX_OK;
-}
-
-
-/*
  * The body was read and the session found: the Ollama request becomes
  * llama-server's.  NGX_OK, or NGX_DONE when an error was sent.
  */
@@ -369,78 +238,23 @@ ngx_int_t
 ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    char                               *text;
-    cJSON                              *in, *out, *raw, *model, *item;
-    ngx_int_t                           rc;
-    ngx_str_t                           body, uri;
-    ngx_buf_t                          *b;
-    ngx_uint_t                          stream;
-    ngx_chain_t                        *cl;
-    ngx_pool_cleanup_t                 *cln;
-    ngx_http_llama_session_ollama_t    *o;
-    ngx_http_llama_session_loc_conf_t  *llcf;
+    char                             *uri, *error;
+    cJSON                            *in, *out, *raw, *model, *item;
+    ngx_uint_t                        stream;
+    ngx_pool_cleanup_t               *cln;
+    ngx_http_llama_session_conv_t    *c;
+    ngx_http_llama_session_ollama_t  *o;
 
-    /* the body identify read whole, or, for an embed, read now */
+    in = ngx_http_llama_session_conv_parse(r, ctx, "an Ollama", &error);
 
-    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-
-    body = ctx->body;
-
-    if (body.data == NULL
-        && ngx_http_llama_session_read_body(r, llcf->body_max, &body)
-           != NGX_OK)
-    {
-        return ngx_http_llama_session_ollama_error(r, ctx,
-                                  NGX_HTTP_BAD_REQUEST,
-                                  "the request body is missing or larger "
-                                  "than the server takes");
-    }
-
-    if (ngx_http_llama_session_json_values(body.data, body.len)
-        > NGX_HTTP_LLAMA_SESSION_JSON_VALUES)
-    {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: an Ollama request with more than %d "
-                      "JSON values, refused",
-                      NGX_HTTP_LLAMA_SESSION_JSON_VALUES);
-
-        return ngx_http_llama_session_ollama_error(r, ctx,
-                                  NGX_HTTP_BAD_REQUEST,
-                                  "the request has too many JSON values");
-    }
-
-    in = cJSON_ParseWithLength((char *) body.data, body.len);
-
-    if (!cJSON_IsObject(in)) {
-        cJSON_Delete(in);
-        return ngx_http_llama_session_ollama_error(r, ctx,
-                                                   NGX_HTTP_BAD_REQUEST,
-                                                   "invalid JSON body");
-    }
-
-    /*
-     * cJSON finds the first of duplicate members, the body scanner (the
-     * session, the router's zone) and llama-server the last: a body that
-     * has any is refused, so that all read one request
-     */
-
-    rc = ngx_http_llama_session_ollama_dups(r->pool, in);
-
-    if (rc != NGX_OK) {
-        cJSON_Delete(in);
-
-        if (rc == NGX_ERROR) {
+    if (in == NULL) {
+        if (error == NULL) {
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
 
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: an Ollama request with a member twice "
-                      "in one object, refused");
-
         return ngx_http_llama_session_ollama_error(r, ctx,
-                                  NGX_HTTP_BAD_REQUEST,
-                                  "a JSON object of the request has a member "
-                                  "twice");
+                                                   NGX_HTTP_BAD_REQUEST,
+                                                   error);
     }
 
     model = cJSON_GetObjectItemCaseSensitive(in, "model");
@@ -459,8 +273,6 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     }
 
     o->kind = ctx->ollama;
-    o->prompt_n = -1;
-    o->cached = -1;
     o->model.len = ngx_strlen(model->valuestring);
     o->model.data = ngx_pnalloc(r->pool, o->model.len);
     if (o->model.data == NULL) {
@@ -485,7 +297,7 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
     switch (ctx->ollama) {
 
     case NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED:
-        ngx_str_set(&uri, "/v1/embeddings");
+        uri = "/v1/embeddings";
 
         out = cJSON_CreateObject();
         item = cJSON_GetObjectItemCaseSensitive(in, "input");
@@ -509,17 +321,17 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
         raw = cJSON_GetObjectItemCaseSensitive(in, "raw");
 
         if (cJSON_IsTrue(raw)) {
-            ngx_str_set(&uri, "/v1/completions");
+            uri = "/v1/completions";
             out = ngx_http_llama_session_ollama_chat(in, 2, &stream);
             break;
         }
 
-        ngx_str_set(&uri, "/v1/chat/completions");
+        uri = "/v1/chat/completions";
         out = ngx_http_llama_session_ollama_chat(in, 1, &stream);
         break;
 
     default: /* NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT */
-        ngx_str_set(&uri, "/v1/chat/completions");
+        uri = "/v1/chat/completions";
         out = ngx_http_llama_session_ollama_chat(in, 0, &stream);
         break;
     }
@@ -533,44 +345,23 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
                                   "options or format of the wrong type");
     }
 
-    text = cJSON_PrintUnformatted(out);
+    c = ngx_http_llama_session_conv_create(r, ctx, "Ollama");
+
+    if (c == NULL || ngx_http_llama_session_conv_request(r, ctx, out, uri)
+                      != NGX_OK)
+    {
+        cJSON_Delete(out);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
     cJSON_Delete(out);
 
-    if (text == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    b = ngx_create_temp_buf(r->pool, ngx_strlen(text));
-    if (b == NULL) {
-        cJSON_free(text);
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    b->last = ngx_cpymem(b->last, text, ngx_strlen(text));
-    b->last_buf = 1;
-    b->last_in_chain = 1;
-    cJSON_free(text);
-
-    cl = ngx_alloc_chain_link(r->pool);
-    if (cl == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    cl->buf = b;
-    cl->next = NULL;
-
-    r->request_body->bufs = cl;
-    r->request_body->temp_file = NULL;
-    r->headers_in.content_length_n = b->last - b->pos;
-
-    /* proxy_pass sends the new path (without a URI part of its own) */
-
-    r->uri = uri;
-    r->valid_unparsed_uri = 0;
-    r->args.len = 0;
-
-    o->stream = stream;
-    ctx->ollama_reply = o;
+    c->stream = stream;
+    c->stream_type = "application/x-ndjson";
+    c->event = ngx_http_llama_session_ollama_event;
+    c->whole = ngx_http_llama_session_ollama_whole;
+    c->data = o;
+    o->conv = c;
 
     /* tool calls put together from a stream are cJSON's: freed at the end */
 
@@ -918,319 +709,6 @@ ngx_http_llama_session_ollama_options(cJSON *in, cJSON *out)
 }
 
 
-/* the reply: its header */
-
-static ngx_int_t
-ngx_http_llama_session_ollama_header(ngx_http_request_t *r)
-{
-    ngx_http_llama_session_ctx_t     *ctx;
-    ngx_http_llama_session_ollama_t  *o;
-
-    if (r != r->main) {
-        return ngx_http_next_header_filter(r);
-    }
-
-    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-    if (ctx == NULL || ctx->ollama_reply == NULL
-        || ctx->job.state != NGX_HTTP_LLAMA_SESSION_ST_PROXY)
-    {
-        return ngx_http_next_header_filter(r);
-    }
-
-    o = ctx->ollama_reply;
-    o->status = r->headers_out.status;
-
-    if (o->status != NGX_HTTP_OK || !o->stream) {
-        /* a whole JSON reply, translated at its end */
-        ngx_str_set(&r->headers_out.content_type,
-                    "application/json; charset=utf-8");
-
-    } else {
-        ngx_str_set(&r->headers_out.content_type, "application/x-ndjson");
-    }
-
-    r->headers_out.content_type_len = r->headers_out.content_type.len;
-    r->headers_out.content_type_lowcase = NULL;
-
-    ngx_http_clear_content_length(r);
-    ngx_http_clear_accept_ranges(r);
-    ngx_http_weak_etag(r);
-
-    r->filter_need_in_memory = 1;
-
-    if (r->upstream) {
-        /*
-         * the reply is translated from memory as it comes: never spooled
-         * to a temporary file (this filter runs before nginx's copy
-         * filter would read one back)
-         */
-        r->upstream->buffering = 0;
-    }
-
-    o->in = ngx_create_temp_buf(r->pool, 4096);
-    if (o->in == NULL) {
-        return NGX_ERROR;
-    }
-
-    return ngx_http_next_header_filter(r);
-}
-
-
-/*
- * The reply's body: SSE events become lines, a whole JSON one object.
- *
- * With nginx's flow control, as the plain proxy path has it: the output
- * goes into a few buffers of the filter's own (NGX_HTTP_LLAMA_SESSION_
- * OLLAMA_BUFS of NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF bytes), reused once
- * sent; while all of them wait for a client that does not read, the
- * filter stops taking llama-server's bytes: they stay in the upstream's
- * buffer, which then stops reading from llama-server.  Memory per stream
- * is those buffers, the upstream's, and one event being put together.
- */
-
-static ngx_int_t
-ngx_http_llama_session_ollama_body(ngx_http_request_t *r, ngx_chain_t *in)
-{
-    ngx_int_t                         rc;
-    ngx_chain_t                      *cl, *out, **ll;
-    ngx_http_llama_session_ctx_t     *ctx;
-    ngx_http_llama_session_ollama_t  *o;
-
-    if (r != r->main) {
-        return ngx_http_next_body_filter(r, in);
-    }
-
-    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-    if (ctx == NULL || ctx->ollama_reply == NULL) {
-        return ngx_http_next_body_filter(r, in);
-    }
-
-    o = ctx->ollama_reply;
-
-    if (o->in == NULL) {
-        /* not translated, or translated whole already */
-        return ngx_http_next_body_filter(r, in);
-    }
-
-    if (in && ngx_chain_add_copy(r->pool, &o->pending, in) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    for ( ;; ) {
-        out = NULL;
-        ll = &out;
-
-        if (ngx_http_llama_session_ollama_consume(r, o, &ll) != NGX_OK) {
-            return NGX_ERROR;
-        }
-
-        if (out) {
-            /* every line as it comes: flushed */
-            for (cl = out; cl->next; cl = cl->next) { /* void */ }
-            cl->buf->flush = 1;
-        }
-
-        if (out == NULL && o->busy == NULL) {
-            return NGX_OK;
-        }
-
-        rc = ngx_http_next_body_filter(r, out);
-
-        o->cur = NULL;
-        ngx_chain_update_chains(r->pool, &o->free, &o->busy, &out,
-                                (ngx_buf_tag_t) &ngx_http_llama_session_module);
-
-        if (rc == NGX_ERROR || o->in == NULL || o->pending == NULL
-            || ngx_http_llama_session_ollama_inflight(o)
-               >= NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS)
-        {
-            /* done, or the next write event of the client's goes on */
-            return rc;
-        }
-
-        /*
-         * the client took some: on with what waits (with room, consume()
-         * takes at least a line, or all), else nothing would: llama-
-         * server's bytes would wait in the upstream's full buffer with no
-         * event to come
-         */
-    }
-}
-
-
-/* the output buffers sent on and not yet written to the client */
-
-static ngx_uint_t
-ngx_http_llama_session_ollama_inflight(ngx_http_llama_session_ollama_t *o)
-{
-    ngx_uint_t    n;
-    ngx_chain_t  *cl;
-
-    n = o->nbufs;
-
-    for (cl = o->free; cl; cl = cl->next) {
-        n--;
-    }
-
-    return n;
-}
-
-
-/*
- * Takes what waits of llama-server's reply while there is room for its
- * translation: a stream line by line, a whole reply until its end.
- */
-
-static ngx_int_t
-ngx_http_llama_session_ollama_consume(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll)
-{
-    u_char       *p, *line, *end, *nl;
-    size_t        size, len;
-    ngx_buf_t    *b, *nb;
-    ngx_uint_t    stream;
-    ngx_chain_t  *cl;
-
-    stream = (o->stream && o->status == NGX_HTTP_OK);
-
-    while (o->pending) {
-        cl = o->pending;
-        b = cl->buf;
-
-        if (!ngx_buf_in_memory(b) && ngx_buf_size(b)) {
-            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                          "llama_session: a reply in a file cannot be "
-                          "translated for Ollama");
-            return NGX_ERROR;
-        }
-
-        if (ngx_buf_in_memory(b) && b->last > b->pos) {
-
-            if (stream
-                && ngx_http_llama_session_ollama_inflight(o)
-                   >= NGX_HTTP_LLAMA_SESSION_OLLAMA_BUFS)
-            {
-                /* the client does not read: llama-server's bytes wait */
-                return NGX_OK;
-            }
-
-            /* a stream one line at a time, a whole reply as it comes */
-
-            nl = stream ? ngx_strlchr(b->pos, b->last, '\n') : NULL;
-            len = nl ? (size_t) (nl + 1 - b->pos) : (size_t) (b->last - b->pos);
-            size = (o->in->last - o->in->pos) + len;
-
-            if (size > (stream ? NGX_HTTP_LLAMA_SESSION_OLLAMA_EVENT
-                               : NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY))
-            {
-                ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                              "llama_session: a reply too large to "
-                              "translate for Ollama");
-                return NGX_ERROR;
-            }
-
-            if ((size_t) (o->in->end - o->in->last) < len) {
-                nb = ngx_create_temp_buf(r->pool, ngx_max(2 * size, 4096));
-                if (nb == NULL) {
-                    return NGX_ERROR;
-                }
-
-                nb->last = ngx_cpymem(nb->last, o->in->pos,
-                                      o->in->last - o->in->pos);
-                o->in = nb;
-            }
-
-            o->in->last = ngx_cpymem(o->in->last, b->pos, len);
-            b->pos += len;
-
-            if (nl == NULL) {
-                continue;
-            }
-
-            /* a whole line: "data: {...}" */
-
-            line = o->in->pos;
-            end = o->in->last - 1;
-            o->in->pos = o->in->start;
-            o->in->last = o->in->start;
-
-            p = end;
-            if (p > line && p[-1] == '\r') {
-                p--;
-            }
-
-            if (p - line > 5 && ngx_strncmp(line, "data:", 5) == 0) {
-                line += 5;
-
-                while (line < p && *line == ' ') {
-                    line++;
-                }
-
-                if (ngx_http_llama_session_ollama_event(r, o, line, p - line,
-                                                        ll)
-                    != NGX_OK)
-                {
-                    return NGX_ERROR;
-                }
-            }
-
-            continue;
-        }
-
-        if (b->last_buf) {
-            o->last = 1;
-        }
-
-        o->pending = cl->next;
-        ngx_free_chain(r->pool, cl);
-    }
-
-    if (!o->last) {
-        return NGX_OK;
-    }
-
-    if (!stream) {
-        if (ngx_http_llama_session_ollama_whole(r, o, ll) != NGX_OK) {
-            return NGX_ERROR;
-        }
-
-    } else if (!o->done) {
-        /* a stream that ended without its last event */
-        if (ngx_http_llama_session_ollama_emit(r, o,
-                          ngx_http_llama_session_ollama_object(r, o, 1), 1,
-                          ll)
-            != NGX_OK)
-        {
-            return NGX_ERROR;
-        }
-    }
-
-    nb = ngx_calloc_buf(r->pool);
-    if (nb == NULL) {
-        return NGX_ERROR;
-    }
-
-    nb->last_buf = 1;
-    nb->last_in_chain = 1;
-
-    cl = ngx_alloc_chain_link(r->pool);
-    if (cl == NULL) {
-        return NGX_ERROR;
-    }
-
-    cl->buf = nb;
-    cl->next = NULL;
-    **ll = cl;
-    *ll = &cl->next;
-
-    o->in = NULL;
-
-    return NGX_OK;
-}
-
-
 /* the position of a tool call in the calls put together */
 
 static ngx_uint_t
@@ -1254,8 +732,7 @@ ngx_http_llama_session_ollama_index(ngx_http_llama_session_ollama_t *o,
 
 static ngx_int_t
 ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, u_char *data, size_t len,
-    ngx_chain_t ***ll)
+    ngx_http_llama_session_conv_t *c, u_char *data, size_t len)
 {
     cJSON      *json, *choices, *choice, *delta, *content, *reasoning;
     cJSON      *finish, *calls, *call, *index, *f, *name, *args, *mine, *mf;
@@ -1264,17 +741,22 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
     size_t      n, m;
     ngx_int_t   rc;
     ngx_uint_t  i;
+    ngx_http_llama_session_ollama_t      *o;
     ngx_http_llama_session_ollama_arg_t  *arg;
 
-    if (len == 6 && ngx_strncmp(data, "[DONE]", 6) == 0) {
+    o = c->data;
+
+    if (data == NULL || (len == 6 && ngx_strncmp(data, "[DONE]", 6) == 0)) {
+        /* the last line: at [DONE], or at the end of a stream without */
+
         if (o->done) {
             return NGX_OK;
         }
 
         o->done = 1;
-        return ngx_http_llama_session_ollama_emit(r, o,
+        return ngx_http_llama_session_conv_emit(r, c,
                              ngx_http_llama_session_ollama_object(r, o, 1),
-                             1, ll);
+                             1);
     }
 
     json = ngx_http_llama_session_json_tree(data, len);
@@ -1283,7 +765,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    ngx_http_llama_session_ollama_stats(o, json);
+    ngx_http_llama_session_conv_stats(c, json);
 
     choices = cJSON_GetObjectItemCaseSensitive(json, "choices");
     choice = cJSON_GetArrayItem(choices, 0);
@@ -1393,7 +875,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
             arg = &((ngx_http_llama_session_ollama_arg_t *) o->args->elts)[i];
             m = ngx_strlen(args->valuestring);
 
-            if (arg->len + m > NGX_HTTP_LLAMA_SESSION_OLLAMA_REPLY) {
+            if (arg->len + m > NGX_HTTP_LLAMA_SESSION_OLLAMA_ARGS) {
                 ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                               "llama_session: a tool call's arguments are "
                               "too large to translate for Ollama");
@@ -1458,7 +940,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
             }
         }
 
-        rc = ngx_http_llama_session_ollama_emit(r, o, line, 1, ll);
+        rc = ngx_http_llama_session_conv_emit(r, c, line, 1);
     }
 
     cJSON_Delete(json);
@@ -1471,22 +953,22 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
 
 static ngx_int_t
 ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, ngx_chain_t ***ll)
+    ngx_http_llama_session_conv_t *c, u_char *data, size_t len)
 {
-    u_char     *p;
-    cJSON      *json, *err, *message, *choice, *msg, *content, *reasoning;
-    cJSON      *line, *calls, *data, *item, *emb, *out, *finish;
-    size_t      len;
-    ngx_str_t   text;
+    u_char                           *p;
+    cJSON                            *json, *err, *message, *choice, *msg;
+    cJSON                            *content, *reasoning, *line, *calls;
+    cJSON                            *list, *item, *emb, *out, *finish;
+    size_t                            n;
+    ngx_http_llama_session_ollama_t  *o;
 
-    text.data = o->in->pos;
-    text.len = o->in->last - o->in->pos;
+    o = c->data;
 
     /* the backend's reply too is counted before cJSON builds its tree */
 
-    json = ngx_http_llama_session_json_tree(text.data, text.len);
+    json = ngx_http_llama_session_json_tree(data, len);
 
-    if (o->status != NGX_HTTP_OK) {
+    if (c->status != NGX_HTTP_OK) {
         err = cJSON_GetObjectItemCaseSensitive(json, "error");
         message = cJSON_IsObject(err)
                   ? cJSON_GetObjectItemCaseSensitive(err, "message") : err;
@@ -1498,17 +980,17 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
                                 : "the model server failed the request");
         cJSON_Delete(json);
 
-        return ngx_http_llama_session_ollama_emit(r, o, out, 1, ll);
+        return ngx_http_llama_session_conv_emit(r, c, out, 1);
     }
 
     if (json == NULL) {
         out = cJSON_CreateObject();
         cJSON_AddStringToObject(out, "error",
                                 "the model server's reply is not JSON");
-        return ngx_http_llama_session_ollama_emit(r, o, out, 1, ll);
+        return ngx_http_llama_session_conv_emit(r, c, out, 1);
     }
 
-    ngx_http_llama_session_ollama_stats(o, json);
+    ngx_http_llama_session_conv_stats(c, json);
 
     if (o->kind == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED) {
         out = cJSON_CreateObject();
@@ -1523,19 +1005,20 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
         cJSON_AddStringToObject(out, "model", (char *) p);
         emb = cJSON_AddArrayToObject(out, "embeddings");
 
-        data = cJSON_GetObjectItemCaseSensitive(json, "data");
+        list = cJSON_GetObjectItemCaseSensitive(json, "data");
 
-        cJSON_ArrayForEach(item, data) {
+        cJSON_ArrayForEach(item, list) {
             cJSON_AddItemToArray(emb, cJSON_Duplicate(
                      cJSON_GetObjectItemCaseSensitive(item, "embedding"), 1));
         }
 
         cJSON_AddNumberToObject(out, "total_duration", 0);
         cJSON_AddNumberToObject(out, "load_duration", 0);
-        cJSON_AddNumberToObject(out, "prompt_eval_count", o->prompt_tokens);
+        cJSON_AddNumberToObject(out, "prompt_eval_count",
+                                c->prompt_tokens);
         cJSON_Delete(json);
 
-        return ngx_http_llama_session_ollama_emit(r, o, out, 0, ll);
+        return ngx_http_llama_session_conv_emit(r, c, out, 0);
     }
 
     choice = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(json,
@@ -1551,11 +1034,11 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
     }
 
     if (cJSON_IsString(finish)) {
-        len = ngx_strlen(finish->valuestring);
-        o->done_reason.data = ngx_pnalloc(r->pool, len);
+        n = ngx_strlen(finish->valuestring);
+        o->done_reason.data = ngx_pnalloc(r->pool, n);
         if (o->done_reason.data) {
-            ngx_memcpy(o->done_reason.data, finish->valuestring, len);
-            o->done_reason.len = len;
+            ngx_memcpy(o->done_reason.data, finish->valuestring, n);
+            o->done_reason.len = n;
         }
     }
 
@@ -1593,7 +1076,7 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
 
     o->done = 1;
 
-    return ngx_http_llama_session_ollama_emit(r, o, line, 0, ll);
+    return ngx_http_llama_session_conv_emit(r, c, line, 0);
 }
 
 
@@ -1612,6 +1095,7 @@ ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
     cJSON       *line, *msg, *calls, *call, *f, *args, *parsed, *name, *oc;
     cJSON       *of;
     ngx_uint_t   i;
+    ngx_http_llama_session_conv_t        *c;
     ngx_http_llama_session_ollama_arg_t  *arg;
 
     line = cJSON_CreateObject();
@@ -1690,19 +1174,21 @@ ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
                             || ngx_strcmp(reason, "tool_calls") == 0
                             ? "stop" : (char *) reason);
 
+    c = o->conv;
+
     cJSON_AddNumberToObject(line, "total_duration",
-                            (o->prompt_ms + o->predicted_ms) * 1e6);
+                            (c->prompt_ms + c->predicted_ms) * 1e6);
     cJSON_AddNumberToObject(line, "load_duration", 0);
     /* Ollama counts the prompt's tokens it evaluated, not the cached */
     cJSON_AddNumberToObject(line, "prompt_eval_count",
-                            o->prompt_n >= 0 ? (ngx_uint_t) o->prompt_n
-                            : (o->cached >= 0
-                               && (ngx_uint_t) o->cached <= o->prompt_tokens)
-                              ? o->prompt_tokens - o->cached
-                              : o->prompt_tokens);
-    cJSON_AddNumberToObject(line, "prompt_eval_duration", o->prompt_ms * 1e6);
-    cJSON_AddNumberToObject(line, "eval_count", o->completion_tokens);
-    cJSON_AddNumberToObject(line, "eval_duration", o->predicted_ms * 1e6);
+                            c->prompt_n >= 0 ? (ngx_uint_t) c->prompt_n
+                            : (c->cached >= 0
+                               && (ngx_uint_t) c->cached <= c->prompt_tokens)
+                              ? c->prompt_tokens - c->cached
+                              : c->prompt_tokens);
+    cJSON_AddNumberToObject(line, "prompt_eval_duration", c->prompt_ms * 1e6);
+    cJSON_AddNumberToObject(line, "eval_count", c->completion_tokens);
+    cJSON_AddNumberToObject(line, "eval_duration", c->predicted_ms * 1e6);
 
     if (o->kind == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE) {
         cJSON_AddArrayToObject(line, "context");
@@ -1714,172 +1200,6 @@ ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
     }
 
     return line;
-}
-
-
-/* usage and timings, wherever they come */
-
-static void
-ngx_http_llama_session_ollama_stats(ngx_http_llama_session_ollama_t *o,
-    cJSON *reply)
-{
-    cJSON  *usage, *timings, *item;
-
-    usage = cJSON_GetObjectItemCaseSensitive(reply, "usage");
-    timings = cJSON_GetObjectItemCaseSensitive(reply, "timings");
-
-    item = cJSON_GetObjectItemCaseSensitive(usage, "prompt_tokens");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        o->prompt_tokens = (ngx_uint_t) item->valuedouble;
-    }
-
-    item = cJSON_GetObjectItemCaseSensitive(usage, "completion_tokens");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        o->completion_tokens = (ngx_uint_t) item->valuedouble;
-    }
-
-    item = cJSON_GetObjectItemCaseSensitive(timings, "prompt_n");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        o->prompt_n = (ngx_int_t) item->valuedouble;
-    }
-
-    item = cJSON_GetObjectItemCaseSensitive(
-               cJSON_GetObjectItemCaseSensitive(usage, "prompt_tokens_details"),
-               "cached_tokens");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        o->cached = (ngx_int_t) item->valuedouble;
-    }
-
-    item = cJSON_GetObjectItemCaseSensitive(timings, "prompt_ms");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        o->prompt_ms = item->valuedouble;
-    }
-
-    item = cJSON_GetObjectItemCaseSensitive(timings, "predicted_ms");
-    if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-        o->predicted_ms = item->valuedouble;
-    }
-
-    if (usage == NULL) {
-        /* llama-server's own counts, when the usage comes without */
-
-        item = cJSON_GetObjectItemCaseSensitive(timings, "prompt_n");
-        if (cJSON_IsNumber(item) && item->valuedouble >= 0
-            && o->prompt_tokens == 0)
-        {
-            o->prompt_tokens = (ngx_uint_t) item->valuedouble;
-
-            item = cJSON_GetObjectItemCaseSensitive(timings, "cache_n");
-            if (cJSON_IsNumber(item) && item->valuedouble >= 0) {
-                o->prompt_tokens += (ngx_uint_t) item->valuedouble;
-            }
-        }
-
-        item = cJSON_GetObjectItemCaseSensitive(timings, "predicted_n");
-        if (cJSON_IsNumber(item) && item->valuedouble >= 0
-            && o->completion_tokens == 0)
-        {
-            o->completion_tokens = (ngx_uint_t) item->valuedouble;
-        }
-    }
-}
-
-
-/* appends an object (a line when nl) to the output; frees it */
-
-static ngx_int_t
-ngx_http_llama_session_ollama_emit(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, cJSON *json, ngx_uint_t nl,
-    ngx_chain_t ***ll)
-{
-    char       *text;
-    ngx_int_t   rc;
-
-    if (json == NULL) {
-        return NGX_ERROR;
-    }
-
-    text = cJSON_PrintUnformatted(json);
-    cJSON_Delete(json);
-
-    if (text == NULL) {
-        return NGX_ERROR;
-    }
-
-    rc = ngx_http_llama_session_ollama_write(r, o, (u_char *) text,
-                                             ngx_strlen(text), ll);
-
-    if (rc == NGX_OK && nl) {
-        rc = ngx_http_llama_session_ollama_write(r, o, (u_char *) "\n", 1,
-                                                 ll);
-    }
-
-    cJSON_free(text);
-
-    return rc;
-}
-
-
-/*
- * Copies bytes of the translation into the filter's output buffers: the
- * one being filled, then free ones, then new ones (counted in nbufs; a
- * line may take several, and may go beyond NGX_HTTP_LLAMA_SESSION_OLLAMA_
- * BUFS: the next line then waits).
- */
-
-static ngx_int_t
-ngx_http_llama_session_ollama_write(ngx_http_request_t *r,
-    ngx_http_llama_session_ollama_t *o, u_char *data, size_t len,
-    ngx_chain_t ***ll)
-{
-    size_t        n;
-    ngx_buf_t    *b;
-    ngx_chain_t  *cl;
-
-    while (len) {
-        b = o->cur;
-
-        if (b == NULL || b->last == b->end) {
-
-            if (o->free) {
-                cl = o->free;
-                o->free = cl->next;
-                b = cl->buf;
-                b->pos = b->start;
-                b->last = b->start;
-                b->flush = 0;
-
-            } else {
-                b = ngx_create_temp_buf(r->pool,
-                                        NGX_HTTP_LLAMA_SESSION_OLLAMA_BUF);
-                if (b == NULL) {
-                    return NGX_ERROR;
-                }
-
-                b->tag = (ngx_buf_tag_t) &ngx_http_llama_session_module;
-
-                cl = ngx_alloc_chain_link(r->pool);
-                if (cl == NULL) {
-                    return NGX_ERROR;
-                }
-
-                cl->buf = b;
-                o->nbufs++;
-            }
-
-            cl->next = NULL;
-            **ll = cl;
-            *ll = &cl->next;
-            o->cur = b;
-        }
-
-        n = ngx_min(len, (size_t) (b->end - b->last));
-        b->last = ngx_cpymem(b->last, data, n);
-        data += n;
-        len -= n;
-    }
-
-    return NGX_OK;
 }
 
 

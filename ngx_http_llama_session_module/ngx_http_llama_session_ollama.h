@@ -13,7 +13,6 @@
 #include "ngx_http_llama_session.h"
 
 
-ngx_int_t ngx_http_llama_session_ollama_init(ngx_conf_t *cf);
 ngx_int_t ngx_http_llama_session_ollama_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_ollama_request(ngx_http_request_t *r,

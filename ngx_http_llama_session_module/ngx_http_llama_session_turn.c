@@ -153,7 +153,8 @@ ngx_http_llama_session_turn_start(ngx_http_request_t *r,
 
     if (!ctx->zone->reprime || ctx->zone->store.len == 0 || ctx->probe
         || ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
-        || ctx->default_session || ctx->anthropic || ctx->key_len == 0
+        || ctx->default_session || (ctx->anthropic && !ctx->messages)
+        || ctx->key_len == 0
         || r->request_body == NULL || r->request_body->bufs == NULL
         || (ctx->ollama != NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
             && !ngx_http_llama_session_uri_ends(r, "/chat/completions")))

@@ -32,6 +32,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
@@ -85,12 +86,16 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* the endpoints a prime can be made for */
 
-    if (ngx_http_llama_session_uri_ends(r, "/messages")) {
+    if (ctx->messages || ngx_http_llama_session_uri_ends(r, "/messages")) {
         if (ctx->p_system.start == NULL) {
             return NGX_DECLINED;
         }
 
-        ctx->anthropic = 1;
+        /*
+         * llama-server's own /v1/messages (llama_session_anthropic off);
+         * a translated one is primed as the chat completion it became
+         */
+        ctx->anthropic = !ctx->messages;
 
     } else if (!ngx_http_llama_session_uri_ends(r, "/chat/completions")
                || (ctx->p_leading.start == NULL && ctx->p_tools.start == NULL))
@@ -386,7 +391,8 @@ ngx_http_llama_session_warm_go(ngx_http_request_t *r,
  * The prime's body: the request's own system prompt, tools and template
  * arguments, as the client sent them (so the template renders the same
  * tokens), no conversation, one token to generate.  OpenAI's chat shape,
- * or Anthropic's for /v1/messages.
+ * or Anthropic's for llama-server's /v1/messages, or Anthropic's
+ * translated into a chat completion for the module's.
  */
 
 static ngx_int_t
@@ -396,7 +402,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     size_t                          len;
     ngx_str_t                       body;
     ngx_buf_t                      *b;
-    ngx_uint_t                      i;
+    ngx_uint_t                      i, anthropic;
     ngx_http_llama_session_span_t  *sp;
 
     static struct {
@@ -421,14 +427,16 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     len = sizeof("{\"messages\":[],\"max_tokens\":1,\"temperature\":0,"
                  "\"stream\":false,\"id_slot\":}") - 1 + NGX_INT_T_LEN;
 
-    if (!ctx->anthropic && ctx->p_leading.start) {
+    anthropic = (ctx->anthropic || ctx->messages);
+
+    if (!anthropic && ctx->p_leading.start) {
         len += ctx->p_leading.end - ctx->p_leading.start;
     }
 
     for (i = 0; i < sizeof(members) / sizeof(members[0]); i++) {
         sp = (ngx_http_llama_session_span_t *) ((u_char *) ctx
                                                 + members[i].off);
-        if (sp->start && (i != 1 || ctx->anthropic)) {
+        if (sp->start && (i != 1 || anthropic)) {
             len += sizeof(",\"\":") - 1 + ngx_strlen(members[i].name)
                    + (sp->end - sp->start);
         }
@@ -442,7 +450,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     b->last = ngx_cpymem(b->last, "{\"messages\":[", sizeof("{\"messages\":[")
                                                   - 1);
 
-    if (!ctx->anthropic && ctx->p_leading.start) {
+    if (!anthropic && ctx->p_leading.start) {
         b->last = ngx_cpymem(b->last, ctx->p_leading.start,
                              ctx->p_leading.end - ctx->p_leading.start);
     }
@@ -452,7 +460,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     for (i = 0; i < sizeof(members) / sizeof(members[0]); i++) {
         sp = (ngx_http_llama_session_span_t *) ((u_char *) ctx
                                                 + members[i].off);
-        if (sp->start && (i != 1 || ctx->anthropic)) {
+        if (sp->start && (i != 1 || anthropic)) {
             b->last = ngx_sprintf(b->last, ",\"%s\":", members[i].name);
             b->last = ngx_cpymem(b->last, sp->start, sp->end - sp->start);
         }
@@ -465,7 +473,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
 
     /* Anthropic's converter drops id_slot, OpenAI's keeps it */
 
-    if (!ctx->anthropic) {
+    if (!anthropic) {
         b->last = ngx_sprintf(b->last, ",\"id_slot\":%ui", ctx->job.slot);
     }
 
@@ -473,6 +481,14 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
 
     b->last_buf = 1;
     b->last_in_chain = 1;
+
+    if (ctx->messages) {
+        /* Anthropic's shape, translated as the request was (anthropic.c) */
+        b = ngx_http_llama_session_anthropic_prime(r, b, ctx->job.slot);
+        if (b == NULL) {
+            return NGX_ERROR;
+        }
+    }
 
     if (body.data) {
         /* and let go again */

@@ -214,13 +214,13 @@ for my $sid (@four) {
 ok($t->log_lines(qr/llama-server restarted \(slot \d shows task/),
    'the restart is logged');
 
-# Anthropic's endpoint cannot be pinned: refused, not run anywhere
+# Anthropic's endpoint: translated and pinned (t/96-anthropic.t)
 $r = $t->post('/v1/messages', { model => 'm', max_tokens => 4,
                                 messages => [ { role => 'user',
                                                 content => 'hi' } ] },
               headers => { 'X-Session-Id' => 'claude' });
-is($r->{status}, 501, '/v1/messages with four slots: 501');
-like($r->{json}{error}{message} // '', qr/chosen slot/, 'with the reason');
+is($r->{status}, 200, '/v1/messages with four slots: 200');
+is($r->{json}{type}, 'message', 'an Anthropic message');
 
 $t->stop;
 done_testing;
