@@ -33,6 +33,9 @@
 #define NGX_HTTP_LLAMA_SESSION_MODEL_SHOW  64
 #define NGX_HTTP_LLAMA_SESSION_PATH_SHOW   200
 #define NGX_HTTP_LLAMA_SESSION_FIELDS_MAX  16
+
+/* the request's parts a warm start's prime is made of (ctx->p_*) */
+#define NGX_HTTP_LLAMA_SESSION_PRIME_SPANS  7
 #define NGX_HTTP_LLAMA_SESSION_ID_MAX      256    /* a client's id, bytes */
 #define NGX_HTTP_LLAMA_SESSION_PREFIX_MAX  16     /* a model zone's name */
 
@@ -686,11 +689,14 @@ struct ngx_http_llama_session_ctx_s {
     size_t                          base_len;   /* 0: no base */
     u_char                          base_id[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_http_llama_session_span_t   p_model;
-    ngx_http_llama_session_span_t   p_system;   /* Anthropic's */
-    ngx_http_llama_session_span_t   p_leading;  /* system messages */
+    ngx_http_llama_session_span_t   p_system;   /* Anthropic's system,
+                                                   Responses' instructions */
+    ngx_http_llama_session_span_t   p_leading;  /* system messages or
+                                                   Responses' input items */
     ngx_http_llama_session_span_t   p_tools;
     ngx_http_llama_session_span_t   p_tool_choice;
     ngx_http_llama_session_span_t   p_kwargs;   /* chat_template_kwargs */
+    ngx_http_llama_session_span_t   p_reasoning; /* Responses' reasoning */
 
     ngx_uint_t                      action;
     ngx_int_t                       status;     /* to finish with */
@@ -724,6 +730,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        probe:1;
     unsigned                        anthropic:1; /* /v1/messages */
     unsigned                        messages:1;  /* translated, anthropic.c */
+    unsigned                        responses:1; /* a Responses API prime */
 
     /* what the reply says of the prompt's cache, see reply.c */
     u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];

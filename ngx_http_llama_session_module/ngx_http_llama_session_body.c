@@ -91,6 +91,12 @@ static ngx_str_t  ngx_http_llama_session_tool_choice_name =
     ngx_string("tool_choice");
 static ngx_str_t  ngx_http_llama_session_kwargs_name =
     ngx_string("chat_template_kwargs");
+static ngx_str_t  ngx_http_llama_session_instructions_name =
+    ngx_string("instructions");
+static ngx_str_t  ngx_http_llama_session_input_name =
+    ngx_string("input");
+static ngx_str_t  ngx_http_llama_session_reasoning_name =
+    ngx_string("reasoning");
 static ngx_str_t  ngx_http_llama_session_max_tokens_name =
     ngx_string("max_tokens");
 static ngx_str_t  ngx_http_llama_session_max_completion_name =
@@ -109,7 +115,8 @@ static ngx_str_t  ngx_http_llama_session_n_predict_name =
 #define NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS   6
 #define NGX_HTTP_LLAMA_SESSION_SP_MAX_COMPL    7
 #define NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT    8
-#define NGX_HTTP_LLAMA_SESSION_SP_FIELDS       9
+#define NGX_HTTP_LLAMA_SESSION_SP_REASONING    9
+#define NGX_HTTP_LLAMA_SESSION_SP_FIELDS       10
 #define NGX_HTTP_LLAMA_SESSION_SP_ALL                                        \
     (NGX_HTTP_LLAMA_SESSION_SP_FIELDS + NGX_HTTP_LLAMA_SESSION_FIELDS_MAX)
 
@@ -276,7 +283,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_int_t                           rc;
     ngx_str_t                           body, ns, *field;
     ngx_str_t                           names[NGX_HTTP_LLAMA_SESSION_SP_ALL];
-    ngx_uint_t                          i, n;
+    ngx_uint_t                          i, n, responses;
     ngx_http_llama_session_span_t       spans[NGX_HTTP_LLAMA_SESSION_SP_ALL];
     ngx_http_llama_session_loc_conf_t  *llcf;
 
@@ -323,13 +330,24 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    /* the members the module needs, at the top level of the object */
+    /*
+     * the members the module needs, at the top level of the object; the
+     * Responses API's system prompt is its "instructions" and the system
+     * and developer items that lead its "input", as llama-server converts
+     * them
+     */
+
+    responses = ngx_http_llama_session_uri_ends(r, "/responses");
 
     names[NGX_HTTP_LLAMA_SESSION_SP_MODEL] = ngx_http_llama_session_model_name;
     names[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM] =
-                                         ngx_http_llama_session_system_name;
+                          responses ? ngx_http_llama_session_instructions_name
+                                    : ngx_http_llama_session_system_name;
     names[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES] =
-                                       ngx_http_llama_session_messages_name;
+                          responses ? ngx_http_llama_session_input_name
+                                    : ngx_http_llama_session_messages_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_REASONING] =
+                                      ngx_http_llama_session_reasoning_name;
     names[NGX_HTTP_LLAMA_SESSION_SP_TOOLS] = ngx_http_llama_session_tools_name;
     names[NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE] =
                                     ngx_http_llama_session_tool_choice_name;
@@ -466,6 +484,7 @@ ngx_http_llama_session_body_span_list(ngx_http_llama_session_ctx_t *ctx,
     sp[3] = &ctx->p_tools;
     sp[4] = &ctx->p_tool_choice;
     sp[5] = &ctx->p_kwargs;
+    sp[6] = &ctx->p_reasoning;
 }
 
 
@@ -481,7 +500,7 @@ ngx_http_llama_session_body_release(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_uint_t                      i;
-    ngx_http_llama_session_span_t  *sp[6];
+    ngx_http_llama_session_span_t  *sp[NGX_HTTP_LLAMA_SESSION_PRIME_SPANS];
 
     if (!ctx->body_copied || ctx->body.data == NULL) {
         return;
@@ -489,7 +508,7 @@ ngx_http_llama_session_body_release(ngx_http_request_t *r,
 
     ngx_http_llama_session_body_span_list(ctx, sp);
 
-    for (i = 0; i < 6; i++) {
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_PRIME_SPANS; i++) {
         if (sp[i]->start) {
             sp[i]->start = (u_char *) (sp[i]->start - ctx->body.data);
             sp[i]->end = (u_char *) (sp[i]->end - ctx->body.data);
@@ -517,7 +536,7 @@ ngx_http_llama_session_body_spans(ngx_http_request_t *r,
 {
     ngx_int_t                       rc;
     ngx_uint_t                      i;
-    ngx_http_llama_session_span_t  *sp[6];
+    ngx_http_llama_session_span_t  *sp[NGX_HTTP_LLAMA_SESSION_PRIME_SPANS];
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     ngx_str_null(body);
@@ -536,7 +555,7 @@ ngx_http_llama_session_body_spans(ngx_http_request_t *r,
 
     ngx_http_llama_session_body_span_list(ctx, sp);
 
-    for (i = 0; i < 6; i++) {
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_PRIME_SPANS; i++) {
         if (sp[i]->start) {
             if ((size_t) sp[i]->end > body->len) {
                 return NGX_ERROR;
@@ -834,9 +853,10 @@ too_long:
  *
  *   ctx->sys: SHA-256 of the system prompt, Anthropic's top-level "system"
  *   (a string or text blocks; also Ollama's /api/generate "system") and
- *   the messages with role "system" or "developer" that lead "messages",
- *   their texts joined by newlines, then "tools", "tool_choice" and
- *   "chat_template_kwargs" as sent; ctx->sys_len: the bytes of all that,
+ *   the messages with role "system" or "developer" that lead "messages"
+ *   (the Responses API's "instructions" and the items of such roles that
+ *   lead its "input"), their texts joined by newlines, then "tools",
+ *   "tool_choice", "chat_template_kwargs" and "reasoning" as sent; ctx->sys_len: the bytes of all that,
  *   0 when there is none.  What llama-server changes in Anthropic's
  *   system prompt (the "cch=" of Claude Code's billing header) is changed
  *   here too, so a value that differs from request to request is in no key.
@@ -870,7 +890,8 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
     static ngx_uint_t  parts[] = {
         NGX_HTTP_LLAMA_SESSION_SP_TOOLS,
         NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE,
-        NGX_HTTP_LLAMA_SESSION_SP_KWARGS
+        NGX_HTTP_LLAMA_SESSION_SP_KWARGS,
+        NGX_HTTP_LLAMA_SESSION_SP_REASONING
     };
 
     md = ngx_http_llama_session_sha256_begin(r);
@@ -984,6 +1005,9 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
             break;
         case NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE:
             ctx->p_tool_choice = *sp;
+            break;
+        case NGX_HTTP_LLAMA_SESSION_SP_REASONING:
+            ctx->p_reasoning = *sp;
             break;
         default:
             ctx->p_kwargs = *sp;

@@ -152,6 +152,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
         p = ngx_sprintf(uri.data, ctx->anthropic ? "%V/v1/messages"
+                                  : ctx->responses ? "%V/v1/responses"
                                   : "%V/v1/chat/completions",
                         &llcf->slots_uri);
 

@@ -97,6 +97,17 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
          */
         ctx->anthropic = !ctx->messages;
 
+    } else if (ngx_http_llama_session_uri_ends(r, "/responses")) {
+        /* the Responses API: instructions, leading input items, tools */
+
+        if (ctx->p_system.start == NULL && ctx->p_leading.start == NULL
+            && ctx->p_tools.start == NULL)
+        {
+            return NGX_DECLINED;
+        }
+
+        ctx->responses = 1;
+
     } else if (!ngx_http_llama_session_uri_ends(r, "/chat/completions")
                || (ctx->p_leading.start == NULL && ctx->p_tools.start == NULL))
     {
@@ -180,7 +191,7 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 
         kind = ngx_http_llama_session_memory_kind(ctx->zone, ctx->job.fp);
 
-        ctx->warm.prefix = (!ctx->anthropic
+        ctx->warm.prefix = (!ctx->anthropic && !ctx->responses
                             && (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_HYBRID
                                 || kind
                                    == NGX_HTTP_LLAMA_SESSION_MEMORY_RECURRENT));
@@ -392,7 +403,9 @@ ngx_http_llama_session_warm_go(ngx_http_request_t *r,
  * arguments, as the client sent them (so the template renders the same
  * tokens), no conversation, one token to generate.  OpenAI's chat shape,
  * or Anthropic's for llama-server's /v1/messages, or Anthropic's
- * translated into a chat completion for the module's.
+ * translated into a chat completion for the module's, or the Responses
+ * API's ("instructions", the leading "input" items, "reasoning"), which
+ * llama-server converts keeping "id_slot".
  */
 
 static ngx_int_t
@@ -402,7 +415,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     size_t                          len;
     ngx_str_t                       body;
     ngx_buf_t                      *b;
-    ngx_uint_t                      i, anthropic;
+    ngx_uint_t                      i, anthropic, system;
     ngx_http_llama_session_span_t  *sp;
 
     static struct {
@@ -415,7 +428,8 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
         { "tool_choice",
           offsetof(ngx_http_llama_session_ctx_t, p_tool_choice) },
         { "chat_template_kwargs",
-          offsetof(ngx_http_llama_session_ctx_t, p_kwargs) }
+          offsetof(ngx_http_llama_session_ctx_t, p_kwargs) },
+        { "reasoning", offsetof(ngx_http_llama_session_ctx_t, p_reasoning) }
     };
 
     /* a body nginx keeps in a file is read again for the prime */
@@ -429,6 +443,9 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
 
     anthropic = (ctx->anthropic || ctx->messages);
 
+    /* the Responses API's system prompt is "instructions", as "system" */
+    system = (anthropic || ctx->responses);
+
     if (!anthropic && ctx->p_leading.start) {
         len += ctx->p_leading.end - ctx->p_leading.start;
     }
@@ -436,9 +453,9 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     for (i = 0; i < sizeof(members) / sizeof(members[0]); i++) {
         sp = (ngx_http_llama_session_span_t *) ((u_char *) ctx
                                                 + members[i].off);
-        if (sp->start && (i != 1 || anthropic)) {
-            len += sizeof(",\"\":") - 1 + ngx_strlen(members[i].name)
-                   + (sp->end - sp->start);
+        if (sp->start && (i != 1 || system)) {
+            len += sizeof(",\"instructions\":") - 1
+                   + ngx_strlen(members[i].name) + (sp->end - sp->start);
         }
     }
 
@@ -447,8 +464,10 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    b->last = ngx_cpymem(b->last, "{\"messages\":[", sizeof("{\"messages\":[")
-                                                  - 1);
+    b->last = ctx->responses
+              ? ngx_cpymem(b->last, "{\"input\":[", sizeof("{\"input\":[") - 1)
+              : ngx_cpymem(b->last, "{\"messages\":[",
+                           sizeof("{\"messages\":[") - 1);
 
     if (!anthropic && ctx->p_leading.start) {
         b->last = ngx_cpymem(b->last, ctx->p_leading.start,
@@ -460,8 +479,10 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     for (i = 0; i < sizeof(members) / sizeof(members[0]); i++) {
         sp = (ngx_http_llama_session_span_t *) ((u_char *) ctx
                                                 + members[i].off);
-        if (sp->start && (i != 1 || anthropic)) {
-            b->last = ngx_sprintf(b->last, ",\"%s\":", members[i].name);
+        if (sp->start && (i != 1 || system)) {
+            b->last = ngx_sprintf(b->last, ",\"%s\":",
+                                  (i == 1 && ctx->responses) ? "instructions"
+                                                             : members[i].name);
             b->last = ngx_cpymem(b->last, sp->start, sp->end - sp->start);
         }
     }

@@ -162,7 +162,8 @@ $r = ask('theta', 'theta words');
 is($r->{action}, 'warm', 'the next conversation starts warm from it');
 is($r->{cache_n}, $sys_len - 1, 'with the system prompt cached');
 
-# Anthropic's shape: system and tools as sent, no messages
+# Anthropic's request: its base primed as the chat completion the request
+# becomes (anthropic.c), the system blocks one system message, pinned
 $n = @{ $t->fake_calls };
 $r = $t->post('/v1/messages',
               { model => 'm', max_tokens => 8,
@@ -172,11 +173,12 @@ $r = $t->post('/v1/messages',
 is($r->{status}, 200, 'an Anthropic request is served');
 ($prime) = grep { what($_) eq 'prime' } calls_since($n);
 ok($prime, 'with a prime of its own');
-is($prime && $prime->{path}, '/v1/messages', 'on /v1/messages');
+is($prime && $prime->{path}, '/v1/chat/completions',
+   'on /v1/chat/completions');
 $pb = $prime ? $JSON->decode($prime->{body}) : {};
-is_deeply($pb->{system}, [ { type => 'text', text => $system } ],
-          'Anthropic\'s system blocks as sent');
-is_deeply($pb->{messages}, [], 'and no messages');
+is_deeply($pb->{messages}, [ { role => 'system', content => $system } ],
+          'Anthropic\'s system blocks as the system message, no other');
+ok(defined $pb->{id_slot}, 'pinned');
 
 # a short system prompt (under min=, tools count too): no prime, no base
 $n = @{ $t->fake_calls };
