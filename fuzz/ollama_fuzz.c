@@ -24,84 +24,6 @@
 #include "fuzz_ngx.h"
 
 
-ngx_http_output_header_filter_pt  ngx_http_top_header_filter;
-volatile ngx_str_t                ngx_cached_http_log_iso8601 =
-    ngx_string("2026-11-30T12:00:00+00:00");
-
-
-/* what ollama.c calls of nginx and of the module, outside the translation */
-
-ngx_uint_t
-ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
-{
-    fuzz_unexpected("ngx_http_llama_session_uri_ends");
-    return 0;
-}
-
-
-ngx_int_t
-ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
-    ngx_str_t *body)
-{
-    fuzz_unexpected("ngx_http_llama_session_read_body");
-    return NGX_ERROR;
-}
-
-
-void
-ngx_http_finalize_request(ngx_http_request_t *r, ngx_int_t rc)
-{
-    fuzz_unexpected("ngx_http_finalize_request");
-}
-
-
-ngx_int_t
-ngx_http_send_header(ngx_http_request_t *r)
-{
-    fuzz_unexpected("ngx_http_send_header");
-    return NGX_ERROR;
-}
-
-
-ngx_int_t
-ngx_http_output_filter(ngx_http_request_t *r, ngx_chain_t *in)
-{
-    fuzz_unexpected("ngx_http_output_filter");
-    return NGX_ERROR;
-}
-
-
-ngx_int_t
-ngx_http_discard_request_body(ngx_http_request_t *r)
-{
-    fuzz_unexpected("ngx_http_discard_request_body");
-    return NGX_ERROR;
-}
-
-
-ngx_pool_cleanup_t *
-ngx_pool_cleanup_add(ngx_pool_t *p, size_t size)
-{
-    fuzz_unexpected("ngx_pool_cleanup_add");
-    return NULL;
-}
-
-
-void
-ngx_http_weak_etag(ngx_http_request_t *r)
-{
-    fuzz_unexpected("ngx_http_weak_etag");
-}
-
-
-void
-ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t state)
-{
-    ctx->job.state = state;
-}
-
-
 static void
 fuzz_print(cJSON *json)
 {
@@ -146,9 +68,10 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     u_char                           *copy, *line, *end, *last;
     cJSON                            *in, *messages;
     ngx_uint_t                        mode, g, stream;
-    ngx_chain_t                      *out, **ll;
+    ngx_chain_t                      *out;
     ngx_connection_t                  c;
     ngx_http_request_t                r;
+    ngx_http_llama_session_conv_t     conv;
     ngx_http_llama_session_ollama_t   o;
 
     static ngx_uint_t  kinds[] = {
@@ -168,12 +91,16 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_request(&r, &c);
 
     ngx_memzero(&o, sizeof(ngx_http_llama_session_ollama_t));
+    ngx_memzero(&conv, sizeof(ngx_http_llama_session_conv_t));
     ngx_str_set(&o.model, "qwen3:8b");
-    o.prompt_n = -1;
-    o.cached = -1;
+    conv.api = "Ollama";
+    conv.prompt_n = -1;
+    conv.cached = -1;
+    conv.data = &o;
+    o.conv = &conv;
 
     out = NULL;
-    ll = &out;
+    conv.ll = &out;
 
     if (mode < 64) {
         in = cJSON_ParseWithLength((char *) copy, size - 1);
@@ -191,8 +118,8 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     } else if (mode < 128) {
         o.kind = kinds[mode % 2];
-        o.stream = 1;
-        o.status = NGX_HTTP_OK;
+        conv.stream = 1;
+        conv.status = NGX_HTTP_OK;
 
         for (line = copy; line < last; line = end + 1) {
             end = ngx_strlchr(line, last, '\n');
@@ -201,8 +128,8 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             }
 
             if (end - line > 5 && ngx_strncmp(line, "data:", 5) == 0) {
-                if (ngx_http_llama_session_ollama_event(&r, &o, line + 5,
-                                                        end - line - 5, &ll)
+                if (ngx_http_llama_session_ollama_event(&r, &conv, line + 5,
+                                                        end - line - 5)
                     != NGX_OK)
                 {
                     break;
@@ -210,18 +137,16 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             }
         }
 
-        (void) ngx_http_llama_session_ollama_emit(&r, &o,
-                          ngx_http_llama_session_ollama_object(&r, &o, 1), 1,
-                          &ll);
+        /* the stream's end */
+        (void) ngx_http_llama_session_ollama_event(&r, &conv, NULL, 0);
 
     } else {
         o.kind = kinds[mode % 3];
-        o.status = (mode & 8) ? NGX_HTTP_INTERNAL_SERVER_ERROR : NGX_HTTP_OK;
-        o.in = ngx_calloc_buf(r.pool);
-        o.in->pos = copy;
-        o.in->last = last;
+        conv.status = (mode & 8) ? NGX_HTTP_INTERNAL_SERVER_ERROR
+                                 : NGX_HTTP_OK;
 
-        (void) ngx_http_llama_session_ollama_whole(&r, &o, &ll);
+        (void) ngx_http_llama_session_ollama_whole(&r, &conv, copy,
+                                                   last - copy);
     }
 
     fuzz_check(out);

@@ -10,8 +10,11 @@
 #             (canon.c)
 #   replies   the slot reply parsers (slots.c): GET /slots, save, restore,
 #             erase, GET /props, GET /v1/models
-#   ollama    Ollama's translation (ollama.c): requests, SSE events, whole
-#             replies
+#   ollama    Ollama's translation (ollama.c, convert.c): requests, SSE
+#             events, whole replies
+#   anthropic Anthropic's translation (anthropic.c, convert.c): requests and
+#             warm primes, SSE events (checked as Anthropic's event
+#             sequence), whole replies
 #   turn      what the re-prime reads: a chat reply's assistant message,
 #             streamed or whole (turn.c), and a model file's GGUF header
 #             (gguf.c)
@@ -30,7 +33,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 src=/usr/share/nginx/src
 mod=$here/ngx_http_llama_session_module
 secs=${1:-60}
-targets=${2:-json identity replies ollama turn differential}
+targets=${2:-json identity replies ollama anthropic turn differential}
 inc="-I $src/src/core -I $src/src/event -I $src/src/event/modules
      -I $src/src/os/unix -I $src/src/http -I $src/src/http/modules
      -I $src/src/http/v2 -I $here/objs -I $mod -I $here/fuzz"
@@ -76,6 +79,13 @@ build() {
                      $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     ollama)   files="$here/fuzz/ollama_fuzz.c $here/fuzz/fuzz_ngx.c
+                     $here/fuzz/conv_stubs.c
+                     $mod/ngx_http_llama_session_convert.c
+                     $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
+              libs="-lcjson -lcrypto" ;;
+    anthropic) files="$here/fuzz/anthropic_fuzz.c $here/fuzz/fuzz_ngx.c
+                     $here/fuzz/conv_stubs.c
+                     $mod/ngx_http_llama_session_convert.c
                      $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     turn)     files="$here/fuzz/turn_fuzz.c $here/fuzz/fuzz_ngx.c
@@ -124,8 +134,8 @@ seeds() {
     elif [ "$t" = differential ]; then
         find "$here/fuzz/seeds" "$here/fuzz/seeds/differential" -maxdepth 1 \
             -type f -exec cp {} "$here/objs/${t}_corpus/" \;
-    elif [ "$t" = ollama ]; then
-        cp "$here"/fuzz/seeds/ollama/* "$here/objs/${t}_corpus/"
+    elif [ "$t" = ollama ] || [ "$t" = anthropic ]; then
+        cp "$here"/fuzz/seeds/"$t"/* "$here/objs/${t}_corpus/"
     else
         find "$here/fuzz/seeds" -maxdepth 1 -type f \
             -exec cp {} "$here/objs/${t}_corpus/" \;

@@ -949,9 +949,11 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
 
         a->done = 1;
 
-        return ngx_http_llama_session_anthropic_sse(r, c, "error",
-                   ngx_http_llama_session_anthropic_error(
-                       NGX_HTTP_INTERNAL_SERVER_ERROR, json));
+        err = ngx_http_llama_session_anthropic_error(
+                  NGX_HTTP_INTERNAL_SERVER_ERROR, json);
+        cJSON_Delete(json);
+
+        return ngx_http_llama_session_anthropic_sse(r, c, "error", err);
     }
 
     ngx_http_llama_session_conv_stats(c, json);
