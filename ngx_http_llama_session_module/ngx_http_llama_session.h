@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     7
+#define NGX_HTTP_LLAMA_SESSION_VERSION     8
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -297,6 +297,8 @@ typedef struct {
     u_char                          has_idk;
     u_char                          has_sys;
     u_char                          has_ns;
+    u_char                          is_base;    /* a warm start's base */
+    u_short                         base_uses;  /* sessions it started */
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
@@ -390,6 +392,8 @@ typedef struct {
     ngx_uint_t                      seq;        /* saves recorded */
     ngx_uint_t                      files;      /* saved, any configuration */
     off_t                           bytes;
+    ngx_uint_t                      base_files; /* of them, bases */
+    off_t                           base_bytes;
     u_char                          fp_known;
     u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
     ngx_uint_t                      n_ctx;

@@ -439,6 +439,11 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
                                    tenant ? ngx_http_llama_session_api_bytes(
                                                 nodes, n)
                                           : sh->bytes) == NULL
+        || (!tenant
+            && (cJSON_AddNumberToObject(json, "base_files", sh->base_files)
+                == NULL
+                || cJSON_AddNumberToObject(json, "base_bytes", sh->base_bytes)
+                   == NULL))
         || cJSON_AddNumberToObject(json, "max_files", zone->max_files) == NULL
         || cJSON_AddNumberToObject(json, "max_size", zone->max_size) == NULL
         || (list = cJSON_AddArrayToObject(json, "sessions")) == NULL)
@@ -495,7 +500,10 @@ ngx_http_llama_session_api_node(ngx_http_llama_session_zone_t *zone,
                                  && ngx_memcmp(fp, zone->sh->fp,
                                             NGX_HTTP_LLAMA_SESSION_FP_LEN))
            == NULL
-        || cJSON_AddBoolToObject(item, "in_slot", in_slot) == NULL)
+        || cJSON_AddBoolToObject(item, "in_slot", in_slot) == NULL
+        || (node->is_base
+            && cJSON_AddNumberToObject(item, "base_uses", node->base_uses)
+               == NULL))
     {
         cJSON_Delete(item);
         return NULL;

@@ -54,6 +54,8 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_SESSIONS,
     NGX_HTTP_LLAMA_SESSION_M_FILES,
     NGX_HTTP_LLAMA_SESSION_M_BYTES,
+    NGX_HTTP_LLAMA_SESSION_M_BASE_FILES,
+    NGX_HTTP_LLAMA_SESSION_M_BASE_BYTES,
     NGX_HTTP_LLAMA_SESSION_M_SHM_USED,
     NGX_HTTP_LLAMA_SESSION_M_SHM_SIZE,
     NGX_HTTP_LLAMA_SESSION_M_FORGOTTEN,
@@ -124,6 +126,10 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "Session files in the store folder." },
     { "store_bytes", "gauge",
       "Bytes of the session files in the store folder." },
+    { "store_base_files", "gauge",
+      "Of the store's files, warm starts' bases." },
+    { "store_base_bytes", "gauge",
+      "Bytes of the bases in the store folder." },
     { "shm_used_bytes", "gauge",
       "Shared memory of the zone in use." },
     { "shm_size_bytes", "gauge",
@@ -611,6 +617,14 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
 
     case NGX_HTTP_LLAMA_SESSION_M_BYTES:
         return ngx_http_llama_session_sample("store_bytes", "", sh->bytes);
+
+    case NGX_HTTP_LLAMA_SESSION_M_BASE_FILES:
+        return ngx_http_llama_session_sample("store_base_files", "",
+                                             sh->base_files);
+
+    case NGX_HTTP_LLAMA_SESSION_M_BASE_BYTES:
+        return ngx_http_llama_session_sample("store_base_bytes", "",
+                                             sh->base_bytes);
 
     case NGX_HTTP_LLAMA_SESSION_M_SHM_USED:
         return ngx_http_llama_session_sample("shm_used_bytes", "",

@@ -960,6 +960,47 @@ ngx_http_llama_session_base_claim(ngx_http_llama_session_ctx_t *ctx)
 }
 
 
+/*
+ * A session started from the base (its file restored, or the slot's
+ * content cut back to it): counted, so that eviction keeps it before the
+ * bases nobody used.  Returns the count before, 0: the first use.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_base_used(ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_uint_t                      uses;
+    ngx_http_llama_session_node_t  *node;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    uses = 1;
+
+    n = ngx_http_llama_session_file_name(name, ctx->base_key, ctx->base_len,
+                                         ctx->job.fp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_node(zone, name, n);
+
+    if (node) {
+        ngx_http_llama_session_node_base(zone->sh, node, 1);
+
+        uses = node->base_uses;
+
+        if (node->base_uses < 65535) {
+            node->base_uses++;
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return uses;
+}
+
+
 /* a save of the slot's session succeeded: it is clean until used again */
 
 void
@@ -1327,6 +1368,10 @@ ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
     node = ngx_http_llama_session_node(zone, name, n);
 
     if (node) {
+        if (saved && key == ctx->base_key) {
+            ngx_http_llama_session_node_base(zone->sh, node, 1);
+        }
+
         ngx_http_llama_session_node_file(zone->sh, node, saved, bytes);
 
         if (saved) {
@@ -1912,7 +1957,7 @@ ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t max)
 {
     size_t                          klen;
-    ngx_uint_t                      i, n, used;
+    ngx_uint_t                      i, n, used, pass;
     ngx_queue_t                    *q, *prev;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_node_t  *node;
@@ -1923,52 +1968,63 @@ ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    for (q = ngx_queue_last(&sh->lru);
-         q != ngx_queue_sentinel(&sh->lru)
-         && n < max
-         && ((zone->max_files && sh->files > zone->max_files)
-             || (zone->max_size && sh->bytes > zone->max_size));
-         q = prev)
-    {
-        prev = ngx_queue_prev(q);
+    /*
+     * bases no session ever started from go first (each new conversation
+     * of a system prompt of its own leaves one: a title request's, say),
+     * then the least recently used of all
+     */
 
-        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+    for (pass = 0; pass < 2; pass++) {
 
-        if (!node->saved) {
-            continue;
-        }
+        for (q = ngx_queue_last(&sh->lru);
+             q != ngx_queue_sentinel(&sh->lru)
+             && n < max
+             && ((zone->max_files && sh->files > zone->max_files)
+                 || (zone->max_size && sh->bytes > zone->max_size));
+             q = prev)
+        {
+            prev = ngx_queue_prev(q);
 
-        klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+            node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
 
-        if (klen == keep_len && ngx_memcmp(node->name, keep, klen) == 0) {
-            continue;
-        }
-
-        used = 0;
-
-        for (i = 0; i < sh->nslots; i++) {
-            slot = &sh->slots[i];
-
-            if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-                && slot->key_len == klen
-                && ngx_memcmp(slot->key, node->name, klen) == 0)
+            if (!node->saved
+                || (pass == 0 && !(node->is_base && node->base_uses == 0)))
             {
-                used = 1;
-                break;
+                continue;
             }
+
+            klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+            if (klen == keep_len && ngx_memcmp(node->name, keep, klen) == 0) {
+                continue;
+            }
+
+            used = 0;
+
+            for (i = 0; i < sh->nslots; i++) {
+                slot = &sh->slots[i];
+
+                if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                    && slot->key_len == klen
+                    && ngx_memcmp(slot->key, node->name, klen) == 0)
+                {
+                    used = 1;
+                    break;
+                }
+            }
+
+            if (used) {
+                continue;
+            }
+
+            ngx_memcpy(out[n].name, node->name, node->name_len);
+            out[n].len = node->name_len;
+            out[n].bytes = node->bytes;
+            n++;
+
+            ngx_http_llama_session_node_file(sh, node, 0, 0);
+            sh->stats.evictions++;
         }
-
-        if (used) {
-            continue;
-        }
-
-        ngx_memcpy(out[n].name, node->name, node->name_len);
-        out[n].len = node->name_len;
-        out[n].bytes = node->bytes;
-        n++;
-
-        ngx_http_llama_session_node_file(sh, node, 0, 0);
-        sh->stats.evictions++;
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -1985,6 +2041,31 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/* marks a record as a base's or not, in the zone's totals of bases */
+
+void
+ngx_http_llama_session_node_base(ngx_http_llama_session_sh_t *sh,
+    ngx_http_llama_session_node_t *node, ngx_uint_t is_base)
+{
+    if (node->is_base == (u_char) is_base) {
+        return;
+    }
+
+    if (node->saved) {
+        if (is_base) {
+            sh->base_files++;
+            sh->base_bytes += node->bytes;
+
+        } else {
+            sh->base_files--;
+            sh->base_bytes -= node->bytes;
+        }
+    }
+
+    node->is_base = (u_char) is_base;
+}
+
+
 /*
  * Marks a record as having a file or not, keeps the zone's totals, and
  * keeps it in the queue of its kind (most recently used first).
@@ -1997,6 +2078,11 @@ ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     if (node->saved) {
         sh->files--;
         sh->bytes -= node->bytes;
+
+        if (node->is_base) {
+            sh->base_files--;
+            sh->base_bytes -= node->bytes;
+        }
     }
 
     node->saved = (u_char) saved;
@@ -2007,6 +2093,11 @@ ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     if (saved) {
         sh->files++;
         sh->bytes += bytes;
+
+        if (node->is_base) {
+            sh->base_files++;
+            sh->base_bytes += bytes;
+        }
         node->seq = ++sh->seq;
         ngx_queue_insert_head(&sh->lru, &node->lru);
 

@@ -34,9 +34,11 @@ typedef struct {
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    ngx_uint_t                      base_uses;
     unsigned                        has_idk:1;
     unsigned                        has_sys:1;
     unsigned                        has_ns:1;
+    unsigned                        is_base:1;
     unsigned                        known:1;
 } ngx_http_llama_session_found_t;
 
@@ -48,7 +50,7 @@ static void ngx_http_llama_session_store_read_meta(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_found_t *f,
     ngx_log_t *log);
 static void ngx_http_llama_session_store_set_meta(
-    ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f);
+    ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f);
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
@@ -483,7 +485,7 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
         node->saved_at = f[i].mtime;
         node->used_at = f[i].mtime;
 
-        ngx_http_llama_session_store_set_meta(node, &f[i]);
+        ngx_http_llama_session_store_set_meta(zone->sh, node, &f[i]);
     }
 
     ngx_log_error(NGX_LOG_NOTICE, log, 0,
@@ -619,7 +621,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
             }
 
             node->used_at = f[i].mtime;
-            ngx_http_llama_session_store_set_meta(node, &f[i]);
+            ngx_http_llama_session_store_set_meta(zone->sh, node, &f[i]);
         }
 
         ngx_http_llama_session_node_file(zone->sh, node, 1, f[i].size);
@@ -787,6 +789,18 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->has_sys = 1;
     }
 
+    /* a warm start's base, and how many sessions started from it */
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(json, "base"))) {
+        f->is_base = 1;
+
+        item = cJSON_GetObjectItemCaseSensitive(json, "base_uses");
+        if (cJSON_IsNumber(item) && item->valuedouble >= 0
+            && item->valuedouble < 65536)
+        {
+            f->base_uses = (ngx_uint_t) item->valuedouble;
+        }
+    }
+
     /* "ns": the tenant's digest (none: the API's operator sees it only) */
     item = cJSON_GetObjectItemCaseSensitive(json, "ns");
     if (cJSON_IsString(item)
@@ -801,9 +815,14 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
 
 
 static void
-ngx_http_llama_session_store_set_meta(ngx_http_llama_session_node_t *node,
-    ngx_http_llama_session_found_t *f)
+ngx_http_llama_session_store_set_meta(ngx_http_llama_session_sh_t *sh,
+    ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f)
 {
+    if (f->is_base) {
+        ngx_http_llama_session_node_base(sh, node, 1);
+        node->base_uses = (u_short) ngx_min(f->base_uses, 65535);
+    }
+
     if (f->id_len) {
         node->id_len = f->id_len;
         ngx_memcpy(node->id, f->id, f->id_len);
@@ -955,6 +974,15 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
             cJSON_Delete(json);
             return NGX_ERROR;
         }
+    }
+
+    if (node.is_base
+        && (cJSON_AddTrueToObject(json, "base") == NULL
+            || cJSON_AddNumberToObject(json, "base_uses", node.base_uses)
+               == NULL))
+    {
+        cJSON_Delete(json);
+        return NGX_ERROR;
     }
 
     /* the prompt of the session in the slot, to explain a later miss */

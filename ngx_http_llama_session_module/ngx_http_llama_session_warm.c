@@ -54,6 +54,8 @@ static ngx_int_t ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action);
 static ngx_int_t ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t **out);
+static void ngx_http_llama_session_warm_used(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_prime_prefix(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_uint_t ngx_http_llama_session_prime_tokens(ngx_log_t *log,
@@ -217,6 +219,29 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 
 
 /*
+ * A session starts from the base: counted (eviction takes the bases that
+ * no session used first); the first use is written to the base's .json,
+ * so that it counts after a restart too.
+ */
+
+static void
+ngx_http_llama_session_warm_used(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t  n;
+
+    if (ngx_http_llama_session_base_used(ctx) == 0 && ctx->zone->store.len) {
+        n = ngx_http_llama_session_file_name(name, ctx->base_key,
+                                             ctx->base_len, ctx->job.fp);
+        (void) ngx_http_llama_session_store_meta(r->connection->log,
+                                                 ctx->zone, name, n,
+                                                 ctx->job.slot);
+    }
+}
+
+
+/*
  * A call of the warm start is over: the next step, or NGX_OK when the
  * slot is ready (the handler proxies).
  */
@@ -257,6 +282,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
             /* in use: the base goes to the front of the queue */
             ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
+            ngx_http_llama_session_warm_used(r, ctx);
 
             return ngx_http_llama_session_warm_go(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_ACTION_WARM);
@@ -335,6 +361,10 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                     ? (ngx_uint_t) (cached + evaluated) : 0;
         }
 
+        if (ctx->warm.trimmed && ctx->warm.base_file) {
+            ngx_http_llama_session_warm_used(r, ctx);
+        }
+
         /* one slot at a time saves a base: its file has one name */
 
         if (!ctx->warm.base_file
@@ -362,6 +392,11 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
             ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
             ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bases);
+
+            if (ctx->warm.trimmed) {
+                /* made from another session's slot: this one uses it */
+                ngx_http_llama_session_warm_used(r, ctx);
+            }
         }
 
         return ngx_http_llama_session_warm_go(r, ctx,
