@@ -27,6 +27,13 @@
           first token, through the module against llama-server alone at its
           defaults and with --cache-ram 0
 9. kvq    slot files and restores with the KV cache in f16 and q8_0
+10. clients  the agent CLIs' own requests (t/data: Claude Code's
+          /v1/messages, Codex's /v1/responses, and a chat client's
+          /v1/chat/completions with the same prompt), replayed with their
+          headers on one slot: two conversations taking turns, a third
+          one, the first one back; each new and returning turn's time to
+          first token, nginx + module (llama_session_warm system) against
+          llama-server alone at its defaults
 6. team   M sessions on 4 slots (-np 4), 4 clients with think time:
           llama-server alone at its defaults, with a RAM budget of two
           sessions, and nginx + module (slots=4), M = 4, 8, 16
@@ -34,7 +41,7 @@
 Every comparison runs in one process, its sides alternating request by
 request.  Results: a table on stdout and JSON (--out).
 
-usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm] [--quick]
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients] [--quick]
 """
 
 import argparse
@@ -187,14 +194,16 @@ class Nginx:
                 self.proc.wait()
 
 
-def module_nginx(work, name, llama):
+def module_nginx(work, name, llama, server=''):
     """nginx + module in front of one llama-server of the rig, one slot,
-    idle saves after 500 ms: (the Nginx, its port)"""
+    idle saves after 500 ms (server: more of the server block): (the
+    Nginx, its port)"""
     nport = free_port()
     ngx = Nginx(work, name, '''
     llama_session_zone zone=llama:4m store=%s save_idle=500ms;
     server {
         listen 127.0.0.1:%d;
+        %s
         location / {
             llama_session llama;
             proxy_pass http://127.0.0.1:%d;
@@ -208,7 +217,7 @@ def module_nginx(work, name, llama):
             proxy_pass http://127.0.0.1:%d/;
             proxy_read_timeout 900s;
         }
-    }''' % (llama.slots, nport, llama.port, llama.port))
+    }''' % (llama.slots, nport, server, llama.port, llama.port))
     wait_http(nport)
     return ngx, nport
 
@@ -1145,13 +1154,245 @@ def bench_team(work, quick, full=False):
     return results
 
 
+# 10. the agent CLIs' own requests -------------------------------------------
+
+def recorded(name):
+    """the POST requests of a recording in t/data"""
+    with open(os.path.join(ROOT, 't', 'data', name)) as f:
+        return [r for r in map(json.loads, filter(str.strip, f))
+                if r['method'] == 'POST']
+
+
+def replay_turn(port, path, headers, body):
+    """a streamed request as the client sent it: (ttft, cached tokens)"""
+    h = {k: v for k, v in headers.items()
+         if k not in ('host', 'content-length', 'connection',
+                      'accept-encoding')}
+    data = json.dumps(body).encode()
+    c = http.client.HTTPConnection('127.0.0.1', port, timeout=900)
+    t0 = time.perf_counter()
+    c.request('POST', path, data, h)
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError('replay failed: %d %s' % (r.status, r.read()[:300]))
+    ttft = None
+    cached = None
+    buf = b''
+    while True:
+        chunk = r.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b'\n\n' in buf:
+            event, buf = buf.split(b'\n\n', 1)
+            line = [l for l in event.split(b'\n') if l.startswith(b'data: ')]
+            if not line or line[0] == b'data: [DONE]':
+                continue
+            if ttft is None and b'delta' in line[0]:
+                ttft = time.perf_counter() - t0
+            d = json.loads(line[0][6:])
+            u = (d.get('usage') or (d.get('response') or {}).get('usage')
+                 or {})
+            if 'cache_read_input_tokens' in u:
+                cached = u['cache_read_input_tokens']
+            elif 'input_tokens_details' in u:
+                cached = u['input_tokens_details'].get('cached_tokens')
+            elif 'prompt_tokens_details' in u:
+                cached = u['prompt_tokens_details'].get('cached_tokens')
+            if 'timings' in d and cached is None:
+                cached = d['timings'].get('cache_n')
+    c.close()
+    return (ttft if ttft is not None else time.perf_counter() - t0), cached
+
+
+def client_convs():
+    """per client, a maker of its conversations: conv(n) gives the first
+    request (path, headers, body) of conversation n (0: the recorded one,
+    1: the recorded second one, else the second one made another's), and
+    more(request, i) its next turn (the reply "Hi." and a new question)"""
+
+    def small(body, key):
+        body = json.loads(json.dumps(body))
+        body[key] = 4
+        body['temperature'] = 0
+        return body
+
+    out = {}
+
+    # Claude Code: another conversation has its session id, its first
+    # prompt, and the cc_version suffix Claude Code derives from it
+    cc_a, cc_b, _ = recorded('claude-code-exchange.jsonl')
+
+    def cc(n):
+        req = cc_a if n == 0 else cc_b
+        h = dict(req['headers'])
+        body = small(req['body'], 'max_tokens')
+        if n > 1:
+            sid = 'conversation-%d' % n
+            h['x-claude-code-session-id'] = sid
+            body['messages'][0]['content'][-1]['text'] = 'say ' + sid
+            head = body['system'][0]['text']
+            v = head.index(';', head.index('cc_version=')) - 3
+            body['system'][0]['text'] = (
+                head[:v] + hashlib.sha256(sid.encode()).hexdigest()[:3]
+                + head[v + 3:])
+        return (req['path'], h, body)
+
+    def cc_more(req, i):
+        body = json.loads(json.dumps(req[2]))
+        body['messages'] += [
+            {'role': 'assistant', 'content': [{'type': 'text', 'text': 'Hi.'}]},
+            {'role': 'user', 'content': [{'type': 'text',
+                                          'text': 'and more, %d' % i}]}]
+        return (req[0], req[1], body)
+
+    out['claude-code'] = (cc, cc_more)
+
+    # Codex: another conversation has its thread id (session-id, thread-id,
+    # x-client-request-id, prompt_cache_key) and its first prompt
+    cx_a, cx_b, cx_a2 = recorded('codex-exchange.jsonl')
+    reply = cx_a2['body']['input'][len(cx_a['body']['input'])]
+
+    def cx(n):
+        req = cx_a if n == 0 else cx_b
+        h = dict(req['headers'])
+        body = small(req['body'], 'max_output_tokens')
+        if n > 1:
+            sid = 'conversation-%d' % n
+            for k in ('session-id', 'thread-id', 'x-client-request-id'):
+                h[k] = sid
+            body['prompt_cache_key'] = sid
+            body['input'][-1]['content'][0]['text'] = 'say ' + sid
+        return ('/v1/responses', h, body)
+
+    def cx_more(req, i):
+        body = json.loads(json.dumps(req[2]))
+        body['input'] += [json.loads(json.dumps(reply)),
+                          {'type': 'message', 'role': 'user', 'content': [
+                              {'type': 'input_text',
+                               'text': 'and more, %d' % i}]}]
+        return (req[0], req[1], body)
+
+    out['codex'] = (cx, cx_more)
+
+    # a chat client (opencode's shape: x-session-id, system + tools):
+    # Codex's prompt as a chat completion
+    dev = [i for i in cx_a['body']['input'] if i.get('role') == 'developer']
+    system = '\n\n'.join(p['text'] for i in dev for p in i['content'])
+    tools = [{'type': 'function', 'function': {
+                 'name': t['name'], 'description': t.get('description', ''),
+                 'parameters': t.get('parameters', {})}}
+             for t in cx_a['body'].get('tools', [])
+             if t.get('type') == 'function']
+
+    def chat(n):
+        sid = 'chat-%d' % n
+        return ('/v1/chat/completions',
+                {'content-type': 'application/json', 'x-session-id': sid},
+                {'messages': [{'role': 'system', 'content': system},
+                              {'role': 'user', 'content': 'say ' + sid}],
+                 'tools': tools, 'max_tokens': 4, 'temperature': 0,
+                 'stream': True, 'logit_bias': BAN})
+
+    def chat_more(req, i):
+        body = json.loads(json.dumps(req[2]))
+        body['messages'] += [{'role': 'assistant', 'content': 'Hi.'},
+                             {'role': 'user', 'content': 'and more, %d' % i}]
+        return (req[0], req[1], body)
+
+    out['chat'] = (chat, chat_more)
+    return out
+
+
+# who speaks, in turn: a new conversation, or a returning one
+CLIENT_SCHEDULE = [0, 1, 0, 1, 2, 0, 3, 1, 2, 4, 0, 3, 1, 2, 4, 0]
+
+
+def bench_clients(work, quick):
+    results = []
+
+    only = os.environ.get('BENCH_CLIENTS')     # e.g. "codex"
+    for client, (conv, more) in client_convs().items():
+        if only and client not in only.split(','):
+            continue
+
+        # the module as it ships (warm starts cut to the system prompt),
+        # and with "history" (a new conversation starts from the slot as it
+        # is when it holds one of the same system prompt, as llama-server
+        # alone does: for a namespace whose users may see each other's)
+        defaults = Llama(work, 'clients-defaults-' + client, 32768, args=[])
+        withmod = Llama(work, 'clients-module-' + client, 32768)
+        ngx, nport = module_nginx(work, 'nginx-clients-' + client, withmod,
+                                  'llama_session_warm system;')
+        withhist = Llama(work, 'clients-history-' + client, 32768)
+        ngh, hport = module_nginx(work, 'nginx-clients-h-' + client,
+                                  withhist, 'llama_session_warm history;')
+        sides = [('defaults', defaults.port), ('module', nport),
+                 ('module_history', hport)]
+        rec = {side: [] for side, _ in sides}
+        last = {}
+        kinds = []
+
+        for i, n in enumerate(CLIENT_SCHEDULE):
+            if n in last:
+                req = more(last[n], i)
+                kind = 'returning'
+            else:
+                req = conv(n)
+                kind = 'first' if n == 0 else 'new'
+            last[n] = req
+            kinds.append(kind)
+            for side, port in sides:
+                ttft, cached = replay_turn(port, *req)
+                rec[side].append({'ttft': ttft, 'cached': cached})
+                if os.environ.get('BENCH_DEBUG'):
+                    print('  %s %s %s %d: %.3f s, %s cached'
+                          % (client, side, kind, n, ttft, cached))
+            # a user's pause between turns: the idle saves happen there
+            time.sleep(0.6)
+
+        row = {'client': client, 'schedule': CLIENT_SCHEDULE,
+               'kinds': kinds, 'sides': rec}
+        for kind in ('first', 'new', 'returning'):
+            at = [i for i, k in enumerate(kinds) if k == kind]
+            for side, _ in sides:
+                row['%s_%s_median' % (kind, side)] = median(
+                    [rec[side][i]['ttft'] for i in at])
+                row['%s_%s_cached_min' % (kind, side)] = min(
+                    [rec[side][i]['cached'] or 0 for i in at])
+            for side in ('module', 'module_history'):
+                row['%s_%s_vs_defaults' % (kind, side)] = (
+                    row['%s_%s_median' % (kind, side)]
+                    / row['%s_defaults_median' % kind])
+        results.append(row)
+        for kind in ('first', 'new', 'returning'):
+            print('clients %-11s %-9s %s / %s / %s s (defaults / module / '
+                  'history), %.2fx / %.2fx; cached min %s / %s / %s'
+                  % (client, kind, fmt(row[kind + '_defaults_median']),
+                     fmt(row[kind + '_module_median']),
+                     fmt(row[kind + '_module_history_median']),
+                     row[kind + '_module_vs_defaults'],
+                     row[kind + '_module_history_vs_defaults'],
+                     row[kind + '_defaults_cached_min'],
+                     row[kind + '_module_cached_min'],
+                     row[kind + '_module_history_cached_min']))
+
+        ngx.stop()
+        ngh.stop()
+        for srv in (defaults, withmod, withhist):
+            srv.stop()
+            shutil.rmtree(srv.slots, ignore_errors=True)
+
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
                                                   'latest.json'))
     ap.add_argument('--only',
                     default='ttft,swap,hit,scale,warm,team,oneslot,models,'
-                            'kvq')
+                            'kvq,clients')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '
