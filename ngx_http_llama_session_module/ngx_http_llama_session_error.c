@@ -9,6 +9,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_ollama.h"
@@ -122,21 +123,35 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
 /*
  * The one error body of the module, for requests and the API alike:
  * {"error":{"code":N,"message":"...","type":"..."}}, with Retry-After
- * when asked.  Returns for finalizing, as send_json().
+ * when asked; to Anthropic's Messages API (anthropic.c) its own shape,
+ * {"type":"error","error":{...}} with its error types.  Returns for
+ * finalizing, as send_json().
  */
 
 ngx_int_t
 ngx_http_llama_session_send_error(ngx_http_request_t *r, ngx_uint_t status,
     char *type, char *message, time_t retry_after)
 {
-    size_t            len, mlen, tlen;
-    ngx_buf_t        *b;
-    ngx_table_elt_t  *h;
+    size_t                         len, mlen, tlen;
+    ngx_buf_t                     *b;
+    ngx_uint_t                     anthropic;
+    ngx_table_elt_t               *h;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    /* an Anthropic client's request: {"type":"error",...} of its types */
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+    anthropic = (ctx && ctx->messages);
+
+    if (anthropic) {
+        type = ngx_http_llama_session_anthropic_type(status);
+    }
 
     mlen = ngx_strlen(message);
     tlen = ngx_strlen(type);
 
-    len = sizeof("{\"error\":{\"code\":,\"message\":\"\",\"type\":\"\"}}\n")
+    len = sizeof("{\"type\":\"error\",\"error\":{\"code\":,\"message\":\"\","
+                 "\"type\":\"\"}}\n")
           - 1 + NGX_INT_T_LEN
           + mlen + ngx_escape_json(NULL, (u_char *) message, mlen)
           + tlen + ngx_escape_json(NULL, (u_char *) type, tlen);
@@ -146,7 +161,15 @@ ngx_http_llama_session_send_error(ngx_http_request_t *r, ngx_uint_t status,
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    b->last = ngx_sprintf(b->last, "{\"error\":{\"code\":%ui,\"message\":\"",
+    if (anthropic) {
+        b->last = ngx_cpymem(b->last, "{\"type\":\"error\",",
+                             sizeof("{\"type\":\"error\",") - 1);
+
+    } else {
+        *b->last++ = '{';
+    }
+
+    b->last = ngx_sprintf(b->last, "\"error\":{\"code\":%ui,\"message\":\"",
                           status);
     b->last = (u_char *) ngx_escape_json(b->last, (u_char *) message, mlen);
     b->last = ngx_cpymem(b->last, "\",\"type\":\"", sizeof("\",\"type\":\"") - 1);

@@ -317,6 +317,17 @@ $t->fake_script({});
 $r = $t->post('/v1/messages', { model => 'any', messages => 'hi' },
               headers => { 'X-Session-Id' => 'bad' });
 is($r->{status}, 400, 'messages not an array: 400');
+is($r->{json}{type}, 'error', 'in Anthropic\'s error shape');
+is($r->{json}{error}{type}, 'invalid_request_error', 'of its type');
+
+# a member twice: the module and llama-server would read two requests
+$r = $t->request('POST', '/v1/messages',
+                 body => '{"model":"a","max_tokens":4,"messages":[{"role":'
+                        . '"user","content":"hi"}],"system":"x","system":"y"}',
+                 headers => { 'X-Session-Id' => 'dup',
+                              'Content-Type' => 'application/json' });
+is($r->{status}, 400, 'a member twice: 400');
+like($r->{json}{error}{message} // '', qr/member twice/, 'said so');
 $t->stop;
 
 # --- off: llama-server's own /v1/messages, which cannot be pinned ---------
