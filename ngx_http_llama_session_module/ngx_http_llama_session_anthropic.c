@@ -220,6 +220,16 @@ ngx_http_llama_session_anthropic_chat(cJSON *in)
         return NULL;
     }
 
+    /*
+     * the model, which llama-server's own conversion leaves out: its
+     * router mode routes a chat completion by it
+     */
+
+    item = cJSON_GetObjectItemCaseSensitive(in, "model");
+    if (cJSON_IsString(item)) {
+        cJSON_AddItemToObject(out, "model", cJSON_Duplicate(item, 1));
+    }
+
     oai = cJSON_AddArrayToObject(out, "messages");
     if (oai == NULL) {
         goto failed;

@@ -287,6 +287,27 @@ for my $round (1 .. 3) {
     }
 }
 
+# Anthropic's API on a model of the router: translated, routed by its
+# model, and its session's next turn cached
+my @msgs = ({ role => 'user', content => join ' ', map {
+                 "Claude keeps note $_ on big." } 1 .. 40 });
+my $r1 = $t->post('/v1/messages', { model => 'big', max_tokens => 2,
+                                    messages => \@msgs },
+                  headers => { 'X-Claude-Code-Session-Id' => 'claude-big' });
+is($r1->{status}, 200, 'Anthropic\'s /v1/messages on the router: 200')
+    or diag $r1->{content};
+is($r1->{json}{type}, 'message', 'an Anthropic message');
+push @msgs, { role => 'assistant', content => 'ok' },
+            { role => 'user', content => 'And then?' };
+my $r2 = $t->post('/v1/messages', { model => 'big', max_tokens => 2,
+                                    messages => \@msgs },
+                  headers => { 'X-Claude-Code-Session-Id' => 'claude-big' });
+my $u1 = $r1->{json}{usage} // {};
+my $first = ($u1->{input_tokens} // 0) + ($u1->{cache_read_input_tokens} // 0);
+cmp_ok($r2->{json}{usage}{cache_read_input_tokens} // 0, '>=',
+       $first > 100 ? $first - 1 : 1e9,
+       'its next turn reads its history from the cache');
+
 ok(!$t->log_lines(qr/lost their turns|\[(alert|crit|emerg)\]/),
    'no session lost a turn');
 

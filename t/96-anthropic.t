@@ -284,6 +284,7 @@ is($sent->{tool_choice}, 'required', 'tool_choice any: required');
 is_deeply($sent->{stop}, ['END'], 'stop_sequences: stop');
 is($sent->{thinking_budget_tokens}, 99, 'thinking: its budget');
 is($sent->{top_k}, 3, 'sampling parameters as they are');
+is($sent->{model}, 'any', 'the model (router mode routes by it)');
 like($call->{body} // '', qr/,"id_slot":[01]\}$/, 'pinned to a slot');
 
 # a second conversation of one system prompt starts warm, on two slots:
