@@ -204,7 +204,8 @@ $t->fake(np => 2, script => { completion => { events => \@events,
                                               reply => $reply } });
 $t->nginx($t->site(
     zone => 'llama_session_zone zone=llama:1m slots=2 store=%%SLOTS%%;',
-    server => 'llama_session_warm system min=64;',
+    server => 'llama_session_warm system min=64;
+               client_max_body_size 16m;',
     location => 'add_header X-S-Action $llama_session_action always;'));
 
 my ($s, $w) = @{ sdk($t, 'shapes') };
@@ -312,6 +313,52 @@ my ($e) = @{ sdk($t, 'error') };
 is($e->{status}, 500, 'an error: its status');
 is($e->{type}, 'api_error', 'Anthropic\'s error type');
 is($e->{message}, 'scripted failure', 'llama-server\'s message');
+
+# a stream to a client that does not read keeps to nginx's flow control:
+# the worker holds its few buffers, not the translated reply
+my $rss = sub { my ($pid) = @_; my $o = `ps -o rss= -p $pid`; $o =~ s/\s//g; $o || 0 };
+my @workers = split ' ', `pgrep -P \$(cat ${\ $t->dir}/nginx.pid)`;
+$t->fake_script({ completion => { chunks => 20000, chunk_ms => 0,
+                                  chunk_bytes => 2000 } });
+my $before = 0; $before += $rss->($_) for @workers;
+my $sock = $t->raw_open('POST', '/v1/messages',
+    $JSON->encode({ model => 'any', max_tokens => 9, stream => \1,
+                    messages => [ { role => 'user', content => 'x' } ] }),
+    headers => { 'X-Session-Id' => 'slow-reader' });
+my $grew = 0;
+$t->wait_for(sub {
+    my $after = 0; $after += $rss->($_) for @workers;
+    $grew = $after - $before;
+    my $sl = $JSON->decode($t->{http}->get(
+        'http://127.0.0.1:' . $t->{llama_port}{fake} . '/slots')->{content});
+    return !(grep { $_->{is_processing} } @$sl) || $grew > 16 * 1024;
+}, 5);
+SKIP: {
+    skip 'memory figures under ASan or valgrind are the tool\'s', 1
+        if $ENV{ASAN_OPTIONS} || $ENV{TEST_NGINX_VALGRIND};
+    ok($grew < 8 * 1024, 'a stream of 20,000 events (40 MB) to a client that '
+       . 'does not read: the workers grew by ' . int($grew / 1024) . ' MB (< 8)');
+}
+my $got = '';
+$sock->blocking(1);
+while (sysread($sock, my $buf, 65536)) { $got .= $buf; }
+close $sock;
+my $deltas = () = $got =~ /event: content_block_delta/g;
+is($deltas, 20000, "then it reads the whole stream: $deltas deltas");
+like($got, qr/event: message_stop\ndata: \{"type":"message_stop"\}\n\n/,
+     'to its message_stop');
+
+# a hostile body: three million empty arrays, refused before any tree
+$before = 0; $before += $rss->($_) for @workers;
+$r = $t->post('/v1/messages', '{"model":"m","max_tokens":4,"messages":['
+                              . join(',', ('[]') x 3_000_000) . ']}',
+              headers => { 'X-Session-Id' => 'arrays',
+                           'Content-Type' => 'application/json' });
+is($r->{status}, 400, 'a body of three million empty arrays: 400');
+like($r->{json}{error}{message} // '', qr/too many JSON values/, 'said so');
+my $after = 0; $after += $rss->($_) for @workers;
+ok($after - $before < 64 * 1024,
+   'the workers grew by ' . int(($after - $before) / 1024) . ' MB (< 64)');
 
 # a body that is not Anthropic's
 $t->fake_script({});
