@@ -635,6 +635,18 @@ ngx_http_llama_session_prime_tokens(ngx_log_t *log, ngx_buf_t *b,
 
     usage = cJSON_GetObjectItemCaseSensitive(json, "usage");
 
+    /* no timings in a Responses API reply: its usage's cached_tokens */
+
+    n = cJSON_GetObjectItemCaseSensitive(
+            cJSON_GetObjectItemCaseSensitive(usage, "input_tokens_details"),
+            "cached_tokens");
+
+    if (*cached < 0 && cJSON_IsNumber(n) && n->valuedouble >= 0
+        && n->valuedouble < 1e12)
+    {
+        *cached = (ngx_int_t) n->valuedouble;
+    }
+
     /* OpenAI's prompt_tokens; Anthropic's input_tokens leave out the cached */
 
     for (i = 0; i < 3; i++) {
