@@ -99,3 +99,10 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
     fuzz_unexpected("ngx_http_llama_session_error");
     return NGX_ERROR;
 }
+
+
+char *
+ngx_http_llama_session_error_anthropic(ngx_uint_t status)
+{
+    return "api_error";
+}

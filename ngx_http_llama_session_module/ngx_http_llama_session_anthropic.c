@@ -1268,7 +1268,7 @@ ngx_http_llama_session_anthropic_error(ngx_uint_t status, cJSON *reply)
     cJSON_AddStringToObject(out, "type", "error");
     err = cJSON_AddObjectToObject(out, "error");
     cJSON_AddStringToObject(err, "type",
-                            ngx_http_llama_session_anthropic_type(status));
+                            ngx_http_llama_session_error_anthropic(status));
     cJSON_AddStringToObject(err, "message",
                             message ? message
                             : (reply == NULL && status == NGX_HTTP_OK)
@@ -1276,41 +1276,6 @@ ngx_http_llama_session_anthropic_error(ngx_uint_t status, cJSON *reply)
                               : "the model server failed the request");
 
     return out;
-}
-
-
-/* Anthropic's error type of an HTTP status */
-
-char *
-ngx_http_llama_session_anthropic_type(ngx_uint_t status)
-{
-    switch (status) {
-
-    case NGX_HTTP_BAD_REQUEST:
-    case NGX_HTTP_NOT_IMPLEMENTED:
-        return "invalid_request_error";
-
-    case NGX_HTTP_UNAUTHORIZED:
-        return "authentication_error";
-
-    case NGX_HTTP_FORBIDDEN:
-        return "permission_error";
-
-    case NGX_HTTP_NOT_FOUND:
-        return "not_found_error";
-
-    case NGX_HTTP_REQUEST_ENTITY_TOO_LARGE:
-        return "request_too_large";
-
-    case NGX_HTTP_TOO_MANY_REQUESTS:
-        return "rate_limit_error";
-
-    case NGX_HTTP_SERVICE_UNAVAILABLE:
-        return "overloaded_error";
-
-    default:
-        return "api_error";
-    }
 }
 
 

@@ -9,7 +9,6 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_ollama.h"
@@ -144,7 +143,7 @@ ngx_http_llama_session_send_error(ngx_http_request_t *r, ngx_uint_t status,
     anthropic = (ctx && ctx->messages);
 
     if (anthropic) {
-        type = ngx_http_llama_session_anthropic_type(status);
+        type = ngx_http_llama_session_error_anthropic(status);
     }
 
     mlen = ngx_strlen(message);
@@ -225,4 +224,39 @@ ngx_http_llama_session_send_json(ngx_http_request_t *r, ngx_uint_t status,
     out.next = NULL;
 
     return ngx_http_output_filter(r, &out);
+}
+
+
+/* Anthropic's error type of an HTTP status */
+
+char *
+ngx_http_llama_session_error_anthropic(ngx_uint_t status)
+{
+    switch (status) {
+
+    case NGX_HTTP_BAD_REQUEST:
+    case NGX_HTTP_NOT_IMPLEMENTED:
+        return "invalid_request_error";
+
+    case NGX_HTTP_UNAUTHORIZED:
+        return "authentication_error";
+
+    case NGX_HTTP_FORBIDDEN:
+        return "permission_error";
+
+    case NGX_HTTP_NOT_FOUND:
+        return "not_found_error";
+
+    case NGX_HTTP_REQUEST_ENTITY_TOO_LARGE:
+        return "request_too_large";
+
+    case NGX_HTTP_TOO_MANY_REQUESTS:
+        return "rate_limit_error";
+
+    case NGX_HTTP_SERVICE_UNAVAILABLE:
+        return "overloaded_error";
+
+    default:
+        return "api_error";
+    }
 }
