@@ -837,6 +837,21 @@ def bench_oneslot(work, quick):
 
 # 8. memory kinds and templates ------------------------------------------
 
+def sse_data(r):
+    """the data of each SSE event of a streamed reply, as it comes"""
+    buf = b''
+    while True:
+        chunk = r.read1(65536)
+        if not chunk:
+            return
+        buf += chunk
+        while b'\n\n' in buf:
+            event, buf = buf.split(b'\n\n', 1)
+            for line in event.split(b'\n'):
+                if line.startswith(b'data: ') and line != b'data: [DONE]':
+                    yield line[6:]
+
+
 def chat_turn(port, messages, sid, max_tokens, extra=None):
     """a streamed chat turn (extra: more of the body; else the byte tokens
     banned): (ttft, reply, cache_n, prompt tokens, completion tokens,
@@ -856,28 +871,19 @@ def chat_turn(port, messages, sid, max_tokens, extra=None):
     ttft = None
     text = ''
     cache_n = prompt = completion = None
-    buf = b''
-    while True:
-        chunk = r.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b'\n\n' in buf:
-            event, buf = buf.split(b'\n\n', 1)
-            if not event.startswith(b'data: ') or event == b'data: [DONE]':
-                continue
-            d = json.loads(event[6:])
-            for ch in d.get('choices', []):
-                delta = ch.get('delta') or {}
-                piece = delta.get('content') or delta.get('reasoning_content')
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - t0
-                text += delta.get('content') or ''
-            if 'timings' in d:
-                cache_n = d['timings'].get('cache_n')
-                prompt = d['timings'].get('prompt_n', 0) + (cache_n or 0)
-            if d.get('usage'):
-                completion = d['usage'].get('completion_tokens')
+    for data in sse_data(r):
+        d = json.loads(data)
+        for ch in d.get('choices', []):
+            delta = ch.get('delta') or {}
+            piece = delta.get('content') or delta.get('reasoning_content')
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += delta.get('content') or ''
+        if 'timings' in d:
+            cache_n = d['timings'].get('cache_n')
+            prompt = d['timings'].get('prompt_n', 0) + (cache_n or 0)
+        if d.get('usage'):
+            completion = d['usage'].get('completion_tokens')
     if ttft is None:
         ttft = time.perf_counter() - t0
     hdrs = dict(r.getheaders())
@@ -1177,30 +1183,19 @@ def replay_turn(port, path, headers, body):
         raise RuntimeError('replay failed: %d %s' % (r.status, r.read()[:300]))
     ttft = None
     cached = None
-    buf = b''
-    while True:
-        chunk = r.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b'\n\n' in buf:
-            event, buf = buf.split(b'\n\n', 1)
-            line = [l for l in event.split(b'\n') if l.startswith(b'data: ')]
-            if not line or line[0] == b'data: [DONE]':
-                continue
-            if ttft is None and b'delta' in line[0]:
-                ttft = time.perf_counter() - t0
-            d = json.loads(line[0][6:])
-            u = (d.get('usage') or (d.get('response') or {}).get('usage')
-                 or {})
-            if 'cache_read_input_tokens' in u:
-                cached = u['cache_read_input_tokens']
-            elif 'input_tokens_details' in u:
-                cached = u['input_tokens_details'].get('cached_tokens')
-            elif 'prompt_tokens_details' in u:
-                cached = u['prompt_tokens_details'].get('cached_tokens')
-            if 'timings' in d and cached is None:
-                cached = d['timings'].get('cache_n')
+    for data in sse_data(r):
+        if ttft is None and b'delta' in data:
+            ttft = time.perf_counter() - t0
+        d = json.loads(data)
+        u = d.get('usage') or (d.get('response') or {}).get('usage') or {}
+        if 'cache_read_input_tokens' in u:
+            cached = u['cache_read_input_tokens']
+        elif 'input_tokens_details' in u:
+            cached = u['input_tokens_details'].get('cached_tokens')
+        elif 'prompt_tokens_details' in u:
+            cached = u['prompt_tokens_details'].get('cached_tokens')
+        if 'timings' in d and cached is None:
+            cached = d['timings'].get('cache_n')
     c.close()
     return (ttft if ttft is not None else time.perf_counter() - t0), cached
 

@@ -80,6 +80,7 @@ static ngx_int_t ngx_http_llama_session_anthropic_delta(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, char *type, char *name, char *value);
 static ngx_int_t ngx_http_llama_session_anthropic_sse(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, char *event, cJSON *data);
+static char *ngx_http_llama_session_anthropic_str(cJSON *object, char *name);
 
 
 /*
@@ -280,13 +281,11 @@ ngx_http_llama_session_anthropic_chat(cJSON *in)
                 goto failed;
             }
 
-            type = cJSON_GetStringValue(
-                       cJSON_GetObjectItemCaseSensitive(tool, "name"));
-            cJSON_AddStringToObject(f, "name", type ? type : "");
+            cJSON_AddStringToObject(f, "name",
+                ngx_http_llama_session_anthropic_str(tool, "name"));
 
-            type = cJSON_GetStringValue(
-                       cJSON_GetObjectItemCaseSensitive(tool, "description"));
-            cJSON_AddStringToObject(f, "description", type ? type : "");
+            cJSON_AddStringToObject(f, "description",
+                ngx_http_llama_session_anthropic_str(tool, "description"));
 
             item = cJSON_GetObjectItemCaseSensitive(tool, "input_schema");
             cJSON_AddItemToObject(f, "parameters",
@@ -566,9 +565,8 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
 
             cJSON_AddItemToArray(calls, call);
 
-            text = cJSON_GetStringValue(
-                       cJSON_GetObjectItemCaseSensitive(block, "id"));
-            cJSON_AddStringToObject(call, "id", text ? text : "");
+            cJSON_AddStringToObject(call, "id",
+                ngx_http_llama_session_anthropic_str(block, "id"));
             cJSON_AddStringToObject(call, "type", "function");
 
             f = cJSON_AddObjectToObject(call, "function");
@@ -576,9 +574,8 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
                 goto failed;
             }
 
-            text = cJSON_GetStringValue(
-                       cJSON_GetObjectItemCaseSensitive(block, "name"));
-            cJSON_AddStringToObject(f, "name", text ? text : "");
+            cJSON_AddStringToObject(f, "name",
+                ngx_http_llama_session_anthropic_str(block, "name"));
 
             input = cJSON_GetObjectItemCaseSensitive(block, "input");
             p = input ? cJSON_PrintUnformatted(input) : NULL;
@@ -597,10 +594,8 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
             cJSON_AddItemToArray(results, m);
             cJSON_AddStringToObject(m, "role", "tool");
 
-            text = cJSON_GetStringValue(
-                       cJSON_GetObjectItemCaseSensitive(block,
-                                                        "tool_use_id"));
-            cJSON_AddStringToObject(m, "tool_call_id", text ? text : "");
+            cJSON_AddStringToObject(m, "tool_call_id",
+                ngx_http_llama_session_anthropic_str(block, "tool_use_id"));
 
             rc = cJSON_GetObjectItemCaseSensitive(block, "content");
 
@@ -862,13 +857,11 @@ ngx_http_llama_session_anthropic_whole(ngx_http_request_t *r,
         cJSON_AddItemToArray(content, block);
         cJSON_AddStringToObject(block, "type", "tool_use");
 
-        text = cJSON_GetStringValue(
-                   cJSON_GetObjectItemCaseSensitive(call, "id"));
-        cJSON_AddStringToObject(block, "id", text ? text : "");
+        cJSON_AddStringToObject(block, "id",
+            ngx_http_llama_session_anthropic_str(call, "id"));
 
-        text = cJSON_GetStringValue(
-                   cJSON_GetObjectItemCaseSensitive(f, "name"));
-        cJSON_AddStringToObject(block, "name", text ? text : "");
+        cJSON_AddStringToObject(block, "name",
+            ngx_http_llama_session_anthropic_str(f, "name"));
 
         text = cJSON_GetStringValue(
                    cJSON_GetObjectItemCaseSensitive(f, "arguments"));
@@ -1116,7 +1109,6 @@ static ngx_int_t
 ngx_http_llama_session_anthropic_open(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, ngx_uint_t block, cJSON *call)
 {
-    char                                *text;
     cJSON                               *ev, *cb;
     ngx_http_llama_session_anthropic_t  *a;
 
@@ -1146,13 +1138,11 @@ ngx_http_llama_session_anthropic_open(ngx_http_request_t *r,
 
     default: /* NGX_HTTP_LLAMA_SESSION_BLOCK_TOOL */
         cJSON_AddStringToObject(cb, "type", "tool_use");
-        text = cJSON_GetStringValue(
-                   cJSON_GetObjectItemCaseSensitive(call, "id"));
-        cJSON_AddStringToObject(cb, "id", text ? text : "");
-        text = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(
-                   cJSON_GetObjectItemCaseSensitive(call, "function"),
-                   "name"));
-        cJSON_AddStringToObject(cb, "name", text ? text : "");
+        cJSON_AddStringToObject(cb, "id",
+            ngx_http_llama_session_anthropic_str(call, "id"));
+        cJSON_AddStringToObject(cb, "name",
+            ngx_http_llama_session_anthropic_str(
+                cJSON_GetObjectItemCaseSensitive(call, "function"), "name"));
         cJSON_AddObjectToObject(cb, "input");
         break;
     }
@@ -1296,6 +1286,20 @@ ngx_http_llama_session_anthropic_usage(ngx_http_llama_session_conv_t *c,
     cJSON_AddNumberToObject(usage, "cache_creation_input_tokens", 0);
     cJSON_AddNumberToObject(usage, "cache_read_input_tokens", cached);
     cJSON_AddNumberToObject(usage, "output_tokens", c->completion_tokens);
+}
+
+
+/* a string member of an object, or "" (missing, of another type) */
+
+static char *
+ngx_http_llama_session_anthropic_str(cJSON *object, char *name)
+{
+    char  *value;
+
+    value = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(object,
+                                                                  name));
+
+    return value ? value : "";
 }
 
 
