@@ -477,7 +477,7 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
     cJSON       *content, *block, *parts, *calls, *results, *m, *call, *f;
     cJSON       *input, *rc, *c, *rparts, *img;
     u_char      *q;
-    size_t       len, rlen;
+    size_t       len, rlen, rpos;
     ngx_uint_t   images;
 
     role = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(msg, "role"));
@@ -544,11 +544,15 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
                 }
 
                 reasoning[0] = '\0';
+                rpos = 0;
             }
 
+            /* appended at its end: linear, however many blocks */
+
             if (text) {
-                p = reasoning + ngx_strlen(reasoning);
-                ngx_memcpy(p, text, ngx_strlen(text) + 1);
+                len = ngx_strlen(text);
+                ngx_memcpy(reasoning + rpos, text, len + 1);
+                rpos += len;
             }
 
         } else if (ngx_strcmp(type, "image") == 0) {

@@ -362,6 +362,28 @@ my $after = 0; $after += $rss->($_) for @workers;
 ok($after - $before < 64 * 1024,
    'the workers grew by ' . int(($after - $before) / 1024) . ' MB (< 64)');
 
+# an assistant message of many thinking blocks: its reasoning is joined in
+# linear time (each block was appended after a strlen() of the whole
+# reasoning so far: quadratic)
+my $cpu = sub { my $sum = 0; for (@workers) { my @f = split ' ', `cat /proc/$_/stat`;
+                                              $sum += $f[13] + $f[14] } $sum / 100 };
+my %spent;
+for my $n (7500, 30000) {
+    my $c0 = $cpu->();
+    $r = $t->post('/v1/messages', { model => 'any', max_tokens => 4, messages => [
+        { role => 'user', content => 'think' },
+        { role => 'assistant', content => [ map { { type => 'thinking',
+              thinking => ('t' x 150) . $_ } } 1 .. $n ] },
+        { role => 'user', content => 'and?' } ] },
+        headers => { 'X-Session-Id' => "thinker-$n" });
+    $spent{$n} = $cpu->() - $c0;
+    is($r->{status}, 200, "an assistant message of $n thinking blocks: 200");
+}
+my $ratio = $spent{30000} / ($spent{7500} || 0.01);
+ok($ratio < 8, sprintf('four times the blocks took %.1f times the CPU '
+                       . '(%.2f s, %.2f s; < 8)', $ratio, $spent{7500},
+                       $spent{30000}));
+
 # a body that is not Anthropic's
 $t->fake_script({});
 $r = $t->post('/v1/messages', { model => 'any', messages => 'hi' },
