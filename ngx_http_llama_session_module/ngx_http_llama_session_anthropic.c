@@ -706,8 +706,11 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
         cJSON_free(reasoning);
     }
 
-    while (cJSON_GetArraySize(results)) {
-        cJSON_AddItemToArray(out, cJSON_DetachItemFromArray(results, 0));
+    /* the tool messages after it, in order (each taken off the front) */
+
+    while (results->child) {
+        cJSON_AddItemToArray(out, cJSON_DetachItemViaPointer(results,
+                                                             results->child));
     }
 
     cJSON_Delete(parts);

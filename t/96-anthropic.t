@@ -384,6 +384,25 @@ ok($ratio < 8, sprintf('four times the blocks took %.1f times the CPU '
                        . '(%.2f s, %.2f s; < 8)', $ratio, $spent{7500},
                        $spent{30000}));
 
+# and a user message of many tool results: each a tool message after it,
+# in linear time too (taken off the front of the list, which was counted
+# again for each)
+%spent = ();
+for my $n (5000, 20000) {
+    my $c0 = $cpu->();
+    $r = $t->post('/v1/messages', { model => 'any', max_tokens => 4, messages => [
+        { role => 'user', content => 'read' },
+        { role => 'user', content => [ map { { type => 'tool_result',
+              tool_use_id => "t$_", content => 'r' } } 1 .. $n ] } ] },
+        headers => { 'X-Session-Id' => "results-$n" });
+    $spent{$n} = $cpu->() - $c0;
+    is($r->{status}, 200, "a message of $n tool results: 200");
+}
+$ratio = $spent{20000} / ($spent{5000} || 0.01);
+ok($ratio < 8, sprintf('four times the results took %.1f times the CPU '
+                       . '(%.2f s, %.2f s; < 8)', $ratio, $spent{5000},
+                       $spent{20000}));
+
 # a body that is not Anthropic's
 $t->fake_script({});
 $r = $t->post('/v1/messages', { model => 'any', messages => 'hi' },
