@@ -1,8 +1,8 @@
 
 /*
- * What the translations (ollama.c, anthropic.c) and convert.c call of
- * nginx and of the module outside the translation itself: none of it is
- * reached by the harnesses, which call the translation directly.
+ * What the files under fuzzing (ollama.c, anthropic.c, convert.c, turn.c)
+ * call of nginx and of the module outside themselves: none of it is
+ * reached by the harnesses, which call the code under test directly.
  */
 
 

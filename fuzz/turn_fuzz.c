@@ -24,26 +24,12 @@
 #include "fuzz_ngx.h"
 
 
-/* what turn.c and gguf.c call of nginx and of the module, outside these */
+/*
+ * what turn.c and gguf.c call of nginx and of the module, outside these
+ * and fuzz/conv_stubs.c
+ */
 
 ngx_uint_t  ngx_test_config;
-
-
-ngx_uint_t
-ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
-{
-    fuzz_unexpected("ngx_http_llama_session_uri_ends");
-    return 0;
-}
-
-
-ngx_int_t
-ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
-    ngx_str_t *body)
-{
-    fuzz_unexpected("ngx_http_llama_session_read_body");
-    return NGX_ERROR;
-}
 
 
 ngx_uint_t

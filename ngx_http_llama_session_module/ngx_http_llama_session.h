@@ -394,6 +394,7 @@ typedef struct {
     off_t                           bytes;
     ngx_uint_t                      base_files; /* of them, bases */
     off_t                           base_bytes;
+    ngx_uint_t                      bases_unused; /* saved, never used */
     u_char                          fp_known;
     u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
     ngx_uint_t                      n_ctx;

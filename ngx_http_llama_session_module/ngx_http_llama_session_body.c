@@ -380,6 +380,12 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         goto fallback;
     }
 
+    /* "reasoning" is the Responses API's; elsewhere llama-server ignores it */
+
+    if (!responses) {
+        spans[NGX_HTTP_LLAMA_SESSION_SP_REASONING].start = NULL;
+    }
+
     /* only a string is a model name: a span of another type is not parsed */
 
     if (spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start
@@ -856,8 +862,9 @@ too_long:
  *   the messages with role "system" or "developer" that lead "messages"
  *   (the Responses API's "instructions" and the items of such roles that
  *   lead its "input"), their texts joined by newlines, then "tools",
- *   "tool_choice", "chat_template_kwargs" and "reasoning" as sent; ctx->sys_len: the bytes of all that,
- *   0 when there is none.  What llama-server changes in Anthropic's
+ *   "tool_choice", "chat_template_kwargs" and the Responses API's
+ *   "reasoning" as sent; ctx->sys_len: the bytes of all that, 0 when
+ *   there is none.  What llama-server changes in Anthropic's
  *   system prompt (the "cch=" of Claude Code's billing header) is changed
  *   here too, so a value that differs from request to request is in no key.
  *

@@ -16,6 +16,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_cost.h"
@@ -24,7 +25,6 @@
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_ollama.h"
-#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_pin.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_router.h"

@@ -986,13 +986,8 @@ ngx_http_llama_session_base_used(ngx_http_llama_session_ctx_t *ctx)
     node = ngx_http_llama_session_node(zone, name, n);
 
     if (node) {
-        ngx_http_llama_session_node_base(zone->sh, node, 1);
-
         uses = node->base_uses;
-
-        if (node->base_uses < 65535) {
-            node->base_uses++;
-        }
+        ngx_http_llama_session_node_base(zone->sh, node, 1, uses + 1);
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -1369,7 +1364,8 @@ ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
 
     if (node) {
         if (saved && key == ctx->base_key) {
-            ngx_http_llama_session_node_base(zone->sh, node, 1);
+            ngx_http_llama_session_node_base(zone->sh, node, 1,
+                                             node->base_uses);
         }
 
         ngx_http_llama_session_node_file(zone->sh, node, saved, bytes);
@@ -1971,10 +1967,11 @@ ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
     /*
      * bases no session ever started from go first (each new conversation
      * of a system prompt of its own leaves one: a title request's, say),
-     * then the least recently used of all
+     * then the least recently used of all; the first pass is made only
+     * when there are such bases (it may walk every record, under the lock)
      */
 
-    for (pass = 0; pass < 2; pass++) {
+    for (pass = (sh->bases_unused == 0); pass < 2; pass++) {
 
         for (q = ngx_queue_last(&sh->lru);
              q != ngx_queue_sentinel(&sh->lru)
@@ -2041,17 +2038,24 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
-/* marks a record as a base's or not, in the zone's totals of bases */
+/*
+ * marks a record as a base's or not, with the sessions that started from
+ * it, in the zone's totals of bases (and of saved bases no session used,
+ * which eviction takes first)
+ */
+
+#define ngx_http_llama_session_unused_base(node)                             \
+    ((node)->saved && (node)->is_base && (node)->base_uses == 0)
 
 void
 ngx_http_llama_session_node_base(ngx_http_llama_session_sh_t *sh,
-    ngx_http_llama_session_node_t *node, ngx_uint_t is_base)
+    ngx_http_llama_session_node_t *node, ngx_uint_t is_base, ngx_uint_t uses)
 {
-    if (node->is_base == (u_char) is_base) {
-        return;
+    if (ngx_http_llama_session_unused_base(node)) {
+        sh->bases_unused--;
     }
 
-    if (node->saved) {
+    if (node->saved && node->is_base != (u_char) is_base) {
         if (is_base) {
             sh->base_files++;
             sh->base_bytes += node->bytes;
@@ -2063,6 +2067,11 @@ ngx_http_llama_session_node_base(ngx_http_llama_session_sh_t *sh,
     }
 
     node->is_base = (u_char) is_base;
+    node->base_uses = (u_short) ngx_min(uses, 65535);
+
+    if (ngx_http_llama_session_unused_base(node)) {
+        sh->bases_unused++;
+    }
 }
 
 
@@ -2075,6 +2084,10 @@ void
 ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes)
 {
+    if (ngx_http_llama_session_unused_base(node)) {
+        sh->bases_unused--;
+    }
+
     if (node->saved) {
         sh->files--;
         sh->bytes -= node->bytes;
@@ -2097,7 +2110,12 @@ ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
         if (node->is_base) {
             sh->base_files++;
             sh->base_bytes += bytes;
+
+            if (node->base_uses == 0) {
+                sh->bases_unused++;
+            }
         }
+
         node->seq = ++sh->seq;
         ngx_queue_insert_head(&sh->lru, &node->lru);
 

@@ -84,7 +84,7 @@ ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(
 ngx_uint_t ngx_http_llama_session_base_used(
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_node_base(ngx_http_llama_session_sh_t *sh,
-    ngx_http_llama_session_node_t *node, ngx_uint_t is_base);
+    ngx_http_llama_session_node_t *node, ngx_uint_t is_base, ngx_uint_t uses);
 void ngx_http_llama_session_node_file(ngx_http_llama_session_sh_t *sh,
     ngx_http_llama_session_node_t *node, ngx_uint_t saved, off_t bytes);
 ngx_uint_t ngx_http_llama_session_slots_usable(ngx_http_llama_session_sh_t *sh);

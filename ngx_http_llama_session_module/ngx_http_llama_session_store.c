@@ -50,7 +50,8 @@ static void ngx_http_llama_session_store_read_meta(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_found_t *f,
     ngx_log_t *log);
 static void ngx_http_llama_session_store_set_meta(
-    ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f);
+    ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_node_t *node,
+    ngx_http_llama_session_found_t *f);
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
@@ -819,8 +820,7 @@ ngx_http_llama_session_store_set_meta(ngx_http_llama_session_sh_t *sh,
     ngx_http_llama_session_node_t *node, ngx_http_llama_session_found_t *f)
 {
     if (f->is_base) {
-        ngx_http_llama_session_node_base(sh, node, 1);
-        node->base_uses = (u_short) ngx_min(f->base_uses, 65535);
+        ngx_http_llama_session_node_base(sh, node, 1, f->base_uses);
     }
 
     if (f->id_len) {

@@ -16,8 +16,10 @@
  * file whose N the slot does not have is never used.  The re-prime that
  * reads it deletes it: the store keeps a conversation's text only from
  * the end of its turn to its slot's next save or turn.  Only chat requests
- * of a session, not probes, nor the default session, nor Anthropic's
- * (llama-server's /v1/messages has no template endpoint of its own).
+ * of a session (Anthropic's too, translated into chat completions), not
+ * probes, nor the default session, nor Anthropic's passed to llama-server
+ * as they came (llama_session_anthropic off: its /v1/messages has no
+ * template endpoint of its own).
  */
 
 

@@ -192,13 +192,11 @@ $t->fake_script({});
 # a hostile body: three million empty arrays (9 MB) would cost cJSON some
 # 200 MB; refused before any tree is built
 
-my $rss = sub { my ($pid) = @_; my $s = `ps -o rss= -p $pid`; $s =~ s/\s//g; $s || 0 };
-my @workers = split ' ', `pgrep -P \$(cat ${\ $t->dir}/nginx.pid)`;
-my $before = 0; $before += $rss->($_) for @workers;
+my $before = $t->workers_kb;
 $r = $t->post('/api/chat', '{"model":"m","messages":[' . join(',', ('[]') x 3_000_000) . ']}');
 is($r->{status}, 400, 'a body of three million empty arrays: 400');
 is($r->{json}{error}, 'the request has too many JSON values', 'as Ollama\'s error');
-my $after = 0; $after += $rss->($_) for @workers;
+my $after = $t->workers_kb;
 ok($after - $before < 64 * 1024, 'the workers grew by ' . int(($after - $before) / 1024) . ' MB (< 64)');
 is($t->post('/api/chat', { model => 'm', stream => \0,
                            messages => [ { role => 'user', content => 'x' } ] })->{status},
@@ -210,7 +208,7 @@ is($t->post('/api/chat', { model => 'm', stream => \0,
 
 $t->fake_script({ completion => { chunks => 20000, chunk_ms => 0,
                                   chunk_bytes => 2000 } });
-$before = 0; $before += $rss->($_) for @workers;
+$before = $t->workers_kb;
 my $sock = $t->raw_open('POST', '/api/chat',
     $LlamaTest::JSON->encode({ model => 'm', stream => \1,
                                messages => [ { role => 'user', content => 'x' } ] }));
@@ -218,7 +216,7 @@ my $sock = $t->raw_open('POST', '/api/chat',
 # waits for the client
 my $grew = 0;
 $t->wait_for(sub {
-    $after = 0; $after += $rss->($_) for @workers;
+    $after = $t->workers_kb;
     $grew = $after - $before;
     my $s = $LlamaTest::JSON->decode($t->{http}->get(
         'http://127.0.0.1:' . $t->{llama_port}{fake} . '/slots')->{content});
@@ -245,8 +243,6 @@ $t->fake_script({});
 # they were rebuilt as old + new), and a call's arguments are counted
 # before cJSON builds their tree (a 7 MB array took a worker to 317 MB)
 
-my $cpu = sub { my $t = 0; for (@workers) { my @f = split ' ', `cat /proc/$_/stat`;
-                                            $t += $f[13] + $f[14] } $t / 100 };
 my $piece = '"' . ('a' x 38) . '"';
 my %spent;
 for my $n (10000, 40000) {
@@ -258,9 +254,9 @@ for my $n (10000, 40000) {
         { choices => [ { delta => { tool_calls => [ { index => 0,
             function => { arguments => '"z"]}' } } ] } } ] },
         { choices => [ { delta => {}, finish_reason => 'tool_calls' } ] } ] } });
-    my $c0 = $cpu->();
+    my $c0 = $t->workers_cpu;
     $r = $t->post('/api/chat', { model => 'm', messages => [ { role => 'user', content => 'x' } ] });
-    $spent{$n} = $cpu->() - $c0;
+    $spent{$n} = $t->workers_cpu - $c0;
     my @tl = grep { $_->{message}{tool_calls} } lines($r);
     is(scalar @{ $tl[0]{message}{tool_calls}[0]{function}{arguments}{k} // [] }, $n + 1,
        "a call streamed in $n pieces is put together whole");
@@ -271,14 +267,14 @@ ok($ratio < 6, sprintf('four times the pieces took %.1f times the CPU '
                        . '(%.2f s, %.2f s; < 6)', $ratio, $spent{10000},
                        $spent{40000}));
 
-$before = 0; $before += $rss->($_) for @workers;
+$before = $t->workers_kb;
 $t->fake_script({ completion => { reply => { choices => [ { index => 0,
     finish_reason => 'tool_calls', message => { role => 'assistant', content => '',
         tool_calls => [ { id => 'c2', type => 'function', function => { name => 'g',
             arguments => '[' . join(',', ('[]') x 2_000_000) . ']' } } ] } } ] } } });
 $r = $t->post('/api/chat', { model => 'm', stream => \0,
                              messages => [ { role => 'user', content => 'x' } ] });
-$after = 0; $after += $rss->($_) for @workers;
+$after = $t->workers_kb;
 is($r->{status}, 200, 'a reply whose call has 2,000,000 values as arguments');
 is_deeply($r->{json}{message}{tool_calls}[0]{function}{arguments}, {},
           'its arguments are not parsed');

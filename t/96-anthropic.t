@@ -318,18 +318,16 @@ is($e->{message}, 'scripted failure', 'llama-server\'s message');
 
 # a stream to a client that does not read keeps to nginx's flow control:
 # the worker holds its few buffers, not the translated reply
-my $rss = sub { my ($pid) = @_; my $o = `ps -o rss= -p $pid`; $o =~ s/\s//g; $o || 0 };
-my @workers = split ' ', `pgrep -P \$(cat ${\ $t->dir}/nginx.pid)`;
 $t->fake_script({ completion => { chunks => 20000, chunk_ms => 0,
                                   chunk_bytes => 2000 } });
-my $before = 0; $before += $rss->($_) for @workers;
+my $before = $t->workers_kb;
 my $sock = $t->raw_open('POST', '/v1/messages',
     $JSON->encode({ model => 'any', max_tokens => 9, stream => \1,
                     messages => [ { role => 'user', content => 'x' } ] }),
     headers => { 'X-Session-Id' => 'slow-reader' });
 my $grew = 0;
 $t->wait_for(sub {
-    my $after = 0; $after += $rss->($_) for @workers;
+    my $after = $t->workers_kb;
     $grew = $after - $before;
     my $sl = $JSON->decode($t->{http}->get(
         'http://127.0.0.1:' . $t->{llama_port}{fake} . '/slots')->{content});
@@ -351,32 +349,30 @@ like($got, qr/event: message_stop\ndata: \{"type":"message_stop"\}\n\n/,
      'to its message_stop');
 
 # a hostile body: three million empty arrays, refused before any tree
-$before = 0; $before += $rss->($_) for @workers;
+$before = $t->workers_kb;
 $r = $t->post('/v1/messages', '{"model":"m","max_tokens":4,"messages":['
                               . join(',', ('[]') x 3_000_000) . ']}',
               headers => { 'X-Session-Id' => 'arrays',
                            'Content-Type' => 'application/json' });
 is($r->{status}, 400, 'a body of three million empty arrays: 400');
 like($r->{json}{error}{message} // '', qr/too many JSON values/, 'said so');
-my $after = 0; $after += $rss->($_) for @workers;
+my $after = $t->workers_kb;
 ok($after - $before < 64 * 1024,
    'the workers grew by ' . int(($after - $before) / 1024) . ' MB (< 64)');
 
 # an assistant message of many thinking blocks: its reasoning is joined in
 # linear time (each block was appended after a strlen() of the whole
 # reasoning so far: quadratic)
-my $cpu = sub { my $sum = 0; for (@workers) { my @f = split ' ', `cat /proc/$_/stat`;
-                                              $sum += $f[13] + $f[14] } $sum / 100 };
 my %spent;
 for my $n (7500, 30000) {
-    my $c0 = $cpu->();
+    my $c0 = $t->workers_cpu;
     $r = $t->post('/v1/messages', { model => 'any', max_tokens => 4, messages => [
         { role => 'user', content => 'think' },
         { role => 'assistant', content => [ map { { type => 'thinking',
               thinking => ('t' x 150) . $_ } } 1 .. $n ] },
         { role => 'user', content => 'and?' } ] },
         headers => { 'X-Session-Id' => "thinker-$n" });
-    $spent{$n} = $cpu->() - $c0;
+    $spent{$n} = $t->workers_cpu - $c0;
     is($r->{status}, 200, "an assistant message of $n thinking blocks: 200");
 }
 my $ratio = $spent{30000} / ($spent{7500} || 0.01);
@@ -389,13 +385,13 @@ ok($ratio < 8, sprintf('four times the blocks took %.1f times the CPU '
 # again for each)
 %spent = ();
 for my $n (5000, 20000) {
-    my $c0 = $cpu->();
+    my $c0 = $t->workers_cpu;
     $r = $t->post('/v1/messages', { model => 'any', max_tokens => 4, messages => [
         { role => 'user', content => 'read' },
         { role => 'user', content => [ map { { type => 'tool_result',
               tool_use_id => "t$_", content => 'r' } } 1 .. $n ] } ] },
         headers => { 'X-Session-Id' => "results-$n" });
-    $spent{$n} = $cpu->() - $c0;
+    $spent{$n} = $t->workers_cpu - $c0;
     is($r->{status}, 200, "a message of $n tool results: 200");
 }
 $ratio = $spent{20000} / ($spent{5000} || 0.01);

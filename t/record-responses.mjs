@@ -4,79 +4,21 @@
 //
 //   node t/record-responses.mjs PORT FILE
 //
-// Listens on 127.0.0.1:PORT (0 picks a free port) and prints
-// "listening 127.0.0.1:PORT" on stdout once it accepts connections.  Every
-// request is appended to FILE as one JSON line:
-//   {"seq":N,"time":"ISO-8601","method":...,"path":...,"headers":{...},
-//    "body":<parsed JSON, or the raw text when it is not JSON, or null>}
-// and answered:
+// Records every request as t/lib/record.mjs says, and answers:
 //   POST .../responses[?...]   a Responses reply whose text is "Hi." -- an SSE
 //                              stream of response.* events when the body has
 //                              stream:true, else one response object
 //   GET .../models[?...]       {"object":"list","data":[{"id":"tiny",...}]}
 //   anything else              404 with an OpenAI error body (a WebSocket
 //                              upgrade too, so clients fall back to HTTP)
-// SIGTERM/SIGINT end it.
 
-import http from 'node:http';
-import fs from 'node:fs';
-import zlib from 'node:zlib';
-import crypto from 'node:crypto';
-
-const [port, file] = process.argv.slice(2);
-if (port === undefined || file === undefined) {
-    process.stderr.write('usage: record-responses.mjs PORT FILE\n');
-    process.exit(2);
-}
-
-const TEXT = 'Hi.';
-let seq = 0;
-
-function decode(raw, encoding) {
-    switch ((encoding || '').trim().toLowerCase()) {
-    case 'gzip': case 'x-gzip': return zlib.gunzipSync(raw);
-    case 'deflate': return zlib.inflateSync(raw);
-    case 'br': return zlib.brotliDecompressSync(raw);
-    case 'zstd': return zlib.zstdDecompressSync ? zlib.zstdDecompressSync(raw) : raw;
-    default: return raw;
-    }
-}
-
-function record(req, text) {
-    let body = null;
-    if (text.length) {
-        try { body = JSON.parse(text); } catch { body = text; }
-    }
-    const line = {
-        seq: ++seq,
-        time: new Date().toISOString(),
-        method: req.method,
-        path: req.url,
-        headers: req.headers,
-        body,
-    };
-    // synchronous, so lines keep their order and survive a kill
-    fs.appendFileSync(file, JSON.stringify(line) + '\n');
-    return body;
-}
-
-const hex = (n) => crypto.randomBytes(n).toString('hex');
-
-function json(res, status, obj) {
-    const s = JSON.stringify(obj);
-    res.writeHead(status, {
-        'content-type': 'application/json',
-        'content-length': Buffer.byteLength(s),
-        'x-request-id': 'req_' + hex(12),
-    });
-    res.end(s);
-}
+import { TEXT, hex, json, serve } from './lib/record.mjs';
 
 function notFound(res, method, path) {
     json(res, 404, { error: {
         message: `${method} ${path} not found`,
         type: 'invalid_request_error', param: null, code: 'not_found',
-    } });
+    } }, 'x-request-id');
 }
 
 const str = (body, key, dflt) =>
@@ -128,7 +70,8 @@ function message(id, status, content) {
 
 function whole(res, body) {
     const out = [message('msg_' + hex(12), 'completed', [part(TEXT)])];
-    json(res, 200, response(body, 'resp_' + hex(12), 'completed', out));
+    json(res, 200, response(body, 'resp_' + hex(12), 'completed', out),
+         'x-request-id');
 }
 
 function streamed(res, body) {
@@ -157,39 +100,16 @@ function streamed(res, body) {
     res.end();
 }
 
-const server = http.createServer((req, res) => {
-    const chunks = [];
-    req.on('data', (c) => chunks.push(c));
-    req.on('end', () => {
-        let raw = Buffer.concat(chunks);
-        try { raw = decode(raw, req.headers['content-encoding']); } catch { /* keep raw */ }
-        const body = record(req, raw.toString('utf8'));
-        const path = req.url.split('?')[0];
-
-        if (req.method === 'POST' && path.endsWith('/responses')) {
-            if (body && typeof body === 'object' && body.stream === true)
-                streamed(res, body);
-            else
-                whole(res, body);
-        } else if (req.method === 'GET' && path.endsWith('/models')) {
-            json(res, 200, { object: 'list', data: [{ id: 'tiny', object: 'model' }] });
-        } else {
-            notFound(res, req.method, path);
-        }
-    });
-});
-
-// A WebSocket upgrade is recorded and refused with a plain 404.
-server.on('upgrade', (req, socket) => {
-    record(req, '');
-    const s = JSON.stringify({ error: { message: 'websocket not supported',
-        type: 'invalid_request_error', param: null, code: 'not_found' } });
-    socket.end('HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n' +
-        `content-length: ${Buffer.byteLength(s)}\r\nconnection: close\r\n\r\n${s}`);
-});
-
-server.listen(Number(port), '127.0.0.1', () => {
-    process.stdout.write(`listening 127.0.0.1:${server.address().port}\n`);
-});
-for (const sig of ['SIGTERM', 'SIGINT'])
-    process.on(sig, () => process.exit(0));
+serve('record-responses.mjs', (req, res, path, body) => {
+    if (req.method === 'POST' && path.endsWith('/responses')) {
+        if (body && typeof body === 'object' && body.stream === true)
+            streamed(res, body);
+        else
+            whole(res, body);
+    } else if (req.method === 'GET' && path.endsWith('/models')) {
+        json(res, 200, { object: 'list', data: [{ id: 'tiny', object: 'model' }] },
+             'x-request-id');
+    } else {
+        notFound(res, req.method, path);
+    }
+}, 'x-request-id');

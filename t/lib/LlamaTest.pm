@@ -714,6 +714,33 @@ sub async_wait {
     return { status => 0, timeout => 1 };
 }
 
+# nginx's workers now: their resident memory (kB) and CPU time (s), summed
+sub workers {
+    my ($self) = @_;
+    return split ' ', `pgrep -P \$(cat $self->{dir}/nginx.pid)`;
+}
+
+sub workers_kb {
+    my ($self) = @_;
+    my $kb = 0;
+    for my $pid ($self->workers) {
+        my $s = `ps -o rss= -p $pid`;
+        $s =~ s/\s//g;
+        $kb += $s || 0;
+    }
+    return $kb;
+}
+
+sub workers_cpu {
+    my ($self) = @_;
+    my $ticks = 0;
+    for my $pid ($self->workers) {
+        my @f = split ' ', $self->read_file("/proc/$pid/stat");
+        $ticks += ($f[13] // 0) + ($f[14] // 0);
+    }
+    return $ticks / 100;
+}
+
 sub read_file {
     my ($self, $name) = @_;
     my $f = $name =~ m{^/} ? $name : "$self->{dir}/$name";
