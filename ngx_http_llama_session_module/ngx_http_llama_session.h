@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     8
+#define NGX_HTTP_LLAMA_SESSION_VERSION     9
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -38,6 +38,11 @@
 #define NGX_HTTP_LLAMA_SESSION_PRIME_SPANS  7
 #define NGX_HTTP_LLAMA_SESSION_ID_MAX      256    /* a client's id, bytes */
 #define NGX_HTTP_LLAMA_SESSION_PREFIX_MAX  16     /* a model zone's name */
+#define NGX_HTTP_LLAMA_SESSION_MODELS_MAX    64     /* models= */
+
+/* the model's name percent-encoded in a query, "&autoload=false" after */
+#define NGX_HTTP_LLAMA_SESSION_MODEL_ARG                                      \
+    (sizeof("model=&autoload=false") + 3 * NGX_HTTP_LLAMA_SESSION_MODEL_SHOW)
 
 /*
  * After a request that llama-server may have received but not answered
@@ -122,6 +127,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_PROXY,
     NGX_HTTP_LLAMA_SESSION_ST_DONE,
     NGX_HTTP_LLAMA_SESSION_ST_OLLAMA,   /* GET /v1/models for Ollama's */
+    NGX_HTTP_LLAMA_SESSION_ST_BIND,     /* models=: the router lists it */
     NGX_HTTP_LLAMA_SESSION_ST_REPRIME   /* before a save (reprime.c) */
 } ngx_http_llama_session_state_e;
 
@@ -447,6 +453,18 @@ typedef struct {
     ngx_uint_t                      router_max; /* max_instances, 0: none */
     u_char                          router_known;
 
+    /*
+     * a zone of models= (models.c): the router's model it was given when
+     * first asked for, for good; written under the set's first zone's
+     * lock, "bound" last
+     */
+    u_char                          bound;
+    u_char                          bound_len;
+    u_char                          bound_model[
+                                        NGX_HTTP_LLAMA_SESSION_MODEL_SHOW];
+    u_short                         bound_arg_len;
+    u_char                          bound_arg[NGX_HTTP_LLAMA_SESSION_MODEL_ARG];
+
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
 
@@ -495,7 +513,22 @@ struct ngx_http_llama_session_zone_s {
     ngx_str_t                       prefix;
     ngx_http_llama_session_zone_t  *group;
     ngx_http_llama_session_zone_t  *group_next;
+
+    /*
+     * models=N: the set's zones ("<name>.1" to "<name>.N"), each given
+     * the first model asked for that no other one drives (models.c); the
+     * first one leads, the location and the API name it
+     */
+    ngx_http_llama_session_zone_t  *models;
+    ngx_http_llama_session_zone_t  *models_next;
+    ngx_uint_t                      models_index; /* 1 to N */
+    ngx_str_t                       models_name;  /* "<name>" */
 };
+
+
+/* a zone in front of llama-server's router: model= or models= */
+#define ngx_http_llama_session_by_router(zone)                                 \
+    ((zone)->model.len || (zone)->models)
 
 
 /* a file the zone gave up, to delete outside the lock */
@@ -736,6 +769,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        anthropic:1; /* /v1/messages */
     unsigned                        messages:1;  /* translated, anthropic.c */
     unsigned                        responses:1; /* a Responses API prime */
+    unsigned                        bind:1;     /* models=: not bound yet */
 
     /* what the reply says of the prompt's cache, see reply.c */
     u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];

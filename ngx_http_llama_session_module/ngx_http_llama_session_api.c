@@ -18,6 +18,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_api.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
@@ -100,8 +101,9 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_llama_session_loc_conf_t *llcf = conf;
 
-    ngx_str_t                 *value;
-    ngx_http_core_loc_conf_t  *clcf;
+    ngx_str_t                      *value;
+    ngx_http_core_loc_conf_t       *clcf;
+    ngx_http_llama_session_zone_t  *zone;
 
     if (llcf->api_zone) {
         return "is duplicate";
@@ -124,10 +126,13 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
     clcf->handler = ngx_http_llama_session_api_handler;
 
-    if (llcf->api_zone->log_conf == NULL) {
-        /* a zone of the API alone: its idle saves run here (job.c) */
-        llcf->api_zone->log_conf = clcf;
-        llcf->api_zone->conf_ctx = cf->ctx;
+    /* a zone of the API alone: its idle saves run here (job.c) */
+
+    for (zone = llcf->api_zone; zone; zone = zone->models_next) {
+        if (zone->log_conf == NULL) {
+            zone->log_conf = clcf;
+            zone->conf_ctx = cf->ctx;
+        }
     }
 
     return NGX_CONF_OK;
@@ -153,6 +158,42 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
                       "llama_session: refused a subrequest to the "
                       "management API \"%V\"", &r->uri);
         return NGX_HTTP_FORBIDDEN;
+    }
+
+    if (zone->models) {
+        /* models=: the zone of the model that ?model= names */
+
+        if (ngx_http_arg(r, (u_char *) "model", 5, &arg) != NGX_OK) {
+            rc = ngx_http_discard_request_body(r);
+            if (rc != NGX_OK) {
+                return rc;
+            }
+
+            return ngx_http_llama_session_api_error(r, NGX_HTTP_BAD_REQUEST,
+                                  "this zone keeps the sessions of several "
+                                  "models: name one with ?model=", NULL);
+        }
+
+        id.data = ngx_pnalloc(r->pool, arg.len);
+        if (id.data == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        p = id.data;
+        ngx_unescape_uri(&p, &arg.data, arg.len, 0);
+        id.len = p - id.data;
+
+        zone = ngx_http_llama_session_models_find(zone->models, id.data,
+                                                  id.len);
+        if (zone == NULL) {
+            rc = ngx_http_discard_request_body(r);
+            if (rc != NGX_OK) {
+                return rc;
+            }
+
+            return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
+                                  "no sessions of this model", NULL);
+        }
     }
 
     /* the part after the last "/sessions" */

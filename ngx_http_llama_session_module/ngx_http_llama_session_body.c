@@ -21,6 +21,7 @@
 #include "ngx_http_llama_session_canon.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_models.h"
 
 #include <cjson/cJSON.h>
 #include <openssl/evp.h>
@@ -217,7 +218,8 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
 
     if (i == llcf->endpoints->nelts || r->method != NGX_HTTP_POST) {
 
-        if ((llcf->zones || (llcf->zone && llcf->zone->model.len))
+        if ((llcf->zones
+             || (llcf->zone && ngx_http_llama_session_by_router(llcf->zone)))
             && (r->method == NGX_HTTP_POST
                 || ngx_http_arg(r, (u_char *) "model", 5, &arg) == NGX_OK))
         {
@@ -457,24 +459,34 @@ fallback:
         return NGX_ERROR;
     }
 
-    if (ctx->zone && ctx->zone->prefix.len) {
-        /* "<zone>@<key>": the zones of one router share a store folder */
-
-        ngx_memmove(ctx->key + ctx->zone->prefix.len, ctx->key,
-                    ctx->key_len);
-        ngx_memcpy(ctx->key, ctx->zone->prefix.data, ctx->zone->prefix.len);
-        ctx->key_len += ctx->zone->prefix.len;
-
-        if (ctx->base_len) {
-            ngx_memmove(ctx->base_key + ctx->zone->prefix.len, ctx->base_key,
-                        ctx->base_len);
-            ngx_memcpy(ctx->base_key, ctx->zone->prefix.data,
-                       ctx->zone->prefix.len);
-            ctx->base_len += ctx->zone->prefix.len;
-        }
+    if (!ctx->bind) {
+        ngx_http_llama_session_key_prefix(ctx);
     }
 
     return NGX_OK;
+}
+
+
+/* "<zone>@<key>": the zones of one router share a store folder */
+
+void
+ngx_http_llama_session_key_prefix(ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->zone == NULL || ctx->zone->prefix.len == 0) {
+        return;
+    }
+
+    ngx_memmove(ctx->key + ctx->zone->prefix.len, ctx->key, ctx->key_len);
+    ngx_memcpy(ctx->key, ctx->zone->prefix.data, ctx->zone->prefix.len);
+    ctx->key_len += ctx->zone->prefix.len;
+
+    if (ctx->base_len) {
+        ngx_memmove(ctx->base_key + ctx->zone->prefix.len, ctx->base_key,
+                    ctx->base_len);
+        ngx_memcpy(ctx->base_key, ctx->zone->prefix.data,
+                   ctx->zone->prefix.len);
+        ctx->base_len += ctx->zone->prefix.len;
+    }
 }
 
 
@@ -1762,10 +1774,35 @@ ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_uint_t                          i;
-    ngx_http_llama_session_zone_t     **zp;
+    ngx_http_llama_session_zone_t      *zone, **zp;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    if (!ctx->identity && llcf->zone && llcf->zone->models) {
+        /*
+         * models=: the zone of the model, or none yet: the router's list
+         * first (ST_BIND), never a name a client makes up
+         */
+
+        if (!ngx_http_llama_session_model_valid(ctx->model.data,
+                                                ctx->model.len))
+        {
+            goto refused;
+        }
+
+        zone = ngx_http_llama_session_models_find(llcf->zone,
+                                                  ctx->model.data,
+                                                  ctx->model.len);
+        if (zone) {
+            ctx->zone = zone;
+
+        } else {
+            ctx->bind = 1;
+        }
+
+        return NGX_OK;
+    }
 
     if (ctx->identity || llcf->zones == NULL) {
         return NGX_OK;
@@ -1782,6 +1819,8 @@ ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
             return NGX_OK;
         }
     }
+
+refused:
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: no zone of this location drives the "

@@ -29,6 +29,7 @@ ngx_int_t ngx_http_llama_session_body_spans(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *body);
 ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
+void ngx_http_llama_session_key_prefix(ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_sha256_free(void);
 
 

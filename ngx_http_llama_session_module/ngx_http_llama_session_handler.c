@@ -24,6 +24,7 @@
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_pin.h"
 #include "ngx_http_llama_session_reprime.h"
@@ -185,6 +186,19 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROXY:
         return NGX_DECLINED;
+
+    case NGX_HTTP_LLAMA_SESSION_ST_BIND:
+        rc = ngx_http_llama_session_models_bind(r, ctx);
+
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        /* the model's zone: its slot next */
+        ngx_http_llama_session_job_state(ctx,
+                                         NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
+
+        return ngx_http_llama_session_wait(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_OLLAMA:
         if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
@@ -584,6 +598,12 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 
             ctx->start = ngx_current_msec;
             ctx->deadline = ctx->start + llcf->wait_timeout;
+
+            if (ctx->bind) {
+                /* models=: the router's list says whether it has it */
+                ngx_http_llama_session_job_state(ctx,
+                                              NGX_HTTP_LLAMA_SESSION_ST_BIND);
+            }
         }
     }
 

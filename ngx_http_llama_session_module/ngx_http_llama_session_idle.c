@@ -17,6 +17,7 @@
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_idle.h"
 #include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
@@ -71,7 +72,7 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
     for (i = 0; i < lmcf->zones.nelts; i++) {
         zone = zp[i];
 
-        if (zone->save_idle == 0 && zone->model.len == 0) {
+        if (zone->save_idle == 0 && !ngx_http_llama_session_by_router(zone)) {
             /* a router's model zone saves before an unload, see router.c */
             continue;
         }
@@ -109,7 +110,7 @@ ngx_http_llama_session_idle_step(ngx_http_llama_session_zone_t *zone)
 
     step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
 
-    if (zone->model.len) {
+    if (ngx_http_llama_session_by_router(zone)) {
         step = ngx_min(step, 100);
     }
 
@@ -134,6 +135,11 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
 
     step = ngx_http_llama_session_idle_step(zone);
     ngx_add_timer(ev, step);
+
+    if (zone->models && !ngx_http_llama_session_models_adopt(zone)) {
+        /* models=: no model given to this zone yet, nothing of its own */
+        return;
+    }
 
     if (zone->store.len
         && (ngx_msec_int_t) (ngx_current_msec - zone->reaped) >= 300000)

@@ -15,6 +15,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_shm.h"
 
 
@@ -365,6 +366,9 @@ ngx_http_llama_session_snap(ngx_http_request_t *r,
     ngx_http_llama_session_sh_t  *sh;
 
     sh = zone->sh;
+
+    /* models=: the model given to the zone, by another worker perhaps */
+    (void) ngx_http_llama_session_models_adopt(zone);
 
     snap->zone = zone;
     snap->labels.data = ngx_pnalloc(r->pool, sizeof("zone=\"\",model=\"\"")

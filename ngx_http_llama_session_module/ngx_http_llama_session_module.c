@@ -17,6 +17,7 @@
 #include "ngx_http_llama_session_convert.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_reply.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
 #include "ngx_http_llama_session_turn.h"
@@ -47,8 +48,12 @@ static char *ngx_http_llama_session_list(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 static char *ngx_http_llama_session_endpoints(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
+static char *ngx_http_llama_session_zone_add(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_t *tz, ngx_str_t *name, size_t size,
+    ngx_str_t *model);
 static ngx_int_t ngx_http_llama_session_old_zone(ngx_conf_t *cf,
-    ngx_str_t *name, size_t size, ngx_str_t *store, ngx_str_t *model);
+    ngx_str_t *name, size_t size, ngx_str_t *store, ngx_uint_t routed);
 static char *ngx_http_llama_session_warm_conf(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
 
@@ -437,12 +442,11 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     off_t                            max_size;
     ssize_t                          size;
     ngx_int_t                        n;
-    ngx_str_t                       *value, name, s, store, model;
+    ngx_str_t                       *value, name, s, store, model, member;
     ngx_uint_t                       i, nslots, max_files, max_waiting;
-    ngx_uint_t                       reprime;
+    ngx_uint_t                       reprime, models, routed;
     ngx_msec_t                       save_idle;
-    ngx_shm_zone_t                  *shm_zone;
-    ngx_http_llama_session_zone_t   *zone, **zp;
+    ngx_http_llama_session_zone_t    tz, *zone, *lead, *last, **zp;
 
     value = cf->args->elts;
 
@@ -454,6 +458,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     max_size = 0;
     save_idle = 0;
     reprime = 1;
+    models = 0;
     ngx_str_null(&store);
     ngx_str_null(&model);
 
@@ -667,6 +672,26 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             continue;
         }
 
+        if (ngx_strncmp(value[i].data, "models=", 7) == 0) {
+            /* llama-server's router mode: any of its models, up to N */
+
+            n = ngx_atoi(value[i].data + 7, value[i].len - 7);
+
+            if (n == NGX_ERROR || n < 1
+                || n > NGX_HTTP_LLAMA_SESSION_MODELS_MAX)
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid number of models \"%V\": 1 to "
+                                   "%d, how many of the router's models the "
+                                   "zone keeps sessions for", &value[i],
+                                   NGX_HTTP_LLAMA_SESSION_MODELS_MAX);
+                return NGX_CONF_ERROR;
+            }
+
+            models = n;
+            continue;
+        }
+
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "invalid parameter \"%V\"", &value[i]);
         return NGX_CONF_ERROR;
@@ -692,7 +717,8 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
         if (store.len && zp[i]->store.len == store.len
             && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0
-            && (model.len == 0 || zp[i]->model.len == 0))
+            && (!(model.len || models)
+                || !ngx_http_llama_session_by_router(zp[i])))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zones \"%V\" and \"%V\" have "
@@ -720,32 +746,21 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_ERROR;
     }
 
-    if (ngx_http_llama_session_old_zone(cf, &name, size, &store, &model)
-        != NGX_OK)
-    {
-        return NGX_CONF_ERROR;
-    }
+    routed = (model.len || models);
 
-    zone = ngx_pcalloc(cf->pool, sizeof(ngx_http_llama_session_zone_t));
-    if (zone == NULL) {
-        return NGX_CONF_ERROR;
-    }
-
-    shm_zone = ngx_shared_memory_add(cf, &name, size,
-                                     &ngx_http_llama_session_module);
-    if (shm_zone == NULL) {
-        return NGX_CONF_ERROR;
-    }
-
-    if (shm_zone->data) {
+    if (model.len && models) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "shared memory zone \"%V\" is already used "
-                           "by another module", &name);
+                           "zone \"%V\" has \"model=\" and \"models=\": a "
+                           "zone drives one model of llama-server's router, "
+                           "or any of them", &name);
         return NGX_CONF_ERROR;
     }
 
-    if (model.len) {
-        /* its sessions' keys start with "<zone>@" in a shared folder */
+    if (routed) {
+        /*
+         * its sessions' keys start with "<zone>@" ("<zone>.<n>@") in a
+         * shared folder
+         */
 
         for (i = 0; i < name.len; i++) {
             if (!((name.data[i] >= 'a' && name.data[i] <= 'z')
@@ -757,33 +772,37 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             }
         }
 
-        if (i < name.len || name.len > NGX_HTTP_LLAMA_SESSION_PREFIX_MAX) {
+        n = NGX_HTTP_LLAMA_SESSION_PREFIX_MAX - (models ? 3 : 0);
+
+        if (i < name.len || name.len > (size_t) n) {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "zone \"%V\" with \"model=\" needs a name of "
-                               "1 to %d letters, digits, \"-\" or \"_\": its "
+                               "zone \"%V\" with \"%s\" needs a name of "
+                               "1 to %i letters, digits, \"-\" or \"_\": its "
                                "sessions' file names start with it", &name,
-                               NGX_HTTP_LLAMA_SESSION_PREFIX_MAX);
+                               models ? "models=" : "model=", n);
             return NGX_CONF_ERROR;
         }
 
         if (nslots == 0) {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "zone \"%V\" with \"model=\" cannot have "
+                               "zone \"%V\" with \"%s\" cannot have "
                                "\"slots=auto\": the router's GET /props would "
-                               "load the model, give its -np", &name);
+                               "load the model, give its -np", &name,
+                               models ? "models=" : "model=");
             return NGX_CONF_ERROR;
         }
 
         if (store.len == 0) {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "zone \"%V\" with \"model=\" needs "
+                               "zone \"%V\" with \"%s\" needs "
                                "\"store=\": the sessions of a model that "
                                "llama-server's router unloads are saved "
-                               "first, as idle saves are", &name);
+                               "first, as idle saves are", &name,
+                               models ? "models=" : "model=");
             return NGX_CONF_ERROR;
         }
 
-        for (i = 0; i < lmcf->zones.nelts; i++) {
+        for (i = 0; model.len && i < lmcf->zones.nelts; i++) {
             if (zp[i]->model.len == model.len
                 && ngx_strncmp(zp[i]->model.data, model.data, model.len) == 0
                 && zp[i]->store.len == store.len
@@ -806,14 +825,123 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_ERROR;
     }
 
-    zone->name = name;
-    zone->nslots = nslots;
-    zone->waiters_max = max_waiting;
-    zone->store = store;
-    zone->max_files = max_files;
-    zone->max_size = max_size;
-    zone->save_idle = save_idle;
-    zone->reprime = reprime;
+    ngx_memzero(&tz, sizeof(ngx_http_llama_session_zone_t));
+
+    tz.nslots = nslots;
+    tz.waiters_max = max_waiting;
+    tz.store = store;
+    tz.max_files = max_files;
+    tz.max_size = max_size;
+    tz.save_idle = save_idle;
+    tz.reprime = reprime;
+
+    if (models == 0) {
+        return ngx_http_llama_session_zone_add(cf, lmcf, &tz, &name, size, &model);
+    }
+
+    /* models=N: the zones "<name>.1" to "<name>.N", given models later */
+
+    lead = NULL;
+    last = NULL;
+
+    for (i = 1; i <= models; i++) {
+        member.len = name.len + 1 + NGX_INT_T_LEN;
+        member.data = ngx_pnalloc(cf->pool, member.len);
+        if (member.data == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        member.len = ngx_sprintf(member.data, "%V.%ui", &name, i)
+                     - member.data;
+
+        tz.models = lead;
+        tz.models_index = i;
+        tz.models_name = name;
+
+        if (ngx_http_llama_session_zone_add(cf, lmcf, &tz, &member, size,
+                                            &model)
+            != NGX_CONF_OK)
+        {
+            return NGX_CONF_ERROR;
+        }
+
+        zp = lmcf->zones.elts;
+        zone = zp[lmcf->zones.nelts - 1];
+
+        if (lead == NULL) {
+            lead = zone;
+            zone->models = zone;
+
+        } else {
+            last->models_next = zone;
+        }
+
+        last = zone;
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+/*
+ * A zone as configured (tz: its parameters), with its shared memory;
+ * model: its router's model (model=), if any
+ */
+
+static char *
+ngx_http_llama_session_zone_add(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_t *tz, ngx_str_t *name, size_t size,
+    ngx_str_t *model)
+{
+    ngx_uint_t                       i;
+    ngx_shm_zone_t                  *shm_zone;
+    ngx_http_llama_session_zone_t   *zone, **zp;
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if ((zp[i]->name.len == name->len
+             && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
+            || (zp[i]->models
+                && zp[i]->models_name.len == name->len
+                && ngx_strncmp(zp[i]->models_name.data, name->data,
+                               name->len) == 0))
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "duplicate llama_session_zone \"%V\"", name);
+            return NGX_CONF_ERROR;
+        }
+    }
+
+    if (ngx_http_llama_session_old_zone(cf, name, size, &tz->store,
+                                        model->len || tz->models_index)
+        != NGX_OK)
+    {
+        return NGX_CONF_ERROR;
+    }
+
+    zone = ngx_pcalloc(cf->pool, sizeof(ngx_http_llama_session_zone_t));
+    if (zone == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    shm_zone = ngx_shared_memory_add(cf, name, size,
+                                     &ngx_http_llama_session_module);
+    if (shm_zone == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (shm_zone->data) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "shared memory zone \"%V\" is already used "
+                           "by another module", name);
+        return NGX_CONF_ERROR;
+    }
+
+    *zone = *tz;
+
+    zone->name = *name;
     zone->shm_zone = shm_zone;
 
     /* shm.c drops a file whose record it must recycle through the store */
@@ -821,12 +949,11 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     zone->cycle = cf->cycle;
     zone->group = zone;
 
-    if (model.len) {
-        if (ngx_http_llama_session_model_zone(cf, lmcf, zone, &model)
-            != NGX_OK)
-        {
-            return NGX_CONF_ERROR;
-        }
+    if ((model->len || zone->models_index)
+        && ngx_http_llama_session_model_zone(cf, lmcf, zone, model)
+           != NGX_OK)
+    {
+        return NGX_CONF_ERROR;
     }
 
     shm_zone->init = ngx_http_llama_session_zone_start;
@@ -851,23 +978,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 static ngx_int_t
 ngx_http_llama_session_model_name(ngx_conf_t *cf, ngx_str_t *model)
 {
-    u_char      c;
-    ngx_uint_t  i;
-
-    for (i = 0; i < model->len; i++) {
-        c = model->data[i];
-
-        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
-              || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == ':'
-              || c == '/' || c == '+' || c == '@' || c == '-'))
-        {
-            break;
-        }
-    }
-
-    if (model->len == 0 || model->len > NGX_HTTP_LLAMA_SESSION_MODEL_SHOW
-        || i < model->len)
-    {
+    if (!ngx_http_llama_session_model_valid(model->data, model->len)) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "invalid model \"%V\": 1 to %d letters, digits "
                            "or \"._:/+@-\", as llama-server's router names "
@@ -895,47 +1006,19 @@ ngx_http_llama_session_model_zone(ngx_conf_t *cf,
     ngx_uint_t                       i;
     ngx_http_llama_session_zone_t  **zp, *last;
 
-    zone->model = *model;
+    if (model->len) {
+        zone->model = *model;
 
-    zone->model_arg.data = ngx_pnalloc(cf->pool, sizeof("model=&autoload=false")
-                                                 + 3 * model->len);
-    if (zone->model_arg.data == NULL) {
-        return NGX_ERROR;
-    }
-
-    p = ngx_cpymem(zone->model_arg.data, "model=", sizeof("model=") - 1);
-    p = (u_char *) ngx_escape_uri(p, model->data, model->len,
-                                  NGX_ESCAPE_ARGS);
-
-    for (i = 0; i < model->len; i++) {
-        /* what NGX_ESCAPE_ARGS keeps and a query decodes otherwise */
-        if (model->data[i] == '+' || model->data[i] == '/'
-            || model->data[i] == ':' || model->data[i] == '@')
-        {
-            break;
+        zone->model_arg.data = ngx_pnalloc(cf->pool,
+                                           NGX_HTTP_LLAMA_SESSION_MODEL_ARG);
+        if (zone->model_arg.data == NULL) {
+            return NGX_ERROR;
         }
+
+        p = ngx_http_llama_session_model_arg(zone->model_arg.data,
+                                             model->data, model->len);
+        zone->model_arg.len = p - zone->model_arg.data;
     }
-
-    if (i < model->len) {
-        p = zone->model_arg.data + sizeof("model=") - 1;
-
-        for (i = 0; i < model->len; i++) {
-            if ((model->data[i] >= 'a' && model->data[i] <= 'z')
-                || (model->data[i] >= 'A' && model->data[i] <= 'Z')
-                || (model->data[i] >= '0' && model->data[i] <= '9')
-                || model->data[i] == '.' || model->data[i] == '_'
-                || model->data[i] == '-')
-            {
-                *p++ = model->data[i];
-
-            } else {
-                p = ngx_sprintf(p, "%%%02XD", (ngx_uint_t) model->data[i]);
-            }
-        }
-    }
-
-    p = ngx_cpymem(p, "&autoload=false", sizeof("&autoload=false") - 1);
-    zone->model_arg.len = p - zone->model_arg.data;
 
     zone->prefix.data = ngx_pnalloc(cf->pool, zone->name.len + 1);
     if (zone->prefix.data == NULL) {
@@ -949,7 +1032,8 @@ ngx_http_llama_session_model_zone(ngx_conf_t *cf,
     zp = lmcf->zones.elts;
 
     for (i = 0; i < lmcf->zones.nelts; i++) {
-        if (zp[i]->model.len && zp[i]->store.len == zone->store.len
+        if (ngx_http_llama_session_by_router(zp[i])
+            && zp[i]->store.len == zone->store.len
             && ngx_strncmp(zp[i]->store.data, zone->store.data,
                            zone->store.len) == 0)
         {
@@ -1008,11 +1092,14 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     llcf->enable = 1;
 
-    if (llcf->zone->log_conf == NULL) {
-        /* the zone's own requests (idle saves) run in this location */
-        llcf->zone->log_conf = ngx_http_conf_get_module_loc_conf(cf,
+    /* the zone's own requests (idle saves) run in this location */
+
+    for (zone = llcf->zone; zone; zone = zone->models_next) {
+        if (zone->log_conf == NULL) {
+            zone->log_conf = ngx_http_conf_get_module_loc_conf(cf,
                                                        ngx_http_core_module);
-        llcf->zone->conf_ctx = cf->ctx;
+            zone->conf_ctx = cf->ctx;
+        }
     }
 
     if (cf->args->nelts == 2 && llcf->zone->model.len == 0) {
@@ -1033,7 +1120,7 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             return NGX_CONF_ERROR;
         }
 
-        if (zone->model.len == 0) {
+        if (zone->model.len == 0 || zone->models) {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "zone \"%V\" has no \"model=\": several "
                                "zones in \"llama_session\" are the models of "
@@ -1224,6 +1311,11 @@ ngx_http_llama_session_zone_start(ngx_shm_zone_t *shm_zone, void *data)
     }
 
     if (zone->store.len && data == NULL && !shm_zone->shm.exists) {
+        if (zone->models_index) {
+            /* models=: the model given to the zone before, if any */
+            ngx_http_llama_session_models_load(zone, shm_zone->shm.log);
+        }
+
         ngx_http_llama_session_turn_clean(zone, shm_zone->shm.log);
         return ngx_http_llama_session_store_index(zone, shm_zone->shm.log);
     }
@@ -1250,7 +1342,7 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
     zp = lmcf->zones.elts;
 
     for (i = 0; i < lmcf->zones.nelts; i++) {
-        if ((zp[i]->save_idle || zp[i]->model.len)
+        if ((zp[i]->save_idle || ngx_http_llama_session_by_router(zp[i]))
             && zp[i]->conf_ctx == NULL)
         {
             ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
@@ -1259,7 +1351,8 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
                           "\"llama_session_api %V\": its saves go through "
                           "such a location's llama_session_slots_uri",
                           &zp[i]->name,
-                          zp[i]->save_idle ? "save_idle=" : "model=",
+                          zp[i]->save_idle ? "save_idle="
+                          : zp[i]->models ? "models=" : "model=",
                           &zp[i]->name, &zp[i]->name);
             return NGX_ERROR;
         }
@@ -1297,7 +1390,7 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
 
 static ngx_int_t
 ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
-    ngx_str_t *store, ngx_str_t *model)
+    ngx_str_t *store, ngx_uint_t routed)
 {
     ngx_uint_t                      i;
     ngx_list_part_t                *part;
@@ -1351,7 +1444,7 @@ ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
 
         if (ozone && store->len && ozone->store.len == store->len
             && ngx_strncmp(ozone->store.data, store->data, store->len) == 0
-            && (model->len == 0 || ozone->model.len == 0))
+            && (!routed || !ngx_http_llama_session_by_router(ozone)))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zone \"%V\" would take the "

@@ -39,6 +39,7 @@
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_router.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
@@ -576,6 +577,8 @@ ngx_http_llama_session_group_zone(ngx_http_llama_session_zone_t *zone,
     len = ngx_strlen(model);
 
     for (z = zone->group; z; z = z->group_next) {
+        (void) ngx_http_llama_session_models_adopt(z);
+
         if (z->model.len == len
             && ngx_strncmp(z->model.data, model, len) == 0)
         {

@@ -109,9 +109,10 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
             return NGX_ERROR;
         }
 
-        if (ozone->model.len != zone->model.len
-            || ngx_strncmp(ozone->model.data, zone->model.data,
-                           zone->model.len) != 0)
+        if (zone->models == NULL
+            && (ozone->model.len != zone->model.len
+                || ngx_strncmp(ozone->model.data, zone->model.data,
+                               zone->model.len) != 0))
         {
             /* its slots' contents and fingerprint are the old model's */
             ngx_log_error(NGX_LOG_EMERG, shm_zone->shm.log, 0,
@@ -2468,6 +2469,15 @@ ngx_http_llama_session_find_zone(ngx_conf_t *cf, ngx_str_t *name)
         if (zp[i]->name.len == name->len
             && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
         {
+            return zp[i];
+        }
+
+        if (zp[i]->models_index == 1
+            && zp[i]->models_name.len == name->len
+            && ngx_strncmp(zp[i]->models_name.data, name->data, name->len)
+               == 0)
+        {
+            /* models=: the first of its zones leads them */
             return zp[i];
         }
     }

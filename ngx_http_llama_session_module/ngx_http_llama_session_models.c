@@ -1,0 +1,497 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * One zone for a router of many models: "llama_session_zone zone=r:32m
+ * ... models=N" makes the zones r.1 to r.N (module.c), each a router's
+ * model zone (router.c) whose model is not known yet.  A request naming a
+ * model that none of them drives is let in only when the router lists the
+ * model in its GET /models (a client never makes up a zone's model); the
+ * first zone without one is then given it, under the set's first zone's
+ * lock, for good.  The binding is kept in the store folder as the file
+ * "<zone>.model" (the model's name), read when nginx starts, so the
+ * sessions' files ("<zone>@<key>.<fp>.bin") keep their model.
+ *
+ * A zone's binding is written in its shared memory (the name, its query
+ * form, then "bound"); each process takes it into its own zone structure
+ * when it first needs it (ngx_http_llama_session_models_adopt()).
+ */
+
+
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_call.h"
+#include "ngx_http_llama_session_error.h"
+#include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_models.h"
+#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_slots.h"
+
+#include <cjson/cJSON.h>
+
+
+static ngx_int_t ngx_http_llama_session_models_listed(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_http_llama_session_zone_t *ngx_http_llama_session_models_take(
+    ngx_http_llama_session_zone_t *lead, u_char *model, size_t len,
+    ngx_log_t *log);
+static void ngx_http_llama_session_models_write(
+    ngx_http_llama_session_zone_t *zone, u_char *model, size_t len,
+    ngx_log_t *log);
+static void ngx_http_llama_session_models_set(ngx_http_llama_session_sh_t *sh,
+    u_char *model, size_t len);
+
+
+/* a model's name as the router gives it: letters, digits, "._:/+@-" */
+
+ngx_uint_t
+ngx_http_llama_session_model_valid(u_char *model, size_t len)
+{
+    u_char  c;
+    size_t  i;
+
+    if (len == 0 || len > NGX_HTTP_LLAMA_SESSION_MODEL_SHOW) {
+        return 0;
+    }
+
+    for (i = 0; i < len; i++) {
+        c = model[i];
+
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+              || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == ':'
+              || c == '/' || c == '+' || c == '@' || c == '-'))
+        {
+            return 0;
+        }
+    }
+
+    return 1;
+}
+
+
+/*
+ * "model=<name>&autoload=false", the name percent-encoded as a query
+ * decodes it: "+", "/", ":" and "@" that NGX_ESCAPE_ARGS keeps too;
+ * dst has NGX_HTTP_LLAMA_SESSION_MODEL_ARG bytes
+ */
+
+u_char *
+ngx_http_llama_session_model_arg(u_char *dst, u_char *model, size_t len)
+{
+    u_char  c, *p;
+    size_t  i;
+
+    p = ngx_cpymem(dst, "model=", sizeof("model=") - 1);
+
+    for (i = 0; i < len; i++) {
+        c = model[i];
+
+        if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')
+            || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-')
+        {
+            *p++ = c;
+
+        } else {
+            p = ngx_sprintf(p, "%%%02XD", (ngx_uint_t) c);
+        }
+    }
+
+    return ngx_cpymem(p, "&autoload=false", sizeof("&autoload=false") - 1);
+}
+
+
+/* how many zones the set has: its models= */
+
+ngx_uint_t
+ngx_http_llama_session_models_size(ngx_http_llama_session_zone_t *zone)
+{
+    ngx_uint_t                      n;
+    ngx_http_llama_session_zone_t  *z;
+
+    n = 0;
+
+    for (z = zone->models; z; z = z->models_next) {
+        n++;
+    }
+
+    return n;
+}
+
+
+/* this process takes the zone's binding, if it has one; 1: bound */
+
+ngx_uint_t
+ngx_http_llama_session_models_adopt(ngx_http_llama_session_zone_t *zone)
+{
+    ngx_http_llama_session_sh_t  *sh;
+
+    if (zone->model.len) {
+        return 1;
+    }
+
+    sh = zone->sh;
+
+    if (zone->models == NULL || sh == NULL || !sh->bound) {
+        return 0;
+    }
+
+    ngx_memory_barrier();
+
+    zone->model.data = sh->bound_model;
+    zone->model_arg.data = sh->bound_arg;
+    zone->model_arg.len = sh->bound_arg_len;
+    zone->model.len = sh->bound_len;
+
+    return 1;
+}
+
+
+/* the set's zone of a model, NULL: none drives it yet */
+
+ngx_http_llama_session_zone_t *
+ngx_http_llama_session_models_find(ngx_http_llama_session_zone_t *lead,
+    u_char *model, size_t len)
+{
+    ngx_http_llama_session_zone_t  *z;
+
+    for (z = lead->models; z; z = z->models_next) {
+        if (ngx_http_llama_session_models_adopt(z)
+            && z->model.len == len
+            && ngx_strncmp(z->model.data, model, len) == 0)
+        {
+            return z;
+        }
+    }
+
+    return NULL;
+}
+
+
+/*
+ * The request's model is none of the set's yet: the router's GET /models
+ * first (handler.c runs it in ST_BIND), then ngx_http_llama_session_
+ * models_listed()
+ */
+
+ngx_int_t
+ngx_http_llama_session_models_bind(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,
+                                           NULL, 0);
+    }
+
+    if (!ctx->job.call_done) {
+        return NGX_AGAIN;
+    }
+
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    return ngx_http_llama_session_models_listed(r, ctx);
+}
+
+
+/*
+ * GET /models is in: a model the router lists gets a zone of the set;
+ * NGX_OK: ctx->zone is the model's, the request goes on to its slot
+ */
+
+static ngx_int_t
+ngx_http_llama_session_models_listed(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    cJSON                          *json, *data, *item, *id;
+    ngx_uint_t                      listed;
+    ngx_http_llama_session_zone_t  *lead, *zone;
+
+    lead = ctx->zone->models;
+
+    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
+        || ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL)
+    {
+        return ngx_http_llama_session_backend_error(r, ctx, "GET /models");
+    }
+
+    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
+                                 ctx->job.call_reply->last
+                                     - ctx->job.call_reply->pos);
+
+    data = cJSON_GetObjectItemCaseSensitive(json, "data");
+
+    if (!cJSON_IsArray(data)) {
+        cJSON_Delete(json);
+
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: GET /models did not answer a list of "
+                      "models: zone \"%V\" has \"models=\" and needs "
+                      "llama-server's router mode", &lead->models_name);
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
+
+        return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
+                                            "server_error",
+                                            "the model server cannot run "
+                                            "this model now", 0);
+    }
+
+    listed = 0;
+
+    cJSON_ArrayForEach(item, data) {
+        id = cJSON_GetObjectItemCaseSensitive(item, "id");
+
+        if (cJSON_IsString(id)
+            && ngx_strlen(id->valuestring) == ctx->model.len
+            && ngx_strncmp(id->valuestring, ctx->model.data, ctx->model.len)
+               == 0)
+        {
+            listed = 1;
+            break;
+        }
+    }
+
+    cJSON_Delete(json);
+
+    if (!listed) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: llama-server's router has no model "
+                      "\"%V\" (zone \"%V\"): refused", &ctx->model,
+                      &lead->models_name);
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+
+        return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
+                                            "invalid_request_error",
+                                            "the request's model is not one "
+                                            "this server keeps sessions for",
+                                            0);
+    }
+
+    zone = ngx_http_llama_session_models_take(lead, ctx->model.data,
+                                            ctx->model.len,
+                                            r->connection->log);
+
+    if (zone == NULL) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: zone \"%V\" keeps the sessions of %ui "
+                      "models already, its \"models=\": the router's model "
+                      "\"%V\" is refused (raise models=, or give the model "
+                      "a zone of its own with model=)", &lead->models_name,
+                      ngx_http_llama_session_models_size(lead), &ctx->model);
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+
+        return ngx_http_llama_session_error(r, ctx,
+                                            NGX_HTTP_SERVICE_UNAVAILABLE,
+                                            "unavailable_error",
+                                            "the server keeps sessions for "
+                                            "no more models", 0);
+    }
+
+    ctx->zone = zone;
+    ctx->bind = 0;
+
+    ngx_http_llama_session_key_prefix(ctx);
+
+    return NGX_OK;
+}
+
+
+/* the zone of the model, or the first one free given it; NULL: full */
+
+static ngx_http_llama_session_zone_t *
+ngx_http_llama_session_models_take(ngx_http_llama_session_zone_t *lead,
+    u_char *model, size_t len, ngx_log_t *log)
+{
+    ngx_http_llama_session_zone_t  *z, *free;
+
+    free = NULL;
+
+    ngx_shmtx_lock(&lead->shpool->mutex);
+
+    for (z = lead; z; z = z->models_next) {
+        if (z->sh->bound) {
+            if (z->sh->bound_len == len
+                && ngx_strncmp(z->sh->bound_model, model, len) == 0)
+            {
+                /* another worker gave it one */
+                ngx_shmtx_unlock(&lead->shpool->mutex);
+                (void) ngx_http_llama_session_models_adopt(z);
+                return z;
+            }
+
+            continue;
+        }
+
+        if (free == NULL) {
+            free = z;
+        }
+    }
+
+    if (free == NULL) {
+        ngx_shmtx_unlock(&lead->shpool->mutex);
+        return NULL;
+    }
+
+    /*
+     * the file first, then the zone's memory, under the lock (once per
+     * model ever): a crash in between leaves the file, read at start
+     */
+
+    ngx_http_llama_session_models_write(free, model, len, log);
+    ngx_http_llama_session_models_set(free->sh, model, len);
+
+    ngx_shmtx_unlock(&lead->shpool->mutex);
+
+    (void) ngx_http_llama_session_models_adopt(free);
+
+    ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                  "llama_session: zone \"%V\" now keeps the sessions of the "
+                  "router's model \"%V\"", &free->name, &free->model);
+
+    return free;
+}
+
+
+static void
+ngx_http_llama_session_models_set(ngx_http_llama_session_sh_t *sh,
+    u_char *model, size_t len)
+{
+    u_char  *p;
+
+    ngx_memcpy(sh->bound_model, model, len);
+    sh->bound_len = (u_char) len;
+
+    p = ngx_http_llama_session_model_arg(sh->bound_arg, model, len);
+    sh->bound_arg_len = (u_short) (p - sh->bound_arg);
+
+    ngx_memory_barrier();
+
+    sh->bound = 1;
+}
+
+
+/*
+ * "<store>/<zone>.model": written whole to a temporary file, then renamed
+ * over; a failure is logged (the binding holds until nginx restarts, when
+ * the zone may be given another model: its files then stay unused, their
+ * fingerprint being the old model's)
+ */
+
+static void
+ngx_http_llama_session_models_write(ngx_http_llama_session_zone_t *zone,
+    u_char *model, size_t len, ngx_log_t *log)
+{
+    u_char     path[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    u_char     line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
+    ssize_t    n;
+    ngx_fd_t   fd;
+    ngx_err_t  err;
+
+    ngx_snprintf(path, sizeof(path), "%V/%V.model%Z", &zone->store,
+                 &zone->name);
+    ngx_snprintf(tmp, sizeof(tmp), "%V/%V.model.tmp%Z", &zone->store,
+                 &zone->name);
+
+    fd = ngx_open_file(tmp, NGX_FILE_WRONLY, NGX_FILE_TRUNCATE,
+                       NGX_FILE_DEFAULT_ACCESS);
+
+    if (fd == NGX_INVALID_FILE) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      "llama_session: " ngx_open_file_n " \"%s\" failed: "
+                      "zone \"%V\" may be given another model than \"%*s\" "
+                      "after a restart", tmp, &zone->name, len, model);
+        return;
+    }
+
+    ngx_memcpy(line, model, len);
+    line[len] = LF;
+
+    n = ngx_write_fd(fd, line, len + 1);
+    err = ngx_errno;
+
+    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
+        n = -1;
+        err = ngx_errno;
+    }
+
+    if (n != (ssize_t) len + 1
+        || ngx_rename_file(tmp, path) == NGX_FILE_ERROR)
+    {
+        ngx_log_error(NGX_LOG_ERR, log, n < 0 ? err : ngx_errno,
+                      "llama_session: cannot write \"%s\": zone \"%V\" may "
+                      "be given another model than \"%*s\" after a "
+                      "restart", path, &zone->name, len, model);
+        (void) ngx_delete_file(tmp);
+    }
+}
+
+
+/*
+ * At start (the zone's shared memory new): its binding from the store,
+ * before the folder's files are indexed for it
+ */
+
+void
+ngx_http_llama_session_models_load(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log)
+{
+    u_char            path[NGX_MAX_PATH];
+    u_char            line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 2];
+    size_t            len;
+    ssize_t           n;
+    ngx_fd_t          fd;
+    ngx_http_llama_session_zone_t  *z;
+
+    ngx_snprintf(path, sizeof(path), "%V/%V.model%Z", &zone->store,
+                 &zone->name);
+
+    fd = ngx_open_file(path, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+
+    if (fd == NGX_INVALID_FILE) {
+        if (ngx_errno != NGX_ENOENT) {
+            ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                          "llama_session: " ngx_open_file_n " \"%s\" failed: "
+                          "zone \"%V\" is given the next model asked for",
+                          path, &zone->name);
+        }
+
+        return;
+    }
+
+    n = ngx_read_fd(fd, line, sizeof(line));
+
+    (void) ngx_close_file(fd);
+
+    len = (n > 0) ? (size_t) n : 0;
+
+    if (len && line[len - 1] == LF) {
+        len--;
+    }
+
+    if (len == (size_t) n || !ngx_http_llama_session_model_valid(line, len)) {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: \"%s\" is not a model's name and a "
+                      "line feed: zone \"%V\" is given the next model asked "
+                      "for", path, &zone->name);
+        return;
+    }
+
+    for (z = zone->models; z && z != zone; z = z->models_next) {
+        if (z->sh && z->sh->bound && z->sh->bound_len == len
+            && ngx_strncmp(z->sh->bound_model, line, len) == 0)
+        {
+            ngx_log_error(NGX_LOG_WARN, log, 0,
+                          "llama_session: \"%s\" names the model \"%*s\" of "
+                          "zone \"%V\": zone \"%V\" is given the next model "
+                          "asked for", path, len, line, &z->name,
+                          &zone->name);
+            return;
+        }
+    }
+
+    ngx_http_llama_session_models_set(zone->sh, line, len);
+    (void) ngx_http_llama_session_models_adopt(zone);
+}
