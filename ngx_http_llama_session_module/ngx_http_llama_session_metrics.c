@@ -208,7 +208,7 @@ ngx_http_llama_session_metrics(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_str_t                       *value;
     ngx_uint_t                       i;
     ngx_http_core_loc_conf_t        *clcf;
-    ngx_http_llama_session_zone_t  **zp;
+    ngx_http_llama_session_zone_t   *zone, **zp;
 
     if (llcf->metrics != NGX_CONF_UNSET_PTR) {
         return "is duplicate";
@@ -227,14 +227,20 @@ ngx_http_llama_session_metrics(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             }
         }
 
-        zp = ngx_array_push(llcf->metrics);
-        if (zp == NULL) {
+        zone = ngx_http_llama_session_find_zone(cf, &value[i]);
+        if (zone == NULL) {
             return NGX_CONF_ERROR;
         }
 
-        *zp = ngx_http_llama_session_find_zone(cf, &value[i]);
-        if (*zp == NULL) {
-            return NGX_CONF_ERROR;
+        /* models=: the set's zones, each with its model */
+
+        for ( /* void */ ; zone; zone = zone->models_next) {
+            zp = ngx_array_push(llcf->metrics);
+            if (zp == NULL) {
+                return NGX_CONF_ERROR;
+            }
+
+            *zp = zone;
         }
     }
 

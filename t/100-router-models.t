@@ -38,7 +38,7 @@ sub config {
         }
 
         location /api/ { llama_session_api r; }
-        location = /metrics { llama_session_metrics; }
+        location = /metrics { llama_session_metrics r; }
 
         location /_llama_slots/ {
             internal;
@@ -222,6 +222,49 @@ is($t->get('/api/sessions?model=nosuch')->{status}, 404,
 my $metrics = $t->get('/metrics')->{content};
 like($metrics, qr/\{zone="r\.1",model="big"[,}]/, 'the metrics label r.1 big');
 like($metrics, qr/\{zone="r\.3",model="mid"[,}]/, 'and r.3 mid');
+
+# Anthropic's API on a model of the set: translated, on the model's zone
+my @msgs = ({ role => 'user', content => join ' ', map {
+                 "Claude keeps note $_ on mid." } 1 .. 40 });
+my $m1 = $t->post('/v1/messages', { model => 'mid', max_tokens => 2,
+                                    messages => \@msgs },
+                  headers => { 'X-Claude-Code-Session-Id' => 'claude-mid' });
+is($m1->{status}, 200, 'Anthropic\'s /v1/messages on the set: 200')
+    or diag $m1->{content};
+like($m1->{headers}{'x-s-key'} // '', qr/^r\.3@/, 'on mid\'s zone');
+push @msgs, { role => 'assistant', content => 'ok' },
+            { role => 'user', content => 'And then?' };
+turn('b', 'small');
+my $m2 = $t->post('/v1/messages', { model => 'mid', max_tokens => 2,
+                                    messages => \@msgs },
+                  headers => { 'X-Claude-Code-Session-Id' => 'claude-mid' });
+my $u1 = $m1->{json}{usage} // {};
+my $mfirst = ($u1->{input_tokens} // 0) + ($u1->{cache_read_input_tokens} // 0);
+cmp_ok($m2->{json}{usage}{cache_read_input_tokens} // 0, '>=',
+       $mfirst > 100 ? $mfirst - 1 : 1e9,
+       'its next turn, after small had the router, reads its history from '
+       . 'the cache');
+
+# a reload to models=4: the zones keep their models, r.4 has none yet
+
+$t->nginx(config(4), write_only => 1);
+$t->reload;
+$t->wait_for(sub { $t->get('/metrics')->{content} =~ /zone="r\.4"/ }, 10);
+my $a_r = turn('a', 'big');
+like($a_r->{key}, qr/^r\.1@/, 'after a reload a is on r.1');
+ok($a_r->{cached} >= $first{a}{prompt} - 1,
+   "with its cache: $a_r->{cached} of $a_r->{prompt}");
+$first{a} = $a_r;
+$metrics = $t->get('/metrics')->{content};
+like($metrics, qr/\{zone="r\.4"[,}]/, 'the metrics show r.4, no model');
+like($metrics, qr/\{zone="r\.2",model="small"[,}]/, 'r.2 is small\'s');
+
+# small takes the router, then big again: each one's turn since the
+# reload is saved with its model's unload (after a restart the sessions
+# come from their files: nothing vouches for what a slot holds)
+$first{b} = turn('b', 'small');
+$first{a} = turn('a', 'big');
+turn('c', 'mid');
 
 ok(!$t->log_lines(qr/lost their turns|\[(alert|crit|emerg)\]/),
    'no session lost a turn');
