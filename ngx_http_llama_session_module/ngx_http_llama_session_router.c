@@ -184,8 +184,9 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         cJSON_Delete(json);
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: GET /models did not answer a list of "
-                      "models: zone \"%V\" has \"model=\" and needs "
-                      "llama-server's router mode", &ctx->zone->name);
+                      "models: zone \"%V\" has \"%s\" and needs "
+                      "llama-server's router mode", &ctx->zone->name,
+                      ctx->zone->models ? "models=" : "model=");
         return ngx_http_llama_session_router_fail(r, ctx, NULL);
     }
 
@@ -402,9 +403,10 @@ ngx_http_llama_session_router_props(ngx_http_request_t *r,
     {
         cJSON_Delete(json);
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: zone \"%V\" has \"model=\" and the "
+                      "llama_session: zone \"%V\" has \"%s\" and the "
                       "backend's GET /props is not a router's "
-                      "(role: router, max_instances)", &ctx->zone->name);
+                      "(role: router, max_instances)", &ctx->zone->name,
+                      ctx->zone->models ? "models=" : "model=");
         return ngx_http_llama_session_router_fail(r, ctx, NULL);
     }
 

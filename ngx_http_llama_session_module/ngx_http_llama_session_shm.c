@@ -2469,7 +2469,8 @@ ngx_http_llama_session_find_zone(ngx_conf_t *cf, ngx_str_t *name)
         if (zp[i]->name.len == name->len
             && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
         {
-            return zp[i];
+            /* a zone of a set ("r.2"): the set */
+            return zp[i]->models ? zp[i]->models : zp[i];
         }
 
         if (zp[i]->models_index == 1

@@ -227,7 +227,8 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: zone \"%V\" faces llama-server's "
                       "router mode: give each of the router's models a "
-                      "zone with \"model=\" (docs/scaling.md)",
+                      "zone with \"model=\", or give the zone "
+                      "\"models=\" for all of them (docs/scaling.md)",
                       &ctx->zone->name);
         return NGX_ERROR;
     }

@@ -15,6 +15,7 @@ use warnings;
 use FindBin;
 use lib "$FindBin::Bin/lib";
 
+use HTTP::Tiny;
 use LlamaTest;
 use Test::More;
 
@@ -132,6 +133,39 @@ EOF2
     isnt($rc, 0, 'a zone named as one of the set: refused');
     like($out, qr/duplicate llama_session_zone "r.2"/, 'as a duplicate');
 }
+
+$t->stop;
+
+# --- the router's list fails, or is slow and the client leaves (fake) -----
+
+$t = LlamaTest->new(workers => 2);
+$t->fake(script => { router => 1, router_list => [ 'small' ],
+                     router_models => { status => 500 } });
+$t->nginx(config(2));
+
+my $f1 = ask('f', 'small');
+is($f1->{status}, 502, 'GET /models fails: 502');
+is($f1->{json}{error}{type}, 'server_error', 'as JSON');
+ok(!defined binding('r.1'), 'no zone was given a model');
+ok($t->log_lines(qr/GET \/models/), 'the error log names the call');
+
+$t->fake_script({ router => 1, router_list => [ 'small' ],
+                  router_models => { delay_ms => 1500 } });
+my $gone = HTTP::Tiny->new(timeout => 0.5)->post(
+    $t->url('/v1/chat/completions'),
+    { headers => { 'Content-Type' => 'application/json',
+                   'X-Session-Id' => 'gone' },
+      content => '{"model":"small","max_tokens":2,'
+                 . '"messages":[{"role":"user","content":"hi"}]}' });
+is($gone->{status}, 599, 'a client that leaves during GET /models');
+sleep 2;
+$t->fake_script({ router => 1, router_list => [ 'small' ] });
+my $f2 = ask('f', 'small');
+is($f2->{status}, 200, 'the next request goes on: 200')
+    or diag $f2->{content};
+like($f2->{headers}{'x-s-key'} // '', qr/^r\.1@/, 'on r.1');
+is(binding('r.1'), "small\n", 'given small once');
+ok(!defined binding('r.2'), 'and only r.1');
 
 $t->stop;
 

@@ -21,7 +21,8 @@
 #   {"status": 500, "delay_ms": 300, "close": 1, "processing": 1}
 # partial (save): write part of the file, then drop the connection, as a
 # llama-server killed mid-save would; router (top level): GET /props
-# answers as llama-server's router mode does; short (save): a 200 whose file is
+# answers as llama-server's router mode does, and GET /models lists
+# router_list's models as loaded (router_models: its fault); short (save): a 200 whose file is
 # shorter than its n_written, as a full disk gives; --model sets /props's
 # model_path, --meta (JSON) what GET /v1/models says of the model;
 # close: drop the connection without an answer; processing: GET /slots
@@ -233,8 +234,8 @@ sub handle {
     if ($m eq 'GET' && $p eq '/props') {
         my $f = fault($c, $script->{props}, $req);
         return $f == 1 if $f;
-        if ($script->{router}) {
-            # llama-server without -m: its router
+        if ($script->{router} && $req->{query} !~ /(^|&)model=/) {
+            # llama-server without -m: its router (?model=: a child's)
             return reply($c, 200, { role => 'router', max_instances => 4,
                                     build_info => 'b1-fake' });
         }
@@ -242,6 +243,15 @@ sub handle {
                                 model_path => $o{model},
                                 default_generation_settings =>
                                     { n_ctx => 16384 } });
+    }
+
+    if ($m eq 'GET' && $p eq '/models' && $script->{router}) {
+        # the router's list: router_list's models, loaded
+        my $f = fault($c, $script->{router_models}, $req);
+        return $f == 1 if $f;
+        return reply($c, 200, { data => [
+            map { { id => $_, status => { value => 'loaded' } } }
+                @{ $script->{router_list} // [] } ] });
     }
 
     if ($m eq 'GET' && $p eq '/v1/models') {
