@@ -24,7 +24,6 @@
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
-#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_pin.h"
 #include "ngx_http_llama_session_reprime.h"
@@ -188,7 +187,7 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return NGX_DECLINED;
 
     case NGX_HTTP_LLAMA_SESSION_ST_BIND:
-        rc = ngx_http_llama_session_models_bind(r, ctx);
+        rc = ngx_http_llama_session_route_bind(r, ctx);
 
         if (rc != NGX_OK) {
             return rc;

@@ -12,6 +12,7 @@
  * "<zone>.model" (the model's name), read when nginx starts, so the
  * sessions' files ("<zone>@<key>.<fp>.bin") keep their model.
  *
+ * The request's step (the router's list, then the binding) is router.c's.
  * A zone's binding is written in its shared memory (the name, its query
  * form, then "bound"); each process takes it into its own zone structure
  * when it first needs it (ngx_http_llama_session_models_adopt()).
@@ -19,23 +20,9 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_body.h"
-#include "ngx_http_llama_session_call.h"
-#include "ngx_http_llama_session_error.h"
-#include "ngx_http_llama_session_job.h"
-#include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_models.h"
-#include "ngx_http_llama_session_shm.h"
-#include "ngx_http_llama_session_slots.h"
-
-#include <cjson/cJSON.h>
 
 
-static ngx_int_t ngx_http_llama_session_models_listed(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-static ngx_http_llama_session_zone_t *ngx_http_llama_session_models_take(
-    ngx_http_llama_session_zone_t *lead, u_char *model, size_t len,
-    ngx_log_t *log);
 static void ngx_http_llama_session_models_write(
     ngx_http_llama_session_zone_t *zone, u_char *model, size_t len,
     ngx_log_t *log);
@@ -168,140 +155,9 @@ ngx_http_llama_session_models_find(ngx_http_llama_session_zone_t *lead,
 }
 
 
-/*
- * The request's model is none of the set's yet: the router's GET /models
- * first (handler.c runs it in ST_BIND), then ngx_http_llama_session_
- * models_listed()
- */
-
-ngx_int_t
-ngx_http_llama_session_models_bind(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
-{
-    if (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
-        return ngx_http_llama_session_call(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,
-                                           NULL, 0);
-    }
-
-    if (!ctx->job.call_done) {
-        return NGX_AGAIN;
-    }
-
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-
-    return ngx_http_llama_session_models_listed(r, ctx);
-}
-
-
-/*
- * GET /models is in: a model the router lists gets a zone of the set;
- * NGX_OK: ctx->zone is the model's, the request goes on to its slot
- */
-
-static ngx_int_t
-ngx_http_llama_session_models_listed(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
-{
-    cJSON                          *json, *data, *item, *id;
-    ngx_uint_t                      listed;
-    ngx_http_llama_session_zone_t  *lead, *zone;
-
-    lead = ctx->zone->models;
-
-    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
-        || ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL)
-    {
-        return ngx_http_llama_session_backend_error(r, ctx, "GET /models");
-    }
-
-    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                 ctx->job.call_reply->last
-                                     - ctx->job.call_reply->pos);
-
-    data = cJSON_GetObjectItemCaseSensitive(json, "data");
-
-    if (!cJSON_IsArray(data)) {
-        cJSON_Delete(json);
-
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: GET /models did not answer a list of "
-                      "models: zone \"%V\" has \"models=\" and needs "
-                      "llama-server's router mode", &lead->models_name);
-
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
-
-        return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
-                                            "server_error",
-                                            "the model server cannot run "
-                                            "this model now", 0);
-    }
-
-    listed = 0;
-
-    cJSON_ArrayForEach(item, data) {
-        id = cJSON_GetObjectItemCaseSensitive(item, "id");
-
-        if (cJSON_IsString(id)
-            && ngx_strlen(id->valuestring) == ctx->model.len
-            && ngx_strncmp(id->valuestring, ctx->model.data, ctx->model.len)
-               == 0)
-        {
-            listed = 1;
-            break;
-        }
-    }
-
-    cJSON_Delete(json);
-
-    if (!listed) {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: llama-server's router has no model "
-                      "\"%V\" (zone \"%V\"): refused", &ctx->model,
-                      &lead->models_name);
-
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
-
-        return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
-                                            "invalid_request_error",
-                                            "the request's model is not one "
-                                            "this server keeps sessions for",
-                                            0);
-    }
-
-    zone = ngx_http_llama_session_models_take(lead, ctx->model.data,
-                                            ctx->model.len,
-                                            r->connection->log);
-
-    if (zone == NULL) {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: zone \"%V\" keeps the sessions of %ui "
-                      "models already, its \"models=\": the router's model "
-                      "\"%V\" is refused (raise models=, or give the model "
-                      "a zone of its own with model=)", &lead->models_name,
-                      ngx_http_llama_session_models_size(lead), &ctx->model);
-
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
-
-        return ngx_http_llama_session_error(r, ctx,
-                                            NGX_HTTP_SERVICE_UNAVAILABLE,
-                                            "unavailable_error",
-                                            "the server keeps sessions for "
-                                            "no more models", 0);
-    }
-
-    ctx->zone = zone;
-    ctx->bind = 0;
-
-    ngx_http_llama_session_key_prefix(ctx);
-
-    return NGX_OK;
-}
-
-
 /* the zone of the model, or the first one free given it; NULL: full */
 
-static ngx_http_llama_session_zone_t *
+ngx_http_llama_session_zone_t *
 ngx_http_llama_session_models_take(ngx_http_llama_session_zone_t *lead,
     u_char *model, size_t len, ngx_log_t *log)
 {

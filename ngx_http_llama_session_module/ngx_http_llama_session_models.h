@@ -22,8 +22,9 @@ ngx_uint_t ngx_http_llama_session_models_adopt(
     ngx_http_llama_session_zone_t *zone);
 ngx_http_llama_session_zone_t *ngx_http_llama_session_models_find(
     ngx_http_llama_session_zone_t *lead, u_char *model, size_t len);
-ngx_int_t ngx_http_llama_session_models_bind(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
+ngx_http_llama_session_zone_t *ngx_http_llama_session_models_take(
+    ngx_http_llama_session_zone_t *lead, u_char *model, size_t len,
+    ngx_log_t *log);
 void ngx_http_llama_session_models_load(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log);
 

@@ -31,10 +31,16 @@
  * A model unloaded behind the module's back (another client, a crash)
  * is seen here or by a slot call's 400: its slots are empty then, and the
  * turns since its sessions' last saves are lost (logged, counted).
+ *
+ * A zone of models= (models.c) whose set drives no zone of the request's
+ * model yet: before its slot, the router's GET /models must list the
+ * model, then a zone of the set is given it (ngx_http_llama_session_
+ * route_bind()).
  */
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
@@ -73,8 +79,122 @@ static ngx_int_t ngx_http_llama_session_router_fail(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, const char *what);
 static void ngx_http_llama_session_router_reset(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t state, const char *why);
+static ngx_int_t ngx_http_llama_session_router_listed(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_router_list(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, cJSON **json, cJSON **data);
 static ngx_http_llama_session_zone_t *ngx_http_llama_session_group_zone(
     ngx_http_llama_session_zone_t *zone, const char *model);
+
+
+/*
+ * The request's model is none of the set's yet: the router's GET /models
+ * first (handler.c runs it in ST_BIND), then ngx_http_llama_session_
+ * router_listed()
+ */
+
+ngx_int_t
+ngx_http_llama_session_route_bind(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,
+                                           NULL, 0);
+    }
+
+    if (!ctx->job.call_done) {
+        return NGX_AGAIN;
+    }
+
+    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+
+    return ngx_http_llama_session_router_listed(r, ctx);
+}
+
+
+/*
+ * GET /models is in: a model the router lists gets a zone of the set;
+ * NGX_OK: ctx->zone is the model's, the request goes on to its slot
+ */
+
+static ngx_int_t
+ngx_http_llama_session_router_listed(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    cJSON                          *json, *data, *item, *id;
+    ngx_int_t                       rc;
+    ngx_uint_t                      listed;
+    ngx_http_llama_session_zone_t  *lead, *zone;
+
+    lead = ctx->zone->models;
+
+    rc = ngx_http_llama_session_router_list(r, ctx, &json, &data);
+    if (rc != NGX_OK) {
+        return ngx_http_llama_session_router_fail(r, ctx,
+                                   (rc == NGX_DECLINED) ? "GET /models" : NULL);
+    }
+
+    listed = 0;
+
+    cJSON_ArrayForEach(item, data) {
+        id = cJSON_GetObjectItemCaseSensitive(item, "id");
+
+        if (cJSON_IsString(id)
+            && ngx_strlen(id->valuestring) == ctx->model.len
+            && ngx_strncmp(id->valuestring, ctx->model.data, ctx->model.len)
+               == 0)
+        {
+            listed = 1;
+            break;
+        }
+    }
+
+    cJSON_Delete(json);
+
+    if (!listed) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: llama-server's router has no model "
+                      "\"%V\" (zone \"%V\"): refused", &ctx->model,
+                      &lead->models_name);
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+
+        return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
+                                            "invalid_request_error",
+                                            "the request's model is not one "
+                                            "this server keeps sessions for",
+                                            0);
+    }
+
+    zone = ngx_http_llama_session_models_take(lead, ctx->model.data,
+                                            ctx->model.len,
+                                            r->connection->log);
+
+    if (zone == NULL) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: zone \"%V\" keeps the sessions of %ui "
+                      "models already, its \"models=\": the router's model "
+                      "\"%V\" is refused (raise models=, or give the model "
+                      "a zone of its own with model=)", &lead->models_name,
+                      ngx_http_llama_session_models_size(lead), &ctx->model);
+
+        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+
+        return ngx_http_llama_session_error(r, ctx,
+                                            NGX_HTTP_SERVICE_UNAVAILABLE,
+                                            "unavailable_error",
+                                            "the server keeps sessions for "
+                                            "no more models", 0);
+    }
+
+    ctx->zone = zone;
+    ctx->bind = 0;
+
+    ngx_http_llama_session_key_prefix(ctx);
+
+    return NGX_OK;
+}
 
 
 /* the request holds its slot: is its model up?  handler.c's plan */
@@ -164,30 +284,15 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
 {
     cJSON                          *json, *data, *item, *id, *status, *value;
     cJSON                          *failed;
+    ngx_int_t                       rc;
     ngx_uint_t                      running, own, own_failed, victim_running;
     ngx_msec_t                      used;
     ngx_http_llama_session_zone_t  *zone, *victim;
 
-    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
-        || ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL)
-    {
-        return ngx_http_llama_session_router_fail(r, ctx, "GET /models");
-    }
-
-    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                 ctx->job.call_reply->last
-                                     - ctx->job.call_reply->pos);
-
-    data = cJSON_GetObjectItemCaseSensitive(json, "data");
-
-    if (!cJSON_IsArray(data)) {
-        cJSON_Delete(json);
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "llama_session: GET /models did not answer a list of "
-                      "models: zone \"%V\" has \"%s\" and needs "
-                      "llama-server's router mode", &ctx->zone->name,
-                      ctx->zone->models ? "models=" : "model=");
-        return ngx_http_llama_session_router_fail(r, ctx, NULL);
+    rc = ngx_http_llama_session_router_list(r, ctx, &json, &data);
+    if (rc != NGX_OK) {
+        return ngx_http_llama_session_router_fail(r, ctx,
+                                   (rc == NGX_DECLINED) ? "GET /models" : NULL);
     }
 
     /*
@@ -564,6 +669,43 @@ ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx)
         /* this worker's requests of the victim, or of the group, go on */
         ngx_http_llama_session_wake_local();
     }
+}
+
+
+/*
+ * The router's GET /models reply: its "data" list (json: the tree to
+ * delete); NGX_DECLINED: the call failed, NGX_ABORT: no list (logged)
+ */
+
+static ngx_int_t
+ngx_http_llama_session_router_list(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, cJSON **json, cJSON **data)
+{
+    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
+        || ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL)
+    {
+        return NGX_DECLINED;
+    }
+
+    *json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
+                                  ctx->job.call_reply->last
+                                      - ctx->job.call_reply->pos);
+
+    *data = cJSON_GetObjectItemCaseSensitive(*json, "data");
+
+    if (cJSON_IsArray(*data)) {
+        return NGX_OK;
+    }
+
+    cJSON_Delete(*json);
+
+    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                  "llama_session: GET /models did not answer a list of "
+                  "models: zone \"%V\" has \"%s\" and needs llama-server's "
+                  "router mode", &ctx->zone->name,
+                  ctx->zone->models ? "models=" : "model=");
+
+    return NGX_ABORT;
 }
 
 

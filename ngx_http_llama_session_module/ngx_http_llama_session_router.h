@@ -13,6 +13,8 @@
 #include "ngx_http_llama_session.h"
 
 
+ngx_int_t ngx_http_llama_session_route_bind(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_route(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_routed(ngx_http_request_t *r,
