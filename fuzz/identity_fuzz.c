@@ -124,6 +124,25 @@ ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/* models= zones (models.c): the harness has no zone */
+
+ngx_uint_t
+ngx_http_llama_session_model_valid(u_char *model, size_t len)
+{
+    fuzz_unexpected("ngx_http_llama_session_model_valid");
+    return 0;
+}
+
+
+ngx_http_llama_session_zone_t *
+ngx_http_llama_session_models_find(ngx_http_llama_session_zone_t *lead,
+    u_char *model, size_t len)
+{
+    fuzz_unexpected("ngx_http_llama_session_models_find");
+    return NULL;
+}
+
+
 /* the only complex value the harness configures: llama_session_namespace */
 
 ngx_int_t
