@@ -37,6 +37,8 @@ static ngx_int_t ngx_http_llama_session_prefix(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_digest_end(ngx_http_request_t *r,
     u_char *out);
+static ngx_uint_t ngx_http_llama_session_client_context(
+    ngx_http_llama_session_span_t *content);
 static ngx_int_t ngx_http_llama_session_digest_text(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, size_t *found, ngx_uint_t billing,
     size_t *budget);
@@ -905,6 +907,7 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
 
     static ngx_str_t   system = ngx_string("system");
     static ngx_str_t   developer = ngx_string("developer");
+    static ngx_str_t   user = ngx_string("user");
 
     static ngx_uint_t  parts[] = {
         NGX_HTTP_LLAMA_SESSION_SP_TOOLS,
@@ -963,7 +966,10 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
 
             if (!ngx_http_llama_session_json_string_is(&fields[0], &system)
                 && !ngx_http_llama_session_json_string_is(&fields[0],
-                                                          &developer))
+                                                          &developer)
+                && !(ngx_http_llama_session_json_string_is(&fields[0], &user)
+                     && fields[1].start
+                     && ngx_http_llama_session_client_context(&fields[1])))
             {
                 head = elt;
                 break;
@@ -1196,6 +1202,53 @@ ngx_http_llama_session_probe(ngx_http_request_t *r,
     }
 
     return 0;
+}
+
+
+/*
+ * A user message that is the client's context, not the user's words:
+ * Codex's "<environment_context>" item (its folder, shell, date, time
+ * zone), the same in every conversation it starts there that day.  Its
+ * content is that one text, as a string or a single part; it belongs to
+ * the prompt that comes before the conversation.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_client_context(ngx_http_llama_session_span_t *content)
+{
+    u_char                         *pos;
+    ngx_str_t                       name;
+    ngx_http_llama_session_span_t   text, elt, more;
+
+    static u_char  open[] = "\"<environment_context>";
+    static u_char  close[] = "</environment_context>\"";
+
+    text = *content;
+
+    if (*content->start == '[') {
+        ngx_str_set(&name, "text");
+
+        pos = content->start;
+
+        if (ngx_http_llama_session_json_next(&pos, content->end, &elt)
+               != NGX_OK
+            || ngx_http_llama_session_json_next(&pos, content->end, &more)
+               == NGX_OK
+            || *elt.start != '{'
+            || ngx_http_llama_session_json_object(elt.start, elt.end, &name,
+                                                  &text, 1)
+               == NULL
+            || text.start == NULL)
+        {
+            return 0;
+        }
+    }
+
+    return (text.end - text.start >= (ssize_t) (sizeof(open) + sizeof(close)
+                                                - 2)
+            && ngx_strncmp(text.start, open, sizeof(open) - 1) == 0
+            && ngx_strncmp(text.end - (sizeof(close) - 1), close,
+                           sizeof(close) - 1) == 0);
 }
 
 

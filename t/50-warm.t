@@ -282,6 +282,35 @@ isnt($other_cc->{key}, $m1->{key},
 is($other_cc->{action}, 'warm', 'and starts warm from the shared system '
    . 'prompt and tools');
 
+# Codex's environment item (a user message that is wholly one
+# <environment_context> block: folder, shell, date) is the client's, the
+# same in each conversation it starts: part of the base.  A user message
+# that only mentions such a block is the user's, never part of it.
+my $env = "<environment_context>\n  <cwd>/srv/project</cwd>\n  "
+        . "<shell>bash</shell>\n  <current_date>2026-12-01</current_date>\n"
+        . join('', map { "  <note>entry $_ of the workspace</note>\n" } 1 .. 40)
+        . "</environment_context>";
+my @env = (@{ sys_msgs() }, { role => 'user', content => $env });
+my $e1 = chat('env-1', [ @env, { role => 'user', content => 'Say hi.' } ]);
+my $e2 = chat('env-2', [ @env, { role => 'user', content => 'Count to 3.' } ]);
+is($e2->{action}, 'warm', 'a second conversation with Codex\'s environment '
+   . 'item starts warm');
+cmp_ok($e2->{cached}, '>=', $sys_tokens + 200,
+       "from the system prompt and the environment item ($e2->{cached} "
+       . "cached, the system prompt alone $sys_tokens)");
+my $e3 = chat('env-3', [ @{ sys_msgs() },
+                         { role => 'user', content => "Look: $env" },
+                         { role => 'user', content => 'Count to 3.' } ]);
+cmp_ok($e3->{cached}, '<', $sys_tokens + 10,
+       "a user message that quotes one is the user's: $e3->{cached} cached");
+my $e4 = chat('env-4', [ @{ sys_msgs() },
+                         { role => 'user',
+                           content => [ { type => 'text', text => $env },
+                                        { type => 'text', text => 'Hi.' } ] },
+                         { role => 'user', content => 'Count to 3.' } ]);
+cmp_ok($e4->{cached}, '<', $sys_tokens + 10,
+       "so is one with a part after it: $e4->{cached} cached");
+
 # both servers restart: a new conversation starts warm from the saved base
 $t->stop_nginx;
 $t->stop_llama;

@@ -74,6 +74,12 @@ is($rb->{action}, 'warm', 'a second conversation starts warm');
 cmp_ok($rb->{cached}, '>=', 0.9 * $rb->{prompt},
        "from the first one's developer items and tools: $rb->{cached} of "
        . "$rb->{prompt} tokens cached");
+# its environment item (folder, shell, date: ~180 tokens) is the first
+# one's too: only the user's "say hi" and the template's turn after it
+# are computed
+cmp_ok($rb->{prompt} - $rb->{cached}, '<', 40,
+       'and its environment item: ' . ($rb->{prompt} - $rb->{cached})
+       . ' tokens computed');
 
 # two more conversations take the two slots
 for my $sid (qw(other-1 other-2)) {
