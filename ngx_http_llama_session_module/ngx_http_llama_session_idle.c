@@ -100,7 +100,8 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
 /*
  * How often a worker looks: a quarter of save_idle, 50 ms to 1 s; a
  * router's model zone at least every 100 ms, as a switch waits for its
- * saves before the unload.
+ * saves before the unload (a zone of models= without a model: every 1 s,
+ * to take its binding).
  */
 
 static ngx_msec_t
@@ -109,6 +110,11 @@ ngx_http_llama_session_idle_step(ngx_http_llama_session_zone_t *zone)
     ngx_msec_t  step;
 
     step = ngx_max(ngx_min(zone->save_idle / 4, 1000), 50);
+
+    if (zone->models && !ngx_http_llama_session_models_adopt(zone)) {
+        /* a zone of a set without a model yet: nothing to save */
+        return 1000;
+    }
 
     if (ngx_http_llama_session_by_router(zone)) {
         step = ngx_min(step, 100);
