@@ -251,7 +251,12 @@ ngx_http_llama_session_models_write(ngx_http_llama_session_zone_t *zone,
     ngx_snprintf(tmp, sizeof(tmp), "%V/%V.model.tmp%Z", &zone->store,
                  &zone->name);
 
-    fd = ngx_open_file(tmp, NGX_FILE_WRONLY, NGX_FILE_TRUNCATE,
+    /* a new file of our own: never through a link, never another's */
+
+    (void) ngx_delete_file(tmp);
+
+    fd = ngx_open_file(tmp, NGX_FILE_WRONLY|NGX_FILE_NOFOLLOW,
+                       NGX_FILE_CREATE_OR_OPEN|O_EXCL,
                        NGX_FILE_DEFAULT_ACCESS);
 
     if (fd == NGX_INVALID_FILE) {
@@ -294,17 +299,20 @@ void
 ngx_http_llama_session_models_load(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log)
 {
-    u_char            path[NGX_MAX_PATH];
-    u_char            line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 2];
-    size_t            len;
-    ssize_t           n;
-    ngx_fd_t          fd;
+    u_char                          path[NGX_MAX_PATH];
+    u_char                          line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW
+                                         + 2];
+    size_t                          len;
+    ssize_t                         n;
+    ngx_fd_t                        fd;
     ngx_http_llama_session_zone_t  *z;
 
     ngx_snprintf(path, sizeof(path), "%V/%V.model%Z", &zone->store,
                  &zone->name);
 
-    fd = ngx_open_file(path, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    fd = ngx_open_file(path, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW
+                             |NGX_FILE_NONBLOCK,
+                       NGX_FILE_OPEN, 0);
 
     if (fd == NGX_INVALID_FILE) {
         if (ngx_errno != NGX_ENOENT) {

@@ -8,6 +8,8 @@
 # for a name a client makes up; sessions of each keep their caches across
 # the unloads; the bindings and the files survive a restart of nginx; a
 # full set refuses a new model with 503; the API and the metrics follow.
+# On the fake router: GET /models failing, or slow while its client
+# leaves, and a link planted where the binding's file is written.
 
 use strict;
 use warnings;
@@ -160,11 +162,22 @@ my $gone = HTTP::Tiny->new(timeout => 0.5)->post(
 is($gone->{status}, 599, 'a client that leaves during GET /models');
 sleep 2;
 $t->fake_script({ router => 1, router_list => [ 'small' ] });
+
+# a link planted where the binding's temporary file goes is never followed
+my $victim = $t->dir . '/victim';
+open my $vf, '>', $victim or die;
+print $vf "keep\n";
+close $vf;
+symlink $victim, "$t->{slots}/r.1.model.tmp" or die "symlink: $!";
+
 my $f2 = ask('f', 'small');
 is($f2->{status}, 200, 'the next request goes on: 200')
     or diag $f2->{content};
 like($f2->{headers}{'x-s-key'} // '', qr/^r\.1@/, 'on r.1');
 is(binding('r.1'), "small\n", 'given small once');
+ok(!-l "$t->{slots}/r.1.model", 'in a file of its own, not a link');
+is($t->read_file('victim'), "keep\n",
+   'the file a planted link pointed to is untouched');
 ok(!defined binding('r.2'), 'and only r.1');
 
 $t->stop;
