@@ -7,7 +7,8 @@
 # "r.2", ...) when it is first asked for and the router lists it, never
 # for a name a client makes up; sessions of each keep their caches across
 # the unloads; the bindings and the files survive a restart of nginx; a
-# full set refuses a new model with 503; the API and the metrics follow.
+# full set refuses a new model with 503; the API and the metrics follow;
+# with --models-max 2 the least recently used of the set's models goes.
 # On the fake router: GET /models failing, or slow while its client
 # leaves, and a link planted where the binding's file is written.
 
@@ -343,6 +344,38 @@ is($full->{status}, 503, 'mid, a third model for a set of two: 503');
 is($full->{json}{error}{type}, 'unavailable_error', 'as JSON');
 ok($t->log_lines(qr/zone "r" keeps the sessions of 2 models already/),
    'the error log says to raise models=');
+
+ok(!$t->log_lines(qr/lost their turns|\[(alert|crit|emerg)\]/),
+   'no session lost a turn');
+
+$t->stop;
+
+# --- --models-max 2, three models in one set: the least recently used goes
+
+%conv = ();
+$t = LlamaTest->new(workers => 2);
+$t->router(models => \%layers, max => 2);
+$t->nginx(config(3));
+
+my %last;
+$last{x} = turn('x', 'small');
+$last{y} = turn('y', 'mid');
+$m = $t->router_models;
+is_deeply([ $m->{small}, $m->{mid} ], [ 'loaded', 'loaded' ],
+          'max 2: small and mid are loaded');
+$last{z} = turn('z', 'big');
+$m = $t->router_models;
+is($m->{small}, 'unloaded', 'big takes the place of small, used longest ago');
+is($m->{mid}, 'loaded', 'mid stays');
+
+for my $s ([ 'x', 'small' ], [ 'y', 'mid' ], [ 'z', 'big' ]) {
+    my $r = turn(@$s);
+    ok($r->{cached} >= $last{ $s->[0] }{prompt} - 1,
+       "$s->[0] on $s->[1] finds its cache: $r->{cached} of $r->{prompt}");
+    my @running = grep { $t->router_models->{$_} ne 'unloaded' }
+                  keys %layers;
+    ok(@running <= 2, 'never more than 2 models run: ' . join ',', sort @running);
+}
 
 ok(!$t->log_lines(qr/lost their turns|\[(alert|crit|emerg)\]/),
    'no session lost a turn');
