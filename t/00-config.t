@@ -49,6 +49,13 @@ $tenants =~ s{listen 8081;}{listen 127.0.0.1:%%PORT%%;};
 my ($trc, $tmsg) = $t->nginx_test($tenants);
 is($trc, 0, 'nginx -t accepts examples/tenants.conf') or diag $tmsg;
 
+# one zone for all of a router's models
+my $router = $t->read_file("$LlamaTest::ROOT/examples/router.conf");
+$router =~ s{/var/lib/llama-session}{$dir/slots}g;
+$router =~ s{listen 8081;}{listen 127.0.0.1:%%PORT%%;};
+($trc, $tmsg) = $t->nginx_test($router);
+is($trc, 0, 'nginx -t accepts examples/router.conf') or diag $tmsg;
+
 # Open WebUI's site
 my $owui = $t->read_file("$LlamaTest::ROOT/examples/openwebui.conf");
 $owui =~ s{/var/lib/llama-session}{$dir/slots}g;
