@@ -15,9 +15,9 @@
 #include "ngx_http_llama_session_idle.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_convert.h"
+#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_reply.h"
-#include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
 #include "ngx_http_llama_session_turn.h"
@@ -429,7 +429,8 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
- *     [max_size=size] [save_idle=time] [model=name] [reprime=on|off];
+ *     [max_size=size] [save_idle=time] [model=name | models=N]
+ *     [reprime=on|off];
  * (backend= and api_key=: deprecated, ignored)
  */
 
@@ -836,7 +837,8 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     tz.reprime = reprime;
 
     if (models == 0) {
-        return ngx_http_llama_session_zone_add(cf, lmcf, &tz, &name, size, &model);
+        return ngx_http_llama_session_zone_add(cf, lmcf, &tz, &name, size,
+                                               &model);
     }
 
     /* models=N: the zones "<name>.1" to "<name>.N", given models later */
