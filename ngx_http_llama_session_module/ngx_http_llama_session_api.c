@@ -87,6 +87,8 @@ static ngx_int_t ngx_http_llama_session_api_send(ngx_http_request_t *r,
     ngx_uint_t status, cJSON *json);
 static ngx_int_t ngx_http_llama_session_api_error(ngx_http_request_t *r,
     ngx_uint_t status, char *message, char *allow);
+static ngx_int_t ngx_http_llama_session_api_arg(ngx_http_request_t *r,
+    char *name, ngx_str_t *value);
 static cJSON *ngx_http_llama_session_api_str(cJSON *obj, const char *name,
     u_char *data, size_t len);
 
@@ -163,7 +165,13 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
     if (zone->models) {
         /* models=: the zone of the model that ?model= names */
 
-        if (ngx_http_arg(r, (u_char *) "model", 5, &arg) != NGX_OK) {
+        rc = ngx_http_llama_session_api_arg(r, "model", &id);
+
+        if (rc == NGX_ERROR) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        if (rc == NGX_DECLINED) {
             rc = ngx_http_discard_request_body(r);
             if (rc != NGX_OK) {
                 return rc;
@@ -173,15 +181,6 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
                                   "this zone keeps the sessions of several "
                                   "models: name one with ?model=", NULL);
         }
-
-        id.data = ngx_pnalloc(r->pool, arg.len);
-        if (id.data == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        p = id.data;
-        ngx_unescape_uri(&p, &arg.data, arg.len, 0);
-        id.len = p - id.data;
 
         zone = ngx_http_llama_session_models_find(zone->models, id.data,
                                                   id.len);
@@ -243,7 +242,13 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
             return rc;
         }
 
-        if (ngx_http_arg(r, (u_char *) "id", 2, &arg) == NGX_OK) {
+        rc = ngx_http_llama_session_api_arg(r, "id", &id);
+
+        if (rc == NGX_ERROR) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        if (rc == NGX_OK) {
             /*
              * .../sessions?id=ID: an id that the path cannot carry (nginx
              * resolves "/" and ".." in a path before the location is
@@ -257,15 +262,6 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
                                   "deleted with DELETE",
                                   "GET, HEAD, DELETE");
             }
-
-            id.data = ngx_pnalloc(r->pool, arg.len);
-            if (id.data == NULL) {
-                return NGX_HTTP_INTERNAL_SERVER_ERROR;
-            }
-
-            p = id.data;
-            ngx_unescape_uri(&p, &arg.data, arg.len, 0);
-            id.len = p - id.data;
 
             return ngx_http_llama_session_api_one(r, zone, &id,
                                                   r->method
@@ -822,7 +818,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     size_t                              klen, skip;
     cJSON                              *json, *list, *item;
     ngx_int_t                           rc;
-    ngx_str_t                           ns, model;
+    ngx_str_t                           ns;
     ngx_uint_t                          i, k, n, is_key, narrow, tenant;
     ngx_queue_t                        *q, *queue;
     ngx_http_llama_session_ctx_t       *ctx;
@@ -890,17 +886,15 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
 
-        if (ngx_http_arg(r, (u_char *) "model", 5, &model) == NGX_OK) {
+        rc = ngx_http_llama_session_api_arg(r, "model", &ctx->model);
+
+        if (rc == NGX_ERROR) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        if (rc == NGX_OK) {
             /* ?model= narrows the id's sessions to one model's */
             narrow = 1;
-            ctx->model.data = ngx_pnalloc(r->pool, model.len);
-            if (ctx->model.data == NULL) {
-                return NGX_HTTP_INTERNAL_SERVER_ERROR;
-            }
-
-            p = ctx->model.data;
-            ngx_unescape_uri(&p, &model.data, model.len, 0);
-            ctx->model.len = p - ctx->model.data;
 
         } else if (zone->model.len) {
             /* a router's model zone: its model */
@@ -1610,6 +1604,32 @@ ngx_http_llama_session_api_cleanup(void *data)
         cJSON_Delete(api->result);
         api->result = NULL;
     }
+}
+
+
+/* a query's argument, decoded once; NGX_DECLINED: there is none */
+
+static ngx_int_t
+ngx_http_llama_session_api_arg(ngx_http_request_t *r, char *name,
+    ngx_str_t *value)
+{
+    u_char     *p;
+    ngx_str_t   arg;
+
+    if (ngx_http_arg(r, (u_char *) name, ngx_strlen(name), &arg) != NGX_OK) {
+        return NGX_DECLINED;
+    }
+
+    value->data = ngx_pnalloc(r->pool, arg.len);
+    if (value->data == NULL) {
+        return NGX_ERROR;
+    }
+
+    p = value->data;
+    ngx_unescape_uri(&p, &arg.data, arg.len, 0);
+    value->len = p - value->data;
+
+    return NGX_OK;
 }
 
 

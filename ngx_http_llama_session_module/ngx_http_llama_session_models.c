@@ -21,6 +21,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_models.h"
+#include "ngx_http_llama_session_store.h"
 
 
 static void ngx_http_llama_session_models_write(
@@ -230,62 +231,32 @@ ngx_http_llama_session_models_set(ngx_http_llama_session_sh_t *sh,
 
 
 /*
- * "<store>/<zone>.model": written whole to a temporary file, then renamed
- * over; a failure is logged (the binding holds until nginx restarts, when
- * the zone may be given another model: its files then stay unused, their
- * fingerprint being the old model's)
+ * "<store>/<zone>.model", the model's name and a line feed (store.c
+ * writes it whole); a failure is logged: the binding holds until nginx
+ * restarts, when the zone may be given another model (its files then
+ * stay unused, their fingerprint being the old model's)
  */
 
 static void
 ngx_http_llama_session_models_write(ngx_http_llama_session_zone_t *zone,
     u_char *model, size_t len, ngx_log_t *log)
 {
-    u_char     path[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
-    u_char     line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
-    ssize_t    n;
-    ngx_fd_t   fd;
-    ngx_err_t  err;
+    u_char  name[NGX_HTTP_LLAMA_SESSION_PREFIX_MAX + sizeof(".model")];
+    u_char  line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
 
-    ngx_snprintf(path, sizeof(path), "%V/%V.model%Z", &zone->store,
-                 &zone->name);
-    ngx_snprintf(tmp, sizeof(tmp), "%V/%V.model.tmp%Z", &zone->store,
-                 &zone->name);
-
-    /* a new file of our own: never through a link, never another's */
-
-    (void) ngx_delete_file(tmp);
-
-    fd = ngx_open_file(tmp, NGX_FILE_WRONLY|NGX_FILE_NOFOLLOW,
-                       NGX_FILE_CREATE_OR_OPEN|O_EXCL,
-                       NGX_FILE_DEFAULT_ACCESS);
-
-    if (fd == NGX_INVALID_FILE) {
-        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
-                      "llama_session: " ngx_open_file_n " \"%s\" failed: "
-                      "zone \"%V\" may be given another model than \"%*s\" "
-                      "after a restart", tmp, &zone->name, len, model);
-        return;
-    }
+    ngx_snprintf(name, sizeof(name), "%V.model%Z", &zone->name);
 
     ngx_memcpy(line, model, len);
     line[len] = LF;
 
-    n = ngx_write_fd(fd, line, len + 1);
-    err = ngx_errno;
-
-    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
-        n = -1;
-        err = ngx_errno;
-    }
-
-    if (n != (ssize_t) len + 1
-        || ngx_rename_file(tmp, path) == NGX_FILE_ERROR)
+    if (ngx_http_llama_session_store_write(&zone->store, name, line, len + 1,
+                                           log)
+        != NGX_OK)
     {
-        ngx_log_error(NGX_LOG_ERR, log, n < 0 ? err : ngx_errno,
-                      "llama_session: cannot write \"%s\": zone \"%V\" may "
-                      "be given another model than \"%*s\" after a "
-                      "restart", path, &zone->name, len, model);
-        (void) ngx_delete_file(tmp);
+        ngx_log_error(NGX_LOG_ERR, log, 0,
+                      "llama_session: zone \"%V\" may be given another "
+                      "model than \"%*s\" after a restart", &zone->name,
+                      len, model);
     }
 }
 

@@ -911,15 +911,14 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     size_t                         mlen;
     ngx_int_t                      rc;
     ngx_uint_t                     tokens, nmsgs;
-    u_char                         file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    u_char                         file[NGX_HTTP_LLAMA_SESSION_NAME_MAX
+                                        + sizeof(".json")];
     u_char                         id[NGX_HTTP_LLAMA_SESSION_ID_SHOW + 1];
     u_char                         model[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
     u_char                         nm[NGX_HTTP_LLAMA_SESSION_NAME_MAX + 1];
     u_char                         hex[2 * NGX_HTTP_LLAMA_SESSION_DIGEST + 1];
     char                          *text;
     cJSON                         *json;
-    ssize_t                        n;
-    ngx_fd_t                       fd;
     ngx_http_llama_session_node_t  node;
     ngx_http_llama_session_msg_t   prompt[NGX_HTTP_LLAMA_SESSION_MSGS_MAX];
 
@@ -1015,11 +1014,33 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, len, name);
-    ngx_snprintf(tmp, sizeof(tmp), "%V/%*s.json.tmp%Z", &zone->store, len,
-                 name);
+    ngx_snprintf(file, sizeof(file), "%*s.json%Z", len, name);
 
-    /* a new file of our own: never through a link, never another's */
+    rc = ngx_http_llama_session_store_write(&zone->store, file,
+                                            (u_char *) text,
+                                            ngx_strlen(text), log);
+    cJSON_free(text);
+
+    return rc;
+}
+
+
+/*
+ * "<folder>/<name>" written whole: through "<name>.tmp", created anew,
+ * never through a link nor over another's file, then renamed over;
+ * failures logged
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
+    u_char *text, size_t len, ngx_log_t *log)
+{
+    u_char    file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    ssize_t   n;
+    ngx_fd_t  fd;
+
+    ngx_snprintf(file, sizeof(file), "%V/%s%Z", folder, name);
+    ngx_snprintf(tmp, sizeof(tmp), "%V/%s.tmp%Z", folder, name);
 
     (void) ngx_delete_file(tmp);
 
@@ -1029,13 +1050,10 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     if (fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_open_file_n " \"%s\" failed", tmp);
-        cJSON_free(text);
         return NGX_ERROR;
     }
 
-    len = ngx_strlen(text);
     n = ngx_write_fd(fd, text, len);
-    cJSON_free(text);
 
     if (ngx_close_file(fd) == NGX_FILE_ERROR || n != (ssize_t) len) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,

@@ -30,6 +30,8 @@ ngx_int_t ngx_http_llama_session_store_index(
 ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
     ngx_uint_t slot);
+ngx_int_t ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
+    u_char *text, size_t len, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_prev(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
