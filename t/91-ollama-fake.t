@@ -261,11 +261,21 @@ for my $n (10000, 40000) {
     is(scalar @{ $tl[0]{message}{tool_calls}[0]{function}{arguments}{k} // [] }, $n + 1,
        "a call streamed in $n pieces is put together whole");
 }
-# linear: four times the pieces, about four times the time (quadratic: 16)
-my $ratio = $spent{40000} / ($spent{10000} || 0.01);
-ok($ratio < 6, sprintf('four times the pieces took %.1f times the CPU '
-                       . '(%.2f s, %.2f s; < 6)', $ratio, $spent{10000},
-                       $spent{40000}));
+# linear: four times the pieces cost about four times the CPU (0.1 to
+# 0.2 s, then 0.5 to 0.8 s on the rig's machine); rebuilt as old + new they
+# cost 5 s at 20,000 pieces, so 20 s at 40,000. The bound is that of the
+# bug with a wide margin: CPU time is noisy and a ratio of two small
+# figures more so (one CI run measured 7.2 for 0.11 s and 0.79 s)
+note(sprintf('four times the pieces took %.1f times the CPU (%.2f s, %.2f s)',
+             $spent{40000} / ($spent{10000} || 0.01), $spent{10000},
+             $spent{40000}));
+SKIP: {
+    skip 'CPU figures under valgrind are the tool\'s', 1
+        if $ENV{TEST_NGINX_VALGRIND};
+    ok($spent{40000} < 5, sprintf('40,000 pieces took the workers %.2f s of CPU '
+                                  . '(< 5; 20 s in quadratic time)',
+                                  $spent{40000}));
+}
 
 $before = $t->workers_kb;
 $t->fake_script({ completion => { reply => { choices => [ { index => 0,
