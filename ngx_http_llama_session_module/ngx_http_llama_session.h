@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     9
+#define NGX_HTTP_LLAMA_SESSION_VERSION     10
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -465,6 +465,14 @@ typedef struct {
     u_short                         bound_arg_len;
     u_char                          bound_arg[NGX_HTTP_LLAMA_SESSION_MODEL_ARG];
 
+    /*
+     * configurations that used the zone (a reload adds one), and the one
+     * whose workers run: an exiting worker of an older one is reloaded,
+     * not stopped (idle.c)
+     */
+    ngx_uint_t                      cycles;
+    ngx_uint_t                      live_cycle;
+
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
 
@@ -492,6 +500,9 @@ struct ngx_http_llama_session_zone_s {
     ngx_msec_t                      idle_backoff;
     ngx_msec_t                      idle_next;
     ngx_msec_t                      reaped;     /* the folder looked at */
+    ngx_uint_t                      generation; /* sh->cycles at start */
+    uint64_t                        stop_tried; /* slots, at a stop */
+    unsigned                        stop_failed:1; /* a save at stop */
     ngx_shm_zone_t                 *shm_zone;
     ngx_cycle_t                    *cycle;      /* of the configuration */
     ngx_http_llama_session_sh_t    *sh;

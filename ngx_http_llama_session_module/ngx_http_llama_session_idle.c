@@ -10,6 +10,11 @@
  * verdict, then POST /slots/N?action=save and the save's end (the file
  * checked and renamed into place).  Every worker has a timer; the shared
  * zone makes sure one of them does a given save.
+ *
+ * When nginx stops gracefully (QUIT: nginx -s quit, systemctl stop), the
+ * sessions that changed since their last save are saved the same way,
+ * however long they were idle, before the workers exit; not when a
+ * reload's workers take over the same shared memory.
  */
 
 
@@ -28,21 +33,34 @@ typedef struct {
     ngx_uint_t                      failed;     /* back off */
     ngx_uint_t                      state;      /* the slot's, at the end */
     unsigned                        model_gone:1;
+    unsigned                        stop:1;     /* nginx stops */
 } ngx_http_llama_session_idle_t;
 
 
 static ngx_msec_t ngx_http_llama_session_idle_step(
     ngx_http_llama_session_zone_t *zone);
 static void ngx_http_llama_session_idle_tick(ngx_event_t *ev);
+static ngx_uint_t ngx_http_llama_session_idle_scan(
+    ngx_http_llama_session_zone_t *zone, ngx_msec_t save_idle,
+    ngx_log_t *log);
+static void ngx_http_llama_session_idle_stopping(void);
+static void ngx_http_llama_session_stop_tick(ngx_event_t *ev);
 static ngx_int_t ngx_http_llama_session_idle_start(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_ctx_t *probe,
-    ngx_log_t *log);
+    ngx_uint_t stop, ngx_log_t *log);
 static void ngx_http_llama_session_idle_resume(ngx_http_request_t *r);
 static void ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
     ngx_http_llama_session_idle_t *idle);
 static void ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
     ngx_http_llama_session_idle_t *idle);
 static void ngx_http_llama_session_idle_end(void *data);
+
+
+/* this worker's saves at a graceful stop, for every zone */
+
+static ngx_event_t  ngx_http_llama_session_stop_ev;
+static ngx_msec_t   ngx_http_llama_session_stop_start;
+static ngx_uint_t   ngx_http_llama_session_stop_late;   /* said once */
 
 
 ngx_int_t
@@ -72,6 +90,9 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
     for (i = 0; i < lmcf->zones.nelts; i++) {
         zone = zp[i];
 
+        /* this configuration's workers run: older ones are reloaded */
+        zone->sh->live_cycle = zone->generation;
+
         if (zone->save_idle == 0 && !ngx_http_llama_session_by_router(zone)) {
             /* a router's model zone saves before an unload, see router.c */
             continue;
@@ -86,7 +107,12 @@ ngx_http_llama_session_idle_init(ngx_cycle_t *cycle)
          */
         zone->idle_ev.log = (zone->log_conf && zone->log_conf->error_log)
                             ? zone->log_conf->error_log : cycle->log;
-        zone->idle_ev.cancelable = 1;
+        /*
+         * with store= the timer holds a worker that stops until its next
+         * tick, which saves what changed (the files outlive nginx); else
+         * there is nothing to save at a stop
+         */
+        zone->idle_ev.cancelable = (zone->store.len == 0);
 
         step = ngx_http_llama_session_idle_step(zone);
 
@@ -131,11 +157,14 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
 {
     ngx_http_llama_session_zone_t *zone = ev->data;
 
-    ngx_uint_t                     n;
-    ngx_msec_t                     step;
-    ngx_http_llama_session_ctx_t   probe;
+    ngx_msec_t  step;
 
-    if (ngx_exiting || ngx_terminate || ngx_quit) {
+    if (ngx_terminate) {
+        return;
+    }
+
+    if (ngx_exiting || ngx_quit) {
+        ngx_http_llama_session_idle_stopping();
         return;
     }
 
@@ -162,7 +191,31 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
         return;
     }
 
+    (void) ngx_http_llama_session_idle_scan(zone, zone->save_idle, ev->log);
+}
+
+
+/*
+ * The first slot whose session changed since its last save and was idle
+ * for save_idle gets its save job.  At a stop, once per slot: a session
+ * that stays unsaved (a slot llama-server emptied) does not hold the
+ * worker.  Returns 1 when one started.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_idle_scan(ngx_http_llama_session_zone_t *zone,
+    ngx_msec_t save_idle, ngx_log_t *log)
+{
+    ngx_uint_t                     n, stopping;
+    ngx_http_llama_session_ctx_t   probe;
+
+    stopping = (ngx_exiting || ngx_quit);
+
     for (n = 0; n < ngx_http_llama_session_slots_usable(zone->sh); n++) {
+
+        if (stopping && (zone->stop_tried & ((uint64_t) 1 << n))) {
+            continue;
+        }
 
         ngx_memzero(&probe, sizeof(ngx_http_llama_session_ctx_t));
 
@@ -171,13 +224,15 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
         probe.job.slot_tokens = -1;
         probe.job.slot_task = -1;
 
-        if (ngx_http_llama_session_try_idle(&probe, zone->save_idle)
-            != NGX_OK)
-        {
+        if (ngx_http_llama_session_try_idle(&probe, save_idle) != NGX_OK) {
             continue;
         }
 
-        if (ngx_http_llama_session_idle_start(zone, &probe, ev->log)
+        if (stopping) {
+            zone->stop_tried |= (uint64_t) 1 << n;
+        }
+
+        if (ngx_http_llama_session_idle_start(zone, &probe, stopping, log)
             != NGX_OK)
         {
             ngx_http_llama_session_release(&probe,
@@ -187,9 +242,115 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
             zone->idle_backoff = ngx_min(ngx_max(zone->idle_backoff * 2,
                                                  1000), 60000);
             zone->idle_next = ngx_current_msec + zone->idle_backoff;
+
+            if (stopping) {
+                zone->stop_failed = 1;
+            }
+
+            return 0;
         }
 
+        return 1;
+    }
+
+    return 0;
+}
+
+
+/*
+ * The worker stops gracefully: the zones' timers give way to one of the
+ * worker's own, which saves every changed session (one per zone at a
+ * time) and holds the worker while a save or a request of this worker
+ * runs, since a request that ends changes its session.
+ */
+
+static void
+ngx_http_llama_session_idle_stopping(void)
+{
+    ngx_uint_t                           i;
+    ngx_http_llama_session_zone_t      **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    if (ngx_http_llama_session_stop_ev.handler) {
         return;
+    }
+
+    lmcf = ngx_http_cycle_get_module_main_conf(ngx_cycle,
+                                               ngx_http_llama_session_module);
+    zp = lmcf->zones.elts;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->idle_ev.timer_set) {
+            ngx_del_timer(&zp[i]->idle_ev);
+        }
+    }
+
+    ngx_http_llama_session_stop_ev.handler = ngx_http_llama_session_stop_tick;
+    ngx_http_llama_session_stop_ev.log = ngx_cycle->log;
+    ngx_http_llama_session_stop_ev.cancelable = 0;
+    ngx_http_llama_session_stop_start = ngx_current_msec;
+
+    ngx_add_timer(&ngx_http_llama_session_stop_ev, 1);
+}
+
+
+static void
+ngx_http_llama_session_stop_tick(ngx_event_t *ev)
+{
+    ngx_uint_t                           i, busy, late;
+    ngx_core_conf_t                     *ccf;
+    ngx_http_llama_session_zone_t      **zp, *zone;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    if (ngx_terminate) {
+        return;
+    }
+
+    /*
+     * worker_shutdown_timeout: no save starts after it (the one under way
+     * ends: nginx closes the clients' connections, not the upstreams')
+     */
+    ccf = (ngx_core_conf_t *) ngx_get_conf(ngx_cycle->conf_ctx,
+                                           ngx_core_module);
+    late = (ccf->shutdown_timeout
+            && ngx_current_msec - ngx_http_llama_session_stop_start
+               >= ccf->shutdown_timeout);
+
+    if (late && !ngx_http_llama_session_stop_late) {
+        ngx_http_llama_session_stop_late = 1;
+
+        ngx_log_error(NGX_LOG_NOTICE, ev->log, 0,
+                      "llama_session: nginx stops: worker_shutdown_timeout "
+                      "passed, no more sessions are saved");
+    }
+
+    lmcf = ngx_http_cycle_get_module_main_conf(ngx_cycle,
+                                               ngx_http_llama_session_module);
+    zp = lmcf->zones.elts;
+    busy = 0;
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        zone = zp[i];
+
+        if (zone->idle_ev.handler == NULL
+            || zone->store.len == 0
+            || zone->sh->live_cycle != zone->generation
+            || (zone->models && !ngx_http_llama_session_models_adopt(zone)))
+        {
+            /* no idle saver; nothing outlives nginx; a reload; no model */
+            continue;
+        }
+
+        if (!zone->idle_busy && !zone->stop_failed && !late) {
+            (void) ngx_http_llama_session_idle_scan(zone, 1,
+                                                    zone->idle_ev.log);
+        }
+
+        busy |= zone->idle_busy;
+    }
+
+    if (busy || ngx_event_no_timers_left() != NGX_OK) {
+        ngx_add_timer(ev, 100);
     }
 }
 
@@ -201,7 +362,7 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
 
 static ngx_int_t
 ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
-    ngx_http_llama_session_ctx_t *probe, ngx_log_t *log)
+    ngx_http_llama_session_ctx_t *probe, ngx_uint_t stop, ngx_log_t *log)
 {
     ngx_int_t                       rc;
     ngx_pool_cleanup_t             *cln;
@@ -232,6 +393,7 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 
     idle->failed = 1;
     idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
+    idle->stop = stop;
 
     cln->handler = ngx_http_llama_session_idle_end;
     cln->data = idle;
@@ -399,6 +561,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
         idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
     }
 
+    /* a save at stop counts as an idle save: the counters go with nginx */
     reason = ctx->zone->sh->unloading ? NGX_HTTP_LLAMA_SESSION_SAVE_UNLOAD
                                       : NGX_HTTP_LLAMA_SESSION_SAVE_IDLE;
 
@@ -411,8 +574,9 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
         ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.idle_saves);
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: idle save of \"%*s\" from slot %ui of "
+                      "llama_session: %s of \"%*s\" from slot %ui of "
                       "zone \"%V\": %ui tokens, %O bytes in %.1f ms",
+                      idle->stop ? "save at stop" : "idle save",
                       ctx->job.out_len, ctx->job.out_key, ctx->job.slot,
                       &ctx->zone->name, ctx->job.saved_tokens,
                           ctx->job.saved_bytes,
@@ -456,6 +620,16 @@ ngx_http_llama_session_idle_end(void *data)
     ngx_http_llama_session_wake_local();
 
     zone->idle_busy = 0;
+
+    if (idle->failed && idle->stop && !zone->stop_failed) {
+        /* llama-server fails: the other sessions are not tried */
+        zone->stop_failed = 1;
+
+        ngx_log_error(NGX_LOG_WARN, ctx->request->connection->log, 0,
+                      "llama_session: nginx stops: a save failed, the other "
+                      "sessions of zone \"%V\" that changed since their "
+                      "last save are not saved", &zone->name);
+    }
 
     if (idle->failed) {
         zone->idle_backoff = ngx_min(ngx_max(zone->idle_backoff * 2, 1000),

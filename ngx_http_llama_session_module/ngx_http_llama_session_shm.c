@@ -126,6 +126,9 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
         zone->sh = ozone->sh;
         zone->shpool = ozone->shpool;
 
+        /* a reload: the old workers exit without their saves at stop */
+        zone->generation = ++zone->sh->cycles;
+
         return NGX_OK;
     }
 
@@ -133,6 +136,7 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 
     if (shm_zone->shm.exists) {
         zone->sh = zone->shpool->data;
+        zone->generation = ++zone->sh->cycles;
         return NGX_OK;
     }
 
@@ -149,6 +153,8 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     sh->version = NGX_HTTP_LLAMA_SESSION_VERSION;
     sh->nslots = zone->nslots;
     sh->next_ticket = 1;
+    sh->cycles = 1;
+    zone->generation = 1;
 
     ngx_queue_init(&sh->waiters);
     ngx_queue_init(&sh->free_waiters);

@@ -59,9 +59,10 @@ my ($prompt, $cached, $action) = ask('alice', $a_text);
 is($action, 'restore', 'after the reboot alice is restored');
 cmp_ok($cached, '>=', $a_prompt - 4,
        "alice's cache is back: $cached of $prompt tokens cached");
-ok($t->log_lines(qr/llama_session zone "llama": 2 saved sessions/),
-   "nginx indexed alice's file and the system prompt's base at start (bob "
-   . "was still in the slot)");
+ok($t->log_lines(qr/llama_session zone "llama": 3 saved sessions/),
+   "nginx indexed alice's file, the system prompt's base and bob's at start "
+   . "(bob, still in the slot, was saved at the stop)");
+ok($t->log_lines(qr/save at stop of "bob-/), 'bob was saved at the stop');
 
 # carol never leaves the slot: the idle save keeps her
 my $c_text = join ' ', map { "Carol keeps record $_." } 1 .. 60;

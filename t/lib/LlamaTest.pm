@@ -392,7 +392,8 @@ sub module_path {
 
 # writes DIR/nginx.conf from the template and starts nginx.  In the template:
 # %%PORT%% nginx's port, %%LLAMA%% the backend's port (or %%LLAMA:name%%),
-# %%DIR%%, %%SLOTS%%; the events and http {} wrappers are added.
+# %%DIR%%, %%SLOTS%%; the events and http {} wrappers are added.  Options:
+# workers, log_level, main (directives of the main context), write_only.
 sub nginx {
     my ($self, $http, %o) = @_;
 
@@ -413,7 +414,7 @@ master_process on;
 pid $dir/nginx.pid;
 error_log $dir/error.log ${\($o{log_level} // 'info')};
 user $USER;
-
+${\($o{main} // '')}
 events { worker_connections 1024; }
 
 http {
