@@ -92,7 +92,9 @@ cmp_ok($c5, '>=', $p4 - 4, "$c5 cached");
 turn('A sixth turn, then llama-server goes.');
 $t->stop_llama;
 $took = timed_stop();
-cmp_ok($took, '<', 5, sprintf('without llama-server nginx stopped in %.1f s',
+# (a worker's first look comes 1 to 2 s after its start, the next ones 1 s
+# apart)
+cmp_ok($took, '<', 8, sprintf('without llama-server nginx stopped in %.1f s',
                                $took));
 ok(scalar $t->log_lines(qr/idle save: GET \/slots through .* answered/),
    'the failed GET /slots is logged');
@@ -127,8 +129,8 @@ is(scalar @saves, 1, 'one save at stop began, of two changed sessions');
 is(scalar($f->log_lines(qr/save at stop of "(dan|eve)-/))
    + scalar($f->log_lines(qr/nginx stops: a save failed/)), 1,
    'and ended, or was cut (logged)');
-cmp_ok($took, '<', 5.5, sprintf('nginx stopped in %.1f s (< 1 s to its first '
-                                . 'look, 3 s of save)', $took));
+cmp_ok($took, '<', 10, sprintf('nginx stopped in %.1f s (up to 2 s to its '
+                               . 'first look, 3 s of save)', $took));
 ok(scalar $f->log_lines(qr/nginx stops: worker_shutdown_timeout passed, no more sessions are saved/),
    'then no save started, logged');
 $f->stop;

@@ -360,44 +360,77 @@ my $after = $t->workers_kb;
 ok($after - $before < 64 * 1024,
    'the workers grew by ' . int(($after - $before) / 1024) . ' MB (< 64)');
 
+# linear time, asserted on the workers' CPU: each size is sent REPS times
+# and the times summed, since one request is a few clock ticks (10 ms).
+# One session per size, its first request not counted: it takes the slot,
+# whose save of the previous session (re-primed from that session's own,
+# larger, prompt) would count.  The bound is on the larger size, with a
+# wide margin on both sides: the ratio of the two sizes, printed, is too
+# noisy to assert (one CI run measured 5.5 for 0.02 s and 0.11 s, where
+# linear is 4 and the quadratic builds gave 13)
+my $slow = $ENV{ASAN_OPTIONS} ? 3 : 1;     # AddressSanitizer: 3 to 4 times
+
+sub cpu_of {
+    my ($what, $n, $reps, $body) = @_;
+    my ($spent, $ok) = (0, 0);
+    for my $i (0 .. $reps) {
+        my $c0 = $t->workers_cpu;
+        my $r = $t->post('/v1/messages', $body->($n),
+                         headers => { 'X-Session-Id' => "$what-$n" });
+        $spent += $t->workers_cpu - $c0 if $i;
+        $ok++ if $r->{status} == 200;
+    }
+    is($ok, $reps + 1, ($reps + 1) . " messages of $n $what: 200");
+    return $spent;
+}
+
 # an assistant message of many thinking blocks: its reasoning is joined in
 # linear time (each block was appended after a strlen() of the whole
 # reasoning so far: quadratic)
-my %spent;
-for my $n (7500, 30000) {
-    my $c0 = $t->workers_cpu;
-    $r = $t->post('/v1/messages', { model => 'any', max_tokens => 4, messages => [
+my $thinking = sub {
+    my ($n) = @_;
+    return { model => 'any', max_tokens => 4, messages => [
         { role => 'user', content => 'think' },
         { role => 'assistant', content => [ map { { type => 'thinking',
               thinking => ('t' x 150) . $_ } } 1 .. $n ] },
-        { role => 'user', content => 'and?' } ] },
-        headers => { 'X-Session-Id' => "thinker-$n" });
-    $spent{$n} = $t->workers_cpu - $c0;
-    is($r->{status}, 200, "an assistant message of $n thinking blocks: 200");
-}
+        { role => 'user', content => 'and?' } ] };
+};
+my %spent = map { $_ => cpu_of('thinking blocks', $_, 4, $thinking) }
+            7500, 30000;
 my $ratio = $spent{30000} / ($spent{7500} || 0.01);
-ok($ratio < 8, sprintf('four times the blocks took %.1f times the CPU '
-                       . '(%.2f s, %.2f s; < 8)', $ratio, $spent{7500},
-                       $spent{30000}));
+note(sprintf('four times the blocks took %.1f times the CPU (%.2f s, %.2f s '
+             . 'for 4 each)', $ratio, $spent{7500}, $spent{30000}));
+SKIP: {
+    skip 'CPU figures under valgrind are the tool\'s', 1
+        if $ENV{TEST_NGINX_VALGRIND};
+    # 0.3 to 0.5 s here; a build that appends after a strlen(): 4.3 s
+    ok($spent{30000} < 2.4 * $slow,
+       sprintf('4 messages of 30,000 thinking blocks took %.2f s of CPU '
+               . '(< %.1f)', $spent{30000}, 2.4 * $slow));
+}
 
 # and a user message of many tool results: each a tool message after it,
 # in linear time too (taken off the front of the list, which was counted
 # again for each)
-%spent = ();
-for my $n (5000, 20000) {
-    my $c0 = $t->workers_cpu;
-    $r = $t->post('/v1/messages', { model => 'any', max_tokens => 4, messages => [
+my $results = sub {
+    my ($n) = @_;
+    return { model => 'any', max_tokens => 4, messages => [
         { role => 'user', content => 'read' },
         { role => 'user', content => [ map { { type => 'tool_result',
-              tool_use_id => "t$_", content => 'r' } } 1 .. $n ] } ] },
-        headers => { 'X-Session-Id' => "results-$n" });
-    $spent{$n} = $t->workers_cpu - $c0;
-    is($r->{status}, 200, "a message of $n tool results: 200");
-}
+              tool_use_id => "t$_", content => 'r' } } 1 .. $n ] } ] };
+};
+%spent = map { $_ => cpu_of('tool results', $_, 5, $results) } 5000, 20000;
 $ratio = $spent{20000} / ($spent{5000} || 0.01);
-ok($ratio < 8, sprintf('four times the results took %.1f times the CPU '
-                       . '(%.2f s, %.2f s; < 8)', $ratio, $spent{5000},
-                       $spent{20000}));
+note(sprintf('four times the results took %.1f times the CPU (%.2f s, %.2f '
+             . 's for 5 each)', $ratio, $spent{5000}, $spent{20000}));
+SKIP: {
+    skip 'CPU figures under valgrind are the tool\'s', 1
+        if $ENV{TEST_NGINX_VALGRIND};
+    # 0.2 to 0.25 s here; a build that counts the list for each: 3.1 s
+    ok($spent{20000} < 1.5 * $slow,
+       sprintf('5 messages of 20,000 tool results took %.2f s of CPU '
+               . '(< %.1f)', $spent{20000}, 1.5 * $slow));
+}
 
 # a body that is not Anthropic's
 $t->fake_script({});
