@@ -328,12 +328,6 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         goto fallback;
     }
 
-    /* per-conversation parts of a system prompt made the same (canon.c) */
-
-    if (llcf->canonical && ngx_http_llama_session_canon(r, &body) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
     /*
      * the members the module needs, at the top level of the object; the
      * Responses API's system prompt is its "instructions" and the system
@@ -382,6 +376,20 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: the body is not a JSON object");
         goto fallback;
+    }
+
+    /*
+     * per-conversation parts of a system prompt made the same (canon.c):
+     * Claude Code's first system block, before anything reads the body
+     */
+
+    if (llcf->canonical
+        && ngx_http_llama_session_uri_ends(r, "/messages")
+        && ngx_http_llama_session_canon(r, &body,
+                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM])
+           != NGX_OK)
+    {
+        return NGX_ERROR;
     }
 
     /* "reasoning" is the Responses API's; elsewhere llama-server ignores it */

@@ -8,23 +8,27 @@
  * the prompt is otherwise the same, so that conversations share their
  * system prompt's cache and base.
  *
- *   Claude Code's first system block, "x-anthropic-billing-header:
- *   cc_version=2.1.197.6c5; cc_entrypoint=sdk-cli; cch=1a2b3;": the
+ *   Claude Code's first system block of an Anthropic Messages request
+ *   (/v1/messages), {"type":"text","text":"x-anthropic-billing-header:
+ *   cc_version=2.1.197.6c5; cc_entrypoint=sdk-cli; cch=1a2b3;"}: the
  *   version's fourth part differs per conversation and cch= per request.
  *   Each of their characters becomes "0" (cc_version=2.1.197.000;
  *   cch=00000;): the same length, so the body's size, its buffers and its
  *   temporary file keep their shape, and what the module hashes and what
  *   llama-server gets are the same text.
  *
- * Only the first 64 kB of the body are looked at, once.
+ * Only that block: the first element of the top-level "system" array, a
+ * text block whose text starts with the header.  The same line anywhere
+ * else (a user's message that quotes it, a later system block, another
+ * endpoint) is the client's text and reaches llama-server as it came.
  */
 
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_canon.h"
+#include "ngx_http_llama_session_json.h"
 
 
-#define NGX_HTTP_LLAMA_SESSION_CANON_SCAN  65536
 #define NGX_HTTP_LLAMA_SESSION_CANON_SPAN  512   /* the header's line */
 
 
@@ -38,28 +42,58 @@ static ngx_str_t  ngx_http_llama_session_billing =
     ngx_string("x-anthropic-billing-header:");
 
 
-/* NGX_OK: rewritten (or nothing to rewrite); NGX_ERROR: the body's file */
+static ngx_str_t  ngx_http_llama_session_canon_names[] = {
+    ngx_string("type"),
+    ngx_string("text")
+};
+
+static ngx_str_t  ngx_http_llama_session_canon_text = ngx_string("text");
+
+
+/*
+ * system: the span of the body's top-level "system" of a Messages request.
+ * NGX_OK: rewritten (or nothing to rewrite); NGX_ERROR: the body's file.
+ */
 
 ngx_int_t
-ngx_http_llama_session_canon(ngx_http_request_t *r, ngx_str_t *body)
+ngx_http_llama_session_canon(ngx_http_request_t *r, ngx_str_t *body,
+    ngx_http_llama_session_span_t *system)
 {
-    u_char      *p, *last, *end, *v;
-    size_t       lo, hi;
-    ngx_uint_t   changed;
+    u_char                         *p, *pos, *end, *v;
+    size_t                          lo, hi;
+    ngx_uint_t                      changed;
+    ngx_http_llama_session_span_t   first, values[2];
 
-    last = body->data + ngx_min(body->len, NGX_HTTP_LLAMA_SESSION_CANON_SCAN);
-
-    p = ngx_strlcasestrn(body->data, last,
-                         ngx_http_llama_session_billing.data,
-                         ngx_http_llama_session_billing.len - 1);
-    if (p == NULL) {
+    if (system->start == NULL || *system->start != '[') {
         return NGX_OK;
     }
 
-    /* the header's line: up to the end of its JSON string */
+    /* the first block: a text block whose text starts with the header */
 
-    end = ngx_min(p + NGX_HTTP_LLAMA_SESSION_CANON_SPAN,
-                  body->data + body->len);
+    pos = system->start;
+
+    if (ngx_http_llama_session_json_next(&pos, system->end, &first) != NGX_OK
+        || ngx_http_llama_session_json_object(first.start, first.end,
+                                              ngx_http_llama_session_canon_names,
+                                              values, 2)
+           == NULL
+        || !ngx_http_llama_session_json_string_is(&values[0],
+                                            &ngx_http_llama_session_canon_text)
+        || values[1].start == NULL || *values[1].start != '"'
+        || (size_t) (values[1].end - values[1].start)
+           < ngx_http_llama_session_billing.len + 2
+        || ngx_strncasecmp(values[1].start + 1,
+                           ngx_http_llama_session_billing.data,
+                           ngx_http_llama_session_billing.len)
+           != 0)
+    {
+        return NGX_OK;
+    }
+
+    /* the header's line: up to the end of its JSON string or an escape */
+
+    p = values[1].start + 1;
+    end = ngx_min(p + NGX_HTTP_LLAMA_SESSION_CANON_SPAN, values[1].end - 1);
 
     for (v = p; v < end && *v != '"' && *v != '\\'; v++) { /* void */ }
 

@@ -14,7 +14,7 @@
 
 
 ngx_int_t ngx_http_llama_session_canon(ngx_http_request_t *r,
-    ngx_str_t *body);
+    ngx_str_t *body, ngx_http_llama_session_span_t *system);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_CANON_H_INCLUDED_ */

@@ -27,6 +27,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_gguf.h"
 
 
@@ -154,7 +155,11 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
     g->len = 0;
     g->read = 0;
 
-    g->fd = ngx_open_file(path, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    /* follows links (hub caches), never blocks, a regular file only */
+
+    g->fd = ngx_http_llama_session_file_open(path,
+                                             NGX_HTTP_LLAMA_SESSION_FILE_MODEL,
+                                             0, log);
 
     if (g->fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_INFO, log, ngx_errno,

@@ -20,6 +20,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_store.h"
 
@@ -281,9 +282,9 @@ ngx_http_llama_session_models_load(ngx_http_llama_session_zone_t *zone,
     ngx_snprintf(path, sizeof(path), "%V/%V.model%Z", &zone->store,
                  &zone->name);
 
-    fd = ngx_open_file(path, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW
-                             |NGX_FILE_NONBLOCK,
-                       NGX_FILE_OPEN, 0);
+    fd = ngx_http_llama_session_file_open(path,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
+                                          log);
 
     if (fd == NGX_INVALID_FILE) {
         if (ngx_errno != NGX_ENOENT) {

@@ -32,6 +32,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
+#include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_job.h"
@@ -277,7 +278,9 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     (void) ngx_http_llama_session_turn_path(zone, ctx->job.slot, path);
 
-    fd = ngx_open_file(path, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    fd = ngx_http_llama_session_file_open(path,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
+                                          r->connection->log);
 
     if (fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, ngx_errno,

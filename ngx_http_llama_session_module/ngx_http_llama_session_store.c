@@ -12,6 +12,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
@@ -678,8 +679,9 @@ ngx_http_llama_session_store_prev(ngx_http_request_t *r,
                  ctx->key_len, ctx->key,
                  (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
 
-    fd = ngx_open_file(file, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW|NGX_FILE_NONBLOCK,
-                       NGX_FILE_OPEN, 0);
+    fd = ngx_http_llama_session_file_open(file,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
+                                          r->connection->log);
     if (fd == NGX_INVALID_FILE) {
         return NGX_DECLINED;
     }
@@ -732,8 +734,9 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
     ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store,
                  f->len, f->name);
 
-    fd = ngx_open_file(file, NGX_FILE_RDONLY|NGX_FILE_NOFOLLOW|NGX_FILE_NONBLOCK,
-                       NGX_FILE_OPEN, 0);
+    fd = ngx_http_llama_session_file_open(file,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
+                                          log);
     if (fd == NGX_INVALID_FILE) {
         return;
     }
@@ -1044,9 +1047,9 @@ ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
 
     (void) ngx_delete_file(tmp);
 
-    fd = ngx_open_file(tmp, NGX_FILE_WRONLY|NGX_FILE_NOFOLLOW,
-                       NGX_FILE_CREATE_OR_OPEN|O_EXCL,
-                       NGX_FILE_DEFAULT_ACCESS);
+    fd = ngx_http_llama_session_file_open(tmp,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_CREATE,
+                                          NGX_FILE_DEFAULT_ACCESS, log);
     if (fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_open_file_n " \"%s\" failed", tmp);

@@ -25,6 +25,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_turn.h"
 
@@ -598,7 +599,16 @@ ngx_http_llama_session_turn_write(ngx_http_request_t *r,
     (void) ngx_http_llama_session_turn_path(ctx->zone, ctx->job.slot, path);
     ngx_snprintf(tmp, sizeof(tmp), "%s.tmp%Z", path);
 
-    fd = ngx_open_file(tmp, NGX_FILE_WRONLY, NGX_FILE_TRUNCATE, 0640);
+    /* a name left by a crash, or planted (a link, a FIFO): removed */
+
+    if (ngx_delete_file(tmp) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", tmp);
+    }
+
+    fd = ngx_http_llama_session_file_open(tmp,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_CREATE,
+                                          0640, log);
 
     if (fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,

@@ -83,6 +83,40 @@ for my $mode (qw(on off)) {
            'on: its next conversation starts warm too');
         like(proxied($t, 'conv-d'), qr/cc_version=2\.1\.197\.000; cc_entrypoint=sdk-cli; cch=000;$/,
              'on: and its proxied body has the canonical header');
+
+        # review 3: only Claude Code's first system block of /v1/messages;
+        # the same line anywhere else is the client's text
+        my $quote = 'x-anthropic-billing-header: cc_version=2.1.197.6c5; '
+                  . 'cc_entrypoint=sdk-cli; cch=ab12c;';
+        my $r = $t->post('/v1/messages',
+                         { model => 'claude', max_tokens => 8,
+                           system => [ { type => 'text', text => $system },
+                                       { type => 'text', text => $quote } ],
+                           messages => [ { role => 'user',
+                                           content => "quote-1 $quote" } ] },
+                         headers => { 'X-Claude-Code-Session-Id' => 'q1' });
+        is($r->{status}, 200, 'on: a request that quotes the header');
+        my ($c) = grep { ($_->{body} // '') =~ /quote-1/ } @{ $t->fake_calls };
+        my $body = $c ? $JSON->decode($c->{body}) : {};
+        my $all = join "\n", map { ref $_->{content} ? $JSON->encode($_->{content})
+                                                      : $_->{content} // '' }
+                             @{ $body->{messages} // [] };
+        like($all, qr/quote-1 \Q$quote\E/,
+             'on: a user message that quotes it reaches llama-server unchanged');
+        # (its cch= becomes fffff: llama-server's own conversion does that
+        # to every system block that starts with the header)
+        like($all, qr/users\. \s*x-anthropic-billing-header: cc_version=2\.1\.197\.6c5;/,
+             'on: so does a later system block that starts with it');
+
+        $r = $t->post('/v1/chat/completions',
+                      { max_tokens => 8,
+                        messages => [ { role => 'system', content => $quote },
+                                      { role => 'user', content => 'quote-2' } ] },
+                      headers => { 'X-Session-Id' => 'q2' });
+        is($r->{status}, 200, 'on: a chat completion with it as its system');
+        ($c) = grep { ($_->{body} // '') =~ /quote-2/ } @{ $t->fake_calls };
+        like($c ? $c->{body} : '', qr/\Q$quote\E/,
+             'on: another endpoint\'s body is not rewritten');
     } else {
         is($second, 'fresh', 'off: a second conversation starts fresh');
         like(proxied($t, 'conv-b'), qr/cc_version=2\.1\.197\.ec7; cc_entrypoint=sdk-cli; cch=fffff;/,
