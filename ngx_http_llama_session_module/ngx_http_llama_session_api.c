@@ -29,6 +29,7 @@
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_turn.h"
 
 #include <cjson/cJSON.h>
 
@@ -1047,6 +1048,12 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
             (void) ngx_http_llama_session_store_unlink(zone, nodes[i].name,
                                                        nodes[i].name_len,
                                                        r->connection->log);
+
+            /* its last turn's text, if a slot's turn file still has it */
+            ngx_http_llama_session_turn_forget(zone, nodes[i].name,
+                                         nodes[i].name_len - 1
+                                         - NGX_HTTP_LLAMA_SESSION_FP_LEN,
+                                         r->connection->log);
         }
 
         item = ngx_http_llama_session_api_node(zone, &nodes[i],
@@ -1512,6 +1519,11 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         ngx_http_llama_session_slot_set(ctx,
                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
                                         NULL, 0, 0);
+
+        /* the slot's last turn (the conversation's text) goes with it */
+        ctx->zone->sh->slots[api->slot].turn_seq = 0;
+        ngx_http_llama_session_turn_drop(ctx->zone, api->slot,
+                                         r->connection->log);
 
         if (cJSON_AddNumberToObject(item, "erased_tokens", tokens) == NULL) {
             return NGX_ERROR;

@@ -60,6 +60,7 @@
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_turn.h"
 
 
 static u_char *ngx_http_llama_session_job_log(ngx_log_t *log, u_char *buf,
@@ -103,10 +104,18 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
             || state == NGX_HTTP_LLAMA_SESSION_ST_PROXY))
     {
         /*
-         * the slot's content changes: its last turn no longer tells it;
-         * only the slot's holder touches turn_seq, no lock is needed
+         * the slot's content changes: its last turn no longer tells it,
+         * and its text goes; only the slot's holder touches turn_seq, no
+         * lock is needed
          */
-        ctx->zone->sh->slots[ctx->job.slot].turn_seq = 0;
+
+        if (ctx->zone->sh->slots[ctx->job.slot].turn_seq) {
+            ctx->zone->sh->slots[ctx->job.slot].turn_seq = 0;
+            ngx_http_llama_session_turn_drop(ctx->zone, ctx->job.slot,
+                                             ctx->request
+                                             ? ctx->request->connection->log
+                                             : ngx_cycle->log);
+        }
     }
 }
 

@@ -109,6 +109,86 @@ ngx_http_llama_session_turn_path(ngx_http_llama_session_zone_t *zone,
 
 
 /*
+ * A slot's turn file goes: the slot's content changed (job_state()), the
+ * API cleared the slot.  A conversation's text stays no longer than its
+ * turn can serve a re-prime.
+ */
+
+void
+ngx_http_llama_session_turn_drop(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t slot, ngx_log_t *log)
+{
+    u_char  path[NGX_MAX_PATH];
+
+    if (zone->store.len == 0) {
+        return;
+    }
+
+    (void) ngx_http_llama_session_turn_path(zone, slot, path);
+
+    if (ngx_delete_file(path) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
+        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", path);
+    }
+}
+
+
+/*
+ * The API deleted a session (not in a slot, else it refuses): the turn
+ * file of any slot that still names it goes.  A turn file starts with
+ * {"seq":N,"key":"<key>",...: its first bytes tell whose it is.
+ */
+
+void
+ngx_http_llama_session_turn_forget(ngx_http_llama_session_zone_t *zone,
+    u_char *key, size_t len, ngx_log_t *log)
+{
+    u_char      path[NGX_MAX_PATH], head[NGX_HTTP_LLAMA_SESSION_KEY_MAX + 64];
+    u_char     *p, *last;
+    ssize_t     n;
+    ngx_fd_t    fd;
+    ngx_uint_t  i;
+
+    if (zone->store.len == 0) {
+        return;
+    }
+
+    for (i = 0; i < zone->sh->nslots; i++) {
+        (void) ngx_http_llama_session_turn_path(zone, i, path);
+
+        fd = ngx_http_llama_session_file_open(path,
+                                              NGX_HTTP_LLAMA_SESSION_FILE_READ,
+                                              0, log);
+        if (fd == NGX_INVALID_FILE) {
+            continue;
+        }
+
+        n = ngx_read_fd(fd, head, sizeof(head));
+
+        if (ngx_close_file(fd) == NGX_FILE_ERROR) {
+            ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
+                          ngx_close_file_n " \"%s\" failed", path);
+        }
+
+        if (n <= 0) {
+            continue;
+        }
+
+        last = head + n;
+        p = ngx_strlcasestrn(head, last, (u_char *) ",\"key\":\"", 8 - 1);
+
+        if (p == NULL || (size_t) (last - p) < 8 + len + 1
+            || ngx_strncmp(p + 8, key, len) != 0 || p[8 + len] != '"')
+        {
+            continue;
+        }
+
+        ngx_http_llama_session_turn_drop(zone, i, log);
+    }
+}
+
+
+/*
  * A zone that starts anew has no turn of its slots to vouch for: the turn
  * files an earlier nginx left (a conversation's text) go.
  */
@@ -126,16 +206,10 @@ ngx_http_llama_session_turn_clean(ngx_http_llama_session_zone_t *zone,
     }
 
     for (i = 0; i < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; i++) {
+        ngx_http_llama_session_turn_drop(zone, i, log);
+
         (void) ngx_http_llama_session_turn_path(zone, i, path);
         ngx_snprintf(tmp, sizeof(tmp), "%s.tmp%Z", path);
-
-        if (ngx_delete_file(path) == NGX_FILE_ERROR
-            && ngx_errno != NGX_ENOENT)
-        {
-            ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                          ngx_delete_file_n " \"%s\" failed", path);
-        }
-
         (void) ngx_delete_file(tmp);
     }
 }

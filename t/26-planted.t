@@ -144,4 +144,48 @@ sub chat {
     $t->stop;
 }
 
+# 5. a conversation's text goes with the API's clear and delete
+
+{
+    my $t = LlamaTest->new(workers => 2, timeout => 15);
+    $t->fake(np => 2);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% slots=2;',
+        extra => 'location /api/ { llama_session_api llama; }'));
+    my $turn0 = "$t->{slots}/.turn.llama.0";
+    my $turn1 = "$t->{slots}/.turn.llama.1";
+
+    is(chat($t, 'ann', 'Secret of Ann.')->{status}, 200, 'ann\'s turn');
+    is(chat($t, 'bob', 'Secret of Bob.')->{status}, 200, 'bob\'s turn');
+    ok($t->wait_for(sub { -f $turn0 && -f $turn1 }, 10),
+       'both slots have a turn file');
+
+    my $r = $t->post('/api/sessions/clear', {});
+    is($r->{status}, 200, 'clear');
+    ok(!-e $turn0 && !-e $turn1, 'clear removes the turn files');
+
+    # DELETE: ann saved, then in no slot (a clear), and a turn file that
+    # still names her (one the slot's next use has not replaced yet)
+    is(chat($t, 'ann', 'Secret of Ann.')->{status}, 200, 'ann again');
+    ok($t->wait_for(sub { -f $turn0 || -f $turn1 }, 10), 'her turn file');
+    my ($file) = grep { -f } $turn0, $turn1;
+    is($t->post('/api/sessions/save', {})->{status}, 200, 'save');
+    ok(!-e $file, 'the save\'s re-prime read and removed it');
+    is($t->post('/api/sessions/clear', {})->{status}, 200, 'clear');
+    my ($key) = map { m{/(ann-\w+)\.\w+\.bin$} } glob("$t->{slots}/ann-*.bin");
+    open my $fh, '>', $file or die;
+    print $fh qq({"seq":7,"key":"$key","message":{}}\n{"messages":"Secret of Ann."});
+    close $fh;
+    my $other = $file eq $turn0 ? $turn1 : $turn0;
+    open $fh, '>', $other or die;
+    print $fh qq({"seq":8,"key":"bob-x","message":{}}\n{});
+    close $fh;
+
+    $r = $t->request('DELETE', '/api/sessions/ann');
+    is($r->{status}, 200, 'DELETE ann');
+    ok(!-e $file, 'DELETE removes the turn file that names her');
+    ok(-e $other, 'and no other');
+    $t->stop;
+}
+
 done_testing;
