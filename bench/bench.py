@@ -527,7 +527,7 @@ def bench_hit(work, quick):
     backend, mport, pport = free_port(), free_port(), free_port()
     conf = FAST_BACKEND % {'backend': backend} + '''
     llama_session_zone zone=llama:1m;
-    upstream fast { server 127.0.0.1:%(backend)d; keepalive 8; }
+    upstream fast { server 127.0.0.1:%(backend)d; keepalive 8; keepalive_timeout 4s; }
     server {
         listen 127.0.0.1:%(mport)d;
         client_max_body_size 4m;
@@ -1060,7 +1060,7 @@ def bench_team(work, quick, full=False):
             ngx = Nginx(work, 'nginx-team-%d-%d' % (ptoks, m), '''
     llama_session_zone zone=llama:4m slots=%d store=%s save_idle=500ms
                        backend=127.0.0.1:%d;
-    upstream llama { server 127.0.0.1:%d; keepalive 8; }
+    upstream llama { server 127.0.0.1:%d; keepalive 8; keepalive_timeout 4s; }
     server {
         listen 127.0.0.1:%d;
         location / {

@@ -622,6 +622,12 @@ typedef struct {
     ngx_buf_t                      *capture;    /* reused across calls */
     ngx_buf_t                      *call_body;  /* a prime's (warm.c), a
                                                    re-prime's (reprime.c) */
+    ngx_buf_t                      *call_sent;  /* the body of the call in
+                                                   flight, for its retry */
+    u_char                         *call_sent_pos;
+    u_char                         *call_key;   /* its session */
+    size_t                          call_key_len;
+    ngx_http_request_t             *call_sr;    /* its subrequest */
     void                           *reprime;    /* reprime.c's steps */
     ngx_uint_t                      polls;
     ngx_msec_t                      quiet_until;
@@ -656,6 +662,7 @@ typedef struct {
     unsigned                        call_done:1;
     unsigned                        call_timed_out:1; /* proxy_read_timeout */
     unsigned                        call_inflight:1;
+    unsigned                        call_retried:1; /* sent again, once */
     unsigned                        save_pending:1;
     unsigned                        save_failed:1;
     unsigned                        load_file:1;

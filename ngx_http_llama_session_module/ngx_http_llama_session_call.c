@@ -27,6 +27,8 @@ static ngx_table_elt_t *ngx_http_llama_session_call_header(
     ngx_http_request_t *sr, char *key, char *lowcase, char *value);
 static ngx_int_t ngx_http_llama_session_call_done(ngx_http_request_t *sr,
     void *data, ngx_int_t rc);
+static ngx_int_t ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
+    ngx_http_llama_session_ctx_t *ctx, ngx_int_t rc);
 static ngx_int_t ngx_http_llama_session_capture_filter(ngx_http_request_t *r,
     ngx_chain_t *in);
 static ngx_int_t ngx_http_llama_session_capture_append(ngx_http_request_t *r,
@@ -241,6 +243,10 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
 
+        /* sent as it is again if the call is retried (call_retry()) */
+        ctx->job.call_sent = b;
+        ctx->job.call_sent_pos = b->pos;
+
         cl = ngx_alloc_chain_link(r->pool);
         if (cl == NULL) {
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -279,6 +285,10 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
     }
 
     ctx->job.call = call;
+    ctx->job.call_key = key;
+    ctx->job.call_key_len = len;
+    ctx->job.call_sr = sr;
+    ctx->job.call_retried = 0;
     ctx->job.call_done = 0;
     ctx->job.call_timed_out = 0;
     ctx->job.call_inflight = 1;
@@ -399,8 +409,14 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
 {
     ngx_http_llama_session_ctx_t *ctx = data;
 
-    if (ctx->job.call_done) {
+    if (ctx->job.call_done || sr != ctx->job.call_sr) {
+        /* finalized again, or a call that was sent again (call_retry()) */
         return rc;
+    }
+
+    if (ngx_http_llama_session_call_retry(sr, ctx, rc) == NGX_OK) {
+        /* this one ends without an error page; the next is on its way */
+        return NGX_OK;
     }
 
     ctx->job.call_done = 1;
@@ -435,6 +451,75 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
                    ctx->job.call_status, rc);
 
     return rc;
+}
+
+
+/*
+ * llama-server closes a kept-alive connection after 5 s idle (cpp-httplib's
+ * keep-alive timeout); a call sent on it at that moment gets no byte back,
+ * and nginx does not send a POST again (proxy_next_upstream's
+ * non_idempotent).  The module's slot calls are safe to send again: a
+ * connection that came from the keepalive cache and closed before any byte
+ * of a reply is tried once more, as the same call; NGX_OK: it is on its way.
+ * A call that got a byte, timed out, or whose client left stands as it is.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
+    ngx_http_llama_session_ctx_t *ctx, ngx_int_t rc)
+{
+    ngx_int_t             retried;
+    ngx_uint_t            call;
+    ngx_buf_t            *body;
+    ngx_http_upstream_t  *u;
+
+    u = sr->upstream;
+
+    if (u == NULL || ctx->job.call_retried || rc != NGX_HTTP_BAD_GATEWAY
+        || u->headers_in.status_n != 0 || !u->peer.cached
+        || (u->state && u->state->bytes_received != 0)
+        || sr->connection->error)
+    {
+        return NGX_DECLINED;
+    }
+
+    call = ctx->job.call;
+    body = ctx->job.call_sent;
+
+    ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
+                  "llama_session: the backend closed a kept-alive connection "
+                  "before it answered the slot call %V, sent again (keep "
+                  "the upstream's keepalive_timeout below llama-server's "
+                  "5 s)", ngx_http_llama_session_call_name(call));
+
+    if (body && (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME
+                 || call == NGX_HTTP_LLAMA_SESSION_CALL_APPLY
+                 || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE))
+    {
+        /* a body made for the call: the same bytes again */
+        body->pos = ctx->job.call_sent_pos;
+        ctx->job.call_body = body;
+    }
+
+    retried = ngx_http_llama_session_call(sr->parent, ctx, call,
+                                          ctx->job.call_key,
+                                          ctx->job.call_key_len);
+
+    ctx->job.call_retried = 1;
+
+    if (retried != NGX_AGAIN) {
+        ngx_log_error(NGX_LOG_ERR, sr->connection->log, 0,
+                      "llama_session: the slot call %V could not be sent "
+                      "again", ngx_http_llama_session_call_name(call));
+
+        /* this call's failure stands */
+        ctx->job.call = call;
+        ctx->job.call_sr = sr;
+        ctx->job.call_inflight = 1;
+        return NGX_DECLINED;
+    }
+
+    return NGX_OK;
 }
 
 

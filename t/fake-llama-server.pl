@@ -37,8 +37,13 @@
 # discard (restore): a 200 that leaves the slot empty, as models with
 # recurrent or sliding-window layers do; apply (POST /apply-template):
 # {"status": N}; restore_ms (restore): the time its reply reports (a slow
-# disk).  Every request is appended to
-# --calls as JSON.
+# disk); close_reused: N (save, restore, erase, completion): drop the
+# connection without an answer, the first N times the call comes on a
+# connection that served a request before (a kept-alive one).
+# --idle-close S: a request that comes on a connection idle for S seconds
+# or more gets the connection closed, no answer, as cpp-httplib (which
+# closes idle keep-alive connections after 5 s) does to a request that
+# races its close.  Every request is appended to --calls as JSON.
 
 use strict;
 use warnings;
@@ -53,7 +58,7 @@ use Time::HiRes qw(sleep time);
 my %o = (np => 1, model => 'fake.gguf',
          meta => '{"n_vocab":32000,"size":1000000}');
 GetOptions(\%o, 'port=i', 'np=i', 'slots=s', 'state=s', 'script=s',
-           'calls=s', 'model=s', 'meta=s') or die "usage\n";
+           'calls=s', 'model=s', 'meta=s', 'idle-close=f') or die "usage\n";
 
 my $json = JSON::PP->new->utf8->canonical->allow_nonref;
 
@@ -84,9 +89,20 @@ sub serve {
     my ($c) = @_;
     binmode $c;
 
+    my $last;
+
     while (1) {
         my $req = read_request($c) or return;
+        if (defined $last && $o{'idle-close'}
+            && time - $last >= $o{'idle-close'})
+        {
+            log_call({ %$req, closed => 'idle' });
+            close $c;
+            return;
+        }
+        $req->{reused} = defined $last;
         my $keep = handle($c, $req);
+        $last = time;
         return unless $keep;
         return if ($req->{headers}{connection} // '') =~ /close/i;
     }
@@ -160,6 +176,7 @@ sub log_call {
         body_len => length $req->{body},
         body => length($req->{body}) <= 65536 ? $req->{body} : undef,
         time => time,
+        $req->{closed} ? (closed => $req->{closed}) : (),
     }), "\n";
     close $fh;
 }
@@ -214,6 +231,13 @@ sub fault {
                 && ($req->{body} // '') !~ /$f->{match}/;
     sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
     if ($f->{close}) { close $c; return 2; }
+    if ($f->{close_reused} && $req && $req->{reused}
+        && with_state(sub { ($_[0]{close_reused}{$req->{path}}++ // 0)
+                            < $f->{close_reused} }))
+    {
+        close $c;
+        return 2;
+    }
     if ($f->{status} && $f->{status} != 200) {
         error($c, $f->{status}, $f->{message} // 'scripted failure');
         return 1;

@@ -245,6 +245,7 @@ sub fake {
                  '--script', $self->{fake_script}{$name},
                  '--calls', "$self->{dir}/$name.calls",
                  $o{model} ? ('--model', $o{model}) : (),
+                 $o{idle_close} ? ('--idle-close', $o{idle_close}) : (),
                  $o{meta} ? ('--meta', $JSON->encode($o{meta})) : ());
     $self->wait_port($port, 10, $name);
 
@@ -462,7 +463,8 @@ EOF
 #             llama_session of the first zone
 #   upstream  proxy through "upstream llama { server 127.0.0.1:%%LLAMA%%;
 #             ... }", with these directives after the server ('' for none,
-#             'keepalive 4;'): BACKEND is then llama, without upstream =>
+#             'keepalive 4;', which gets 'keepalive_timeout 4s;' unless it
+#             has one): BACKEND is then llama, without upstream =>
 #             127.0.0.1:%%LLAMA%%
 #   http      more of http {}: upstream, map, log_format, ...
 #   listen    parameters of the listen line after the address (reuseport)
@@ -513,6 +515,12 @@ sub site {
     my $text = $at->($zone, 4);
     if (defined $o{upstream}) {
         (my $u = $o{upstream}) =~ s/^\s+|\s+$//g;
+        # llama-server (cpp-httplib) closes a kept-alive connection after
+        # 5 s idle; nginx keeps one 60 s by default, and a POST sent on it
+        # as it closes is not retried (a 502): below the backend's, as in
+        # every example
+        $u .= ' keepalive_timeout 4s;'
+            if $u =~ /\bkeepalive\s+\d/ && $u !~ /keepalive_timeout/;
         $text .= "\n    upstream llama { server 127.0.0.1:%%LLAMA%%;"
                . (length $u ? " $u" : '') . " }\n";
     }

@@ -1,0 +1,102 @@
+#!/usr/bin/perl
+
+# Review 3: the connection llama-server closes first.  llama-server's HTTP
+# library closes a kept-alive connection after 5 s idle; nginx's upstream
+# keepalive keeps one 60 s unless told otherwise, and a POST sent on it as
+# it closes gets a 502 that nginx does not retry.  The fake backend plays
+# the race at a smaller scale (--idle-close 1.5: a request on a connection
+# idle that long is closed unanswered).  The fix is the configuration
+# (keepalive_timeout below the backend's, in every example) and, for the
+# module's own slot calls, one retry when a kept-alive connection closed
+# before any byte came back.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+use Time::HiRes qw(sleep);
+
+sub chat {
+    my ($t, $id, $text) = @_;
+    return $t->post('/v1/chat/completions',
+                    { messages => [ { role => 'user', content => $text } ],
+                      max_tokens => 8 },
+                    headers => { 'X-Session-Id' => $id });
+}
+
+# 1. the race, with nginx's default keepalive_timeout: a 502
+
+{
+    my $t = LlamaTest->new(workers => 1);
+    $t->fake(np => 1, idle_close => 1.5);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        upstream => 'keepalive 4; keepalive_timeout 60s;',
+        location => 'proxy_http_version 1.1;
+                     proxy_set_header Connection "";',
+        slots => 'proxy_http_version 1.1;
+                  proxy_set_header Connection "";'));
+    is(chat($t, 'ann', 'one')->{status}, 200, '60 s: a first turn');
+    sleep 2;
+    # a POST the module passes by, so that no slot call (a GET, which
+    # nginx sends again itself) takes a fresh connection first
+    my $r = $t->post('/tokenize', { content => 'one' });
+    is($r->{status}, 502, '60 s: a POST 2 s later races the backend\'s close: 502');
+    ok($t->log_lines(qr/upstream prematurely closed connection/),
+       '60 s: nginx says the upstream closed first');
+    $t->stop;
+}
+
+# 2. keepalive_timeout below the backend's: nginx closes first
+
+{
+    my $t = LlamaTest->new(workers => 1);
+    $t->fake(np => 1, idle_close => 1.5);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        upstream => 'keepalive 4; keepalive_timeout 1s;',
+        location => 'proxy_http_version 1.1;
+                     proxy_set_header Connection "";',
+        slots => 'proxy_http_version 1.1;
+                  proxy_set_header Connection "";'));
+    is(chat($t, 'ann', 'one')->{status}, 200, '1 s: a first turn');
+    for my $n (1 .. 3) {
+        sleep 2;
+        is(chat($t, $n % 2 ? 'bob' : 'ann', 'one')->{status}, 200,
+           "1 s: a turn 2 s later ($n)");
+    }
+    is(scalar(grep { $_->{closed} } @{ $t->fake_calls }), 0,
+       '1 s: no request met a closing connection');
+    $t->stop;
+}
+
+# 3. the module's own slot call that meets a closing kept-alive connection
+# is sent again, once
+
+{
+    my $t = LlamaTest->new(workers => 1);
+    $t->fake(np => 1, script => { save => { close_reused => 1 } });
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        upstream => 'keepalive 4; keepalive_timeout 60s;',
+        location => 'proxy_http_version 1.1;
+                     proxy_set_header Connection "";',
+        slots => 'proxy_http_version 1.1;
+                  proxy_set_header Connection "";'));
+    is(chat($t, 'ann', 'one')->{status}, 200, 'ann');
+    is(chat($t, 'bob', 'one')->{status}, 200, 'bob takes the slot');
+    ok($t->log_lines(qr/closed a kept-alive connection before it answered the slot call save, sent again/),
+       'the save met a closed connection and was sent again');
+    my @saves = grep { ($_->{query} // '') =~ /action=save/ } @{ $t->fake_calls };
+    is(scalar @saves, 2, 'two saves reached the backend');
+    is(scalar(() = glob("$t->{slots}/ann-*.bin")), 1, 'ann is saved');
+    is(chat($t, 'ann', 'one')->{headers}{'x-s-action'} // 'restore', 'restore',
+       'and comes back');
+    $t->stop;
+}
+
+done_testing;
