@@ -427,6 +427,9 @@ typedef struct {
     u_char                          memory_fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
     ngx_http_llama_session_memory_t memory;
     ngx_atomic_uint_t               turn_next;  /* turn files written */
+    ngx_atomic_uint_t               bytes_per_token; /* times 256, of the
+                                                   files saved: a save's
+                                                   size, ahead */
     ngx_http_llama_session_cost_t   cost;
 
     /*
@@ -486,6 +489,8 @@ struct ngx_http_llama_session_zone_s {
     ngx_str_t                       store;      /* empty: not visible */
     ngx_uint_t                      max_files;  /* 0: no limit */
     off_t                           max_size;   /* 0: no limit */
+    off_t                           min_free;   /* -1: twice the file that
+                                                   a save writes */
     ngx_msec_t                      save_idle;  /* 0: off */
     ngx_uint_t                      reprime;    /* reprime=on */
     ngx_event_t                     idle_ev;    /* this worker's */

@@ -386,7 +386,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
     if (llcf->canonical
         && ngx_http_llama_session_uri_ends(r, "/messages")
         && ngx_http_llama_session_canon(r, &body,
-                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM])
+                               &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM])
            != NGX_OK)
     {
         return NGX_ERROR;

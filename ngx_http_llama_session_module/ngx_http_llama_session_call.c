@@ -185,6 +185,12 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     ctx->job.call_uri = uri;
 
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && !ctx->job.call_retried) {
+        /* the file it writes and min_free must fit on the store's disk */
+        (void) ngx_http_llama_session_store_room(r->connection->log, ctx,
+                                                 key, len, 0);
+    }
+
     ps = ngx_palloc(r->pool, sizeof(ngx_http_post_subrequest_t));
     if (ps == NULL) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -288,7 +294,6 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
     ctx->job.call_key = key;
     ctx->job.call_key_len = len;
     ctx->job.call_sr = sr;
-    ctx->job.call_retried = 0;
     ctx->job.call_done = 0;
     ctx->job.call_timed_out = 0;
     ctx->job.call_inflight = 1;
@@ -419,6 +424,9 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
         return NGX_OK;
     }
 
+    /* the next call may be sent again once */
+    ctx->job.call_retried = 0;
+
     ctx->job.call_done = 1;
     ctx->job.call_inflight = 0;
 
@@ -455,13 +463,19 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
 
 
 /*
- * llama-server closes a kept-alive connection after 5 s idle (cpp-httplib's
- * keep-alive timeout); a call sent on it at that moment gets no byte back,
- * and nginx does not send a POST again (proxy_next_upstream's
- * non_idempotent).  The module's slot calls are safe to send again: a
- * connection that came from the keepalive cache and closed before any byte
- * of a reply is tried once more, as the same call; NGX_OK: it is on its way.
- * A call that got a byte, timed out, or whose client left stands as it is.
+ * A slot call sent once more, as the same call (NGX_OK: it is on its way):
+ *
+ *   - llama-server closes a kept-alive connection after 5 s idle
+ *     (cpp-httplib's keep-alive timeout); a call sent on it at that moment
+ *     gets no byte back, and nginx does not send a POST again
+ *     (proxy_next_upstream's non_idempotent).  The module's slot calls are
+ *     safe to send again: a connection from the keepalive cache that closed
+ *     before any byte of a reply is tried once more;
+ *   - a save that llama-server failed (500) while the store's disk was full:
+ *     once room is made (store_room()), once more.
+ *
+ * Once per call.  A call that got a reply otherwise, timed out, or whose
+ * client left stands as it is.
  */
 
 static ngx_int_t
@@ -474,23 +488,42 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
     ngx_http_upstream_t  *u;
 
     u = sr->upstream;
+    call = ctx->job.call;
 
-    if (u == NULL || ctx->job.call_retried || rc != NGX_HTTP_BAD_GATEWAY
-        || u->headers_in.status_n != 0 || !u->peer.cached
-        || (u->state && u->state->bytes_received != 0)
-        || sr->connection->error)
-    {
+
+    if (u == NULL || ctx->job.call_retried || sr->connection->error) {
         return NGX_DECLINED;
     }
 
-    call = ctx->job.call;
-    body = ctx->job.call_sent;
+    if (rc == NGX_HTTP_BAD_GATEWAY && u->headers_in.status_n == 0
+        && u->peer.cached
+        && (u->state == NULL || u->state->bytes_received == 0))
+    {
+        ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
+                      "llama_session: the backend closed a kept-alive "
+                      "connection before it answered the slot call %V, sent "
+                      "again (keep the upstream's keepalive_timeout below "
+                      "llama-server's 5 s)",
+                      ngx_http_llama_session_call_name(call));
 
-    ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
-                  "llama_session: the backend closed a kept-alive connection "
-                  "before it answered the slot call %V, sent again (keep "
-                  "the upstream's keepalive_timeout below llama-server's "
-                  "5 s)", ngx_http_llama_session_call_name(call));
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
+               && u->headers_in.status_n >= NGX_HTTP_INTERNAL_SERVER_ERROR
+               && ngx_http_llama_session_store_room(sr->connection->log, ctx,
+                                                    ctx->job.call_key,
+                                                    ctx->job.call_key_len, 1)
+                  == NGX_OK)
+    {
+        ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
+                      "llama_session: the save of \"%*s\" failed on a full "
+                      "disk (%i), sent again after the eviction",
+                      ctx->job.call_key_len, ctx->job.call_key,
+                      u->headers_in.status_n);
+
+    } else {
+        return NGX_DECLINED;
+    }
+
+    body = ctx->job.call_sent;
 
     if (body && (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME
                  || call == NGX_HTTP_LLAMA_SESSION_CALL_APPLY
@@ -501,11 +534,11 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
         ctx->job.call_body = body;
     }
 
+    ctx->job.call_retried = 1;
+
     retried = ngx_http_llama_session_call(sr->parent, ctx, call,
                                           ctx->job.call_key,
                                           ctx->job.call_key_len);
-
-    ctx->job.call_retried = 1;
 
     if (retried != NGX_AGAIN) {
         ngx_log_error(NGX_LOG_ERR, sr->connection->log, 0,

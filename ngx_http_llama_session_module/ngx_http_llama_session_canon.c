@@ -74,8 +74,8 @@ ngx_http_llama_session_canon(ngx_http_request_t *r, ngx_str_t *body,
 
     if (ngx_http_llama_session_json_next(&pos, system->end, &first) != NGX_OK
         || ngx_http_llama_session_json_object(first.start, first.end,
-                                              ngx_http_llama_session_canon_names,
-                                              values, 2)
+                                   ngx_http_llama_session_canon_names, values,
+                                   2)
            == NULL
         || !ngx_http_llama_session_json_string_is(&values[0],
                                             &ngx_http_llama_session_canon_text)

@@ -94,7 +94,8 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "1 when ineffective restores stopped saves and restores for the "
       "backend's configuration." },
     { "evictions_total", "counter",
-      "Files deleted to keep the store within max_files and max_size." },
+      "Files deleted to keep the store within max_files and max_size, or "
+      "min_free free on its disk." },
     { "saved_bytes_total", "counter",
       "Bytes of the files saved." },
     { "restored_bytes_total", "counter",

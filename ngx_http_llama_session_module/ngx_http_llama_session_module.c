@@ -429,7 +429,8 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
- *     [max_size=size] [save_idle=time] [model=name | models=N]
+ *     [max_size=size] [min_free=size] [save_idle=time]
+ *     [model=name | models=N]
  *     [reprime=on|off];
  * (backend= and api_key=: deprecated, ignored)
  */
@@ -440,7 +441,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_http_llama_session_main_conf_t *lmcf = conf;
 
     u_char                          *p;
-    off_t                            max_size;
+    off_t                            max_size, min_free;
     ssize_t                          size;
     ngx_int_t                        n;
     ngx_str_t                       *value, name, s, store, model, member;
@@ -457,6 +458,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     max_files = 0;
     max_waiting = 0;
     max_size = 0;
+    min_free = -1;
     save_idle = 0;
     reprime = 1;
     models = 0;
@@ -603,6 +605,24 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             if (max_size == NGX_ERROR) {
                 ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                    "invalid size \"%V\"", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "min_free=", 9) == 0) {
+
+            s.data = value[i].data + 9;
+            s.len = value[i].len - 9;
+
+            min_free = ngx_parse_offset(&s);
+
+            if (min_free == NGX_ERROR) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid size \"%V\": min_free= is the "
+                                   "free space to keep on the store's disk, "
+                                   "such as 2g", &value[i]);
                 return NGX_CONF_ERROR;
             }
 
@@ -819,10 +839,11 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         }
     }
 
-    if ((max_files || max_size) && store.len == 0) {
+    if ((max_files || max_size || min_free >= 0) && store.len == 0) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "\"max_files=\" and \"max_size=\" need "
-                           "\"store=\": the module deletes files there");
+                           "\"max_files=\", \"max_size=\" and "
+                           "\"min_free=\" need \"store=\": the module "
+                           "deletes files there");
         return NGX_CONF_ERROR;
     }
 
@@ -833,6 +854,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     tz.store = store;
     tz.max_files = max_files;
     tz.max_size = max_size;
+    tz.min_free = min_free;
     tz.save_idle = save_idle;
     tz.reprime = reprime;
 

@@ -1949,16 +1949,18 @@ ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
 
 /*
  * The least recently used files to delete while the zone has more than
- * max_files or max_size, never a session in a slot nor "keep" (the one
- * coming in): they are forgotten here, and deleted by the caller after
- * the lock (ngx_http_llama_session_store_evict).  Returns how many.
+ * max_files or max_size, or until they add up to "need" bytes (min_free),
+ * never a session in a slot nor "keep" (the one coming in): they are
+ * forgotten here, and deleted by the caller after the lock
+ * (ngx_http_llama_session_store_evict).  Returns how many.
  */
 
 ngx_uint_t
 ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
-    u_char *keep, size_t keep_len, ngx_http_llama_session_evicted_t *out,
-    ngx_uint_t max)
+    u_char *keep, size_t keep_len, off_t need,
+    ngx_http_llama_session_evicted_t *out, ngx_uint_t max)
 {
+    off_t                           freed;
     size_t                          klen;
     ngx_uint_t                      i, n, used, pass;
     ngx_queue_t                    *q, *prev;
@@ -1968,6 +1970,7 @@ ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
 
     sh = zone->sh;
     n = 0;
+    freed = 0;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1983,7 +1986,8 @@ ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
         for (q = ngx_queue_last(&sh->lru);
              q != ngx_queue_sentinel(&sh->lru)
              && n < max
-             && ((zone->max_files && sh->files > zone->max_files)
+             && (freed < need
+                 || (zone->max_files && sh->files > zone->max_files)
                  || (zone->max_size && sh->bytes > zone->max_size));
              q = prev)
         {
@@ -2024,6 +2028,7 @@ ngx_http_llama_session_evict_pick(ngx_http_llama_session_zone_t *zone,
             ngx_memcpy(out[n].name, node->name, node->name_len);
             out[n].len = node->name_len;
             out[n].bytes = node->bytes;
+            freed += node->bytes;
             n++;
 
             ngx_http_llama_session_node_file(sh, node, 0, 0);

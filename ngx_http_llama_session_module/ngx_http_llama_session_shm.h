@@ -76,7 +76,7 @@ ngx_int_t ngx_http_llama_session_node_info(ngx_http_llama_session_zone_t *zone,
     u_char *name, size_t len, ngx_http_llama_session_node_t *copy);
 ngx_uint_t ngx_http_llama_session_evict_pick(
     ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len,
-    ngx_http_llama_session_evicted_t *out, ngx_uint_t max);
+    off_t need, ngx_http_llama_session_evicted_t *out, ngx_uint_t max);
 ngx_http_llama_session_node_t *ngx_http_llama_session_node(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len);
 ngx_http_llama_session_node_t *ngx_http_llama_session_lookup_name(

@@ -1421,7 +1421,7 @@ ngx_http_llama_session_store_evict(ngx_log_t *log,
         return;
     }
 
-    n = ngx_http_llama_session_evict_pick(zone, keep, keep_len, out,
+    n = ngx_http_llama_session_evict_pick(zone, keep, keep_len, 0, out,
                                           NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
 
     for (i = 0; i < n; i++) {
@@ -1434,6 +1434,113 @@ ngx_http_llama_session_store_evict(ngx_log_t *log,
         (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
                                                    out[i].len, log);
     }
+}
+
+
+/*
+ * Room on the store's disk for a save (min_free, as proxy_cache_path's):
+ * before it, the file it will write (the slot's tokens times the bytes per
+ * token of the zone's earlier saves) and min_free (by default twice that
+ * file) must fit in the file system's free space, else the least recently
+ * used files of this zone go (never a session in a slot, nor "keep": the
+ * session saved, whose previous file stays until the new one is whole).
+ * Files of other zones or programs in the folder are never touched.
+ * failed: the save failed (llama-server's 500), its partial temporary file
+ * goes first.  NGX_OK: files were deleted, a save may be tried (again).
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_room(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t failed)
+{
+    off_t                              avail, file, min, need, freed;
+    u_char                             path[NGX_MAX_PATH];
+    ngx_uint_t                         i, n, bpt, level;
+    ngx_http_llama_session_zone_t     *zone;
+    ngx_http_llama_session_evicted_t   out[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
+
+    zone = ctx->zone;
+
+    if (zone->store.len == 0) {
+        return NGX_DECLINED;
+    }
+
+    if (failed) {
+        ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
+    }
+
+    /* the file ahead: by the bytes per token, else the files' average */
+
+    bpt = zone->sh->bytes_per_token;
+
+    if (ctx->job.slot_tokens > 0 && bpt) {
+        file = (off_t) ctx->job.slot_tokens * (off_t) bpt / 256;
+
+    } else {
+        file = zone->sh->files ? zone->sh->bytes / (off_t) zone->sh->files
+                               : 0;
+    }
+
+    min = (zone->min_free >= 0) ? zone->min_free : 2 * file;
+
+    ngx_snprintf(path, sizeof(path), "%V%Z", &zone->store);
+
+    avail = ngx_fs_available(path);
+
+    if (avail == NGX_MAX_OFF_T_VALUE) {
+        /* statvfs() failed: nothing is known */
+        return NGX_DECLINED;
+    }
+
+    if (!failed) {
+        if (avail >= file + min) {
+            return NGX_DECLINED;
+        }
+
+        need = file + min - avail;
+
+    } else {
+        /*
+         * a failed save: the disk was full if the file and min_free did
+         * not fit, or barely (the file was larger than its estimate)
+         */
+
+        if (file == 0 || avail >= 2 * file + min) {
+            return NGX_DECLINED;
+        }
+
+        need = ngx_max(file + min - avail, file);
+    }
+
+    n = ngx_http_llama_session_evict_pick(zone, key, len, need, out,
+                                          NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
+    freed = 0;
+
+    for (i = 0; i < n; i++) {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: evicted session \"%*s\" (%O bytes) to "
+                      "make room on the disk of zone \"%V\"'s store",
+                      out[i].len, out[i].name, out[i].bytes, &zone->name);
+
+        (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
+                                                   out[i].len, log);
+        freed += out[i].bytes;
+    }
+
+    level = failed ? NGX_LOG_ERR : NGX_LOG_WARN;
+
+    ngx_log_error(level, log, 0,
+                  "llama_session: the disk of \"%V\" is %s: %O bytes free, "
+                  "the save of \"%*s\" needs about %O and min_free=%O; "
+                  "%ui least recently used files of zone \"%V\" deleted "
+                  "(%O bytes)%s",
+                  &zone->store, failed ? "full" : "nearly full", avail,
+                  len, key, file, min, n, &zone->name, freed,
+                  n ? "" : ", nothing more of this zone to delete: free "
+                      "space there, or lower max_size/max_files");
+
+    return n ? NGX_OK : NGX_DECLINED;
 }
 
 
@@ -1496,6 +1603,12 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
 
     ngx_http_llama_session_file_saved(ctx, key, len, 1, tokens, bytes);
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
+
+    if (tokens) {
+        /* the next save's size, ahead (store_room()) */
+        ctx->zone->sh->bytes_per_token = (ngx_atomic_uint_t)
+                                         (bytes * 256 / (off_t) tokens + 1);
+    }
 
     if (ctx->zone->store.len) {
         n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);

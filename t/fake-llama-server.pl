@@ -39,7 +39,9 @@
 # {"status": N}; restore_ms (restore): the time its reply reports (a slow
 # disk); close_reused: N (save, restore, erase, completion): drop the
 # connection without an answer, the first N times the call comes on a
-# connection that served a request before (a kept-alive one).
+# connection that served a request before (a kept-alive one); times: N
+# (any fault of the calls above): only the first N calls of that path and
+# query get it.
 # --idle-close S: a request that comes on a connection idle for S seconds
 # or more gets the connection closed, no answer, as cpp-httplib (which
 # closes idle keep-alive connections after 5 s) does to a request that
@@ -229,6 +231,9 @@ sub fault {
     return 0 unless $f;
     return 0 if $f->{match} && $req
                 && ($req->{body} // '') !~ /$f->{match}/;
+    return 0 if $f->{times} && $req
+                && with_state(sub { ($_[0]{times}{"$req->{path}?$req->{query}"}++
+                                     // 0) >= $f->{times} });
     sleep $f->{delay_ms} / 1000 if $f->{delay_ms};
     if ($f->{close}) { close $c; return 2; }
     if ($f->{close_reused} && $req && $req->{reused}
@@ -342,8 +347,10 @@ sub handle {
                 close $c;
                 return 0;
             }
-            print $fh $json->encode({ text => $text, n => $n });
-            close $fh;
+            # a full disk: llama-server answers 500, its file left short
+            (print $fh $json->encode({ text => $text, n => $n }))
+                && close $fh
+                or return error($c, 500, 'Unable to save slot');
             my $written = -s $file;
             truncate $file, 3 if $script->{save}{short};
             return reply($c, 200, { id_slot => $id, filename => $name,

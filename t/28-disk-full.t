@@ -1,0 +1,141 @@
+#!/usr/bin/perl
+
+# Review 3: a disk that fills up.  The store on a small file system (a
+# tmpfs), no max_files nor max_size: eight sessions once each, then the
+# last three taking turns.  Before, once the disk held what fitted, every
+# later save failed (llama-server's bare 500) for good, the oldest files
+# stayed and the sessions in use were computed from nothing on every turn.
+# Now the store keeps min_free (by default twice the file a save writes)
+# free: the least recently used files of the zone go before a save, a save
+# that failed on the full disk is tried once more after making room, and
+# the log says so.  Files of other programs in the folder stay.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2, timeout => 300);
+my $small = $t->dir . '/small';
+mkdir $small;
+if (system("mount -t tmpfs -o size=100m tmpfs $small 2>/dev/null") != 0) {
+    plan skip_all => 'cannot mount a small tmpfs here';
+}
+LlamaTest::slots_dir($small, (getpwnam($LlamaTest::LLAMA_USER))[2]);
+
+my @words = map { "word$_" } 1 .. 4000;
+
+sub ask {
+    my ($name) = @_;
+    my $text = join ' ', map { "$name$_" } @words[0 .. 330];
+    my $r = $t->post('/v1/chat/completions',
+                     { max_tokens => 2, temperature => 0,
+                       messages => [ { role => 'user',
+                                       content => "This is conversation $name." },
+                                     { role => 'assistant', content => 'Go on.' },
+                                     { role => 'user', content => $text } ] },
+                     headers => { 'X-Session-Id' => $name });
+    $r->{cached} = $r->{json}{usage}{prompt_tokens_details}{cached_tokens} // 0;
+    $r->{action} = $r->{headers}{'x-s-action'} // '';
+    return $r;
+}
+
+# a file of another program in the folder: never the module's to delete
+my $foreign = "$small/backup-of-something.dat";
+open my $fh, '>', $foreign or die;
+print $fh 'x' x (1024 * 1024);
+close $fh;
+
+eval {
+    $t->llama(slots => $small);
+    $t->nginx($t->site(
+        zone => "llama_session_zone zone=llama:1m store=$small;",
+        upstream => 'keepalive 4;',
+        server => 'add_header X-S-Action $llama_session_action always;',
+        location => 'proxy_read_timeout 300s;',
+        slots => 'proxy_read_timeout 300s;'));
+
+    my @names = map { "s$_" } 1 .. 8;
+    for my $n (@names) {
+        is(ask($n)->{status}, 200, "$n: its first turn");
+    }
+    my ($file) = glob("$small/s1-*.bin");
+    diag('a session\'s file: ' . ($file ? -s $file : 'gone') . ' bytes');
+
+    my @last = @names[5 .. 7];
+    my ($restored, $turns) = (0, 0);
+    for my $round (1 .. 2) {
+        for my $n (@last) {
+            my $r = ask($n);
+            is($r->{status}, 200, "$n: turn of round $round");
+            $turns++;
+            $restored++ if $r->{action} eq 'restore' && $r->{cached} > 0;
+            diag("$n: $r->{action}, $r->{cached} tokens cached");
+        }
+    }
+    is($restored, $turns, 'every returning turn of the sessions in use is '
+                          . 'restored from its file');
+    ok($t->log_lines(qr/evicted session "s\d-[\w.]+" \(\d+ bytes\) to make room on the disk/),
+       'the log names the files evicted for room');
+    ok($t->log_lines(qr/the disk of "\Q$small\E" is (nearly )?full: \d+ bytes free/),
+       'and the disk, its free space and min_free');
+    ok(-e $foreign, 'the other program\'s file is still there');
+    is(scalar(() = glob("$small/*.tmp")), 0, 'no temporary file is left');
+    ok(!$t->log_lines(qr/saving session "s[678]-\w+" from slot \d+ failed/),
+       'no save of a session in use failed');
+};
+my $err = $@;
+$t->stop;
+system("umount $small");
+die $err if $err;
+
+# a save that llama-server fails while the disk is full (the estimate
+# before it was short: another program filled the disk meanwhile): room is
+# made, and the save is sent once more (the fake backend fails it once)
+{
+    my $f = LlamaTest->new(workers => 1);
+    my $tiny = $f->dir . '/tiny';
+    mkdir $tiny;
+    system("mount -t tmpfs -o size=1m tmpfs $tiny") == 0 or die;
+    LlamaTest::slots_dir($tiny);
+    eval {
+        $f->fake(np => 1, slots => $tiny);
+        $f->nginx($f->site(
+            zone => "llama_session_zone zone=llama:1m store=$tiny min_free=0;"));
+        for my $n (qw(a b c d)) {
+            is($f->post('/completion', { prompt => "$n " x 10000, n_predict => 2 },
+                        headers => { 'X-Session-Id' => $n })->{status}, 200,
+               "fake: $n");
+        }
+        # another program fills the disk while llama-server saves d (its
+        # estimate before the save had room enough)
+        $f->fake_script({ save => { delay_ms => 600, times => 1 } });
+        my $h = $f->async_post('/completion', { prompt => 'e ' x 10000, n_predict => 2 },
+                               headers => { 'X-Session-Id' => 'e' });
+        ok($f->wait_for(sub { grep { ($_->{body} // '') =~ /"d-\w+\.\w+\.bin\.tmp"/ }
+                                   @{ $f->fake_calls } }, 10),
+           'fake: d\'s save reached the backend');
+        my $free = `df -B1 --output=avail $tiny | tail -1` + 0;
+        system("dd if=/dev/zero of=$tiny/filler.dat bs=4096 count="
+               . int($free / 4096) . " 2>/dev/null");
+        is($f->async_wait($h)->{status}, 200,
+           'fake: e takes the slot; d\'s save fails on the full disk');
+        ok($f->log_lines(qr/the save of "d-\w+" failed on a full disk \(500\), sent again after the eviction/),
+           'fake: it is sent again after the eviction');
+        ok($f->log_lines(qr/the disk of "\Q$tiny\E" is full: \d+ bytes free/),
+           'fake: the log says the disk is full');
+        ok(scalar(() = glob("$tiny/d-*.bin")), 'fake: d is saved');
+        ok(!glob("$tiny/a-*.bin"), 'fake: a, the least recently used, went');
+        ok(-e "$tiny/filler.dat", 'fake: the other program\'s file stays');
+    };
+    my $e = $@;
+    $f->stop;
+    system("umount $tiny");
+    die $e if $e;
+}
+
+done_testing;
