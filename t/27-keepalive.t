@@ -20,11 +20,18 @@ use LlamaTest;
 use Test::More;
 use Time::HiRes qw(sleep);
 
+# random weights: byte tokens make invalid UTF-8, which llama-server's chat
+# parser refuses; ban them
+my @ban = map { [ $_, JSON::PP::false ] } 3 .. 258;
+
 sub chat {
     my ($t, $id, $text) = @_;
     return $t->post('/v1/chat/completions',
-                    { messages => [ { role => 'user', content => $text } ],
-                      max_tokens => 8 },
+                    { messages => [ { role => 'user',
+                                      content => "This is $id's conversation." },
+                                    { role => 'assistant', content => 'Go on.' },
+                                    { role => 'user', content => $text } ],
+                      max_tokens => 8, logit_bias => \@ban, seed => 1 },
                     headers => { 'X-Session-Id' => $id });
 }
 
@@ -96,6 +103,33 @@ sub chat {
     is(scalar(() = glob("$t->{slots}/ann-*.bin")), 1, 'ann is saved');
     is(chat($t, 'ann', 'one')->{headers}{'x-s-action'} // 'restore', 'restore',
        'and comes back');
+    $t->stop;
+}
+
+# 4. the real llama-server (it closes idle connections after 5 s): a
+# conversation with 5 s pauses, two sessions taking turns (slot calls and
+# inferences on pooled connections), through the harness's upstream
+# (keepalive_timeout 4s, as every example)
+
+{
+    my $t = LlamaTest->new(workers => 2);
+    $t->llama(np => 1);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        upstream => 'keepalive 4;',
+        location => 'proxy_http_version 1.1;
+                     proxy_set_header Connection "";',
+        slots => 'proxy_http_version 1.1;
+                  proxy_set_header Connection "";'));
+    my @statuses;
+    for my $n (1 .. 4) {
+        push @statuses, chat($t, $n % 2 ? 'ann' : 'bob', "turn $n")->{status};
+        sleep 5 if $n < 4;
+    }
+    is("@statuses", '200 200 200 200',
+       'real: every turn after a 5 s pause is served');
+    ok(!$t->log_lines(qr/upstream prematurely closed connection/),
+       'real: no request met a connection llama-server closed');
     $t->stop;
 }
 

@@ -89,8 +89,10 @@ eval {
        'no save of a session in use failed');
 };
 my $err = $@;
-$t->stop;
+$t->stop_nginx;
+$t->stop_llama;
 system("umount $small");
+$t->stop;
 die $err if $err;
 
 # a save that llama-server fails while the disk is full (the estimate
@@ -133,8 +135,10 @@ die $err if $err;
         ok(-e "$tiny/filler.dat", 'fake: the other program\'s file stays');
     };
     my $e = $@;
-    $f->stop;
+    $f->stop_nginx;
+    $f->stop_proc('fake', 'TERM');
     system("umount $tiny");
+    $f->stop;
     die $e if $e;
 }
 
