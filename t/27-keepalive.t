@@ -35,18 +35,24 @@ sub chat {
                     headers => { 'X-Session-Id' => $id });
 }
 
+# the site, its upstream kept alive (HTTP/1.1, no Connection header)
+sub site_kept {
+    my ($t, $upstream) = @_;
+    return $t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        upstream => $upstream,
+        location => 'proxy_http_version 1.1;
+                     proxy_set_header Connection "";',
+        slots => 'proxy_http_version 1.1;
+                  proxy_set_header Connection "";');
+}
+
 # 1. the race, with nginx's default keepalive_timeout: a 502
 
 {
     my $t = LlamaTest->new(workers => 1);
     $t->fake(np => 1, idle_close => 1.5);
-    $t->nginx($t->site(
-        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
-        upstream => 'keepalive 4; keepalive_timeout 60s;',
-        location => 'proxy_http_version 1.1;
-                     proxy_set_header Connection "";',
-        slots => 'proxy_http_version 1.1;
-                  proxy_set_header Connection "";'));
+    $t->nginx(site_kept($t, 'keepalive 4; keepalive_timeout 60s;'));
     is(chat($t, 'ann', 'one')->{status}, 200, '60 s: a first turn');
     sleep 2;
     # a POST the module passes by, so that no slot call (a GET, which
@@ -63,13 +69,7 @@ sub chat {
 {
     my $t = LlamaTest->new(workers => 1);
     $t->fake(np => 1, idle_close => 1.5);
-    $t->nginx($t->site(
-        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
-        upstream => 'keepalive 4; keepalive_timeout 1s;',
-        location => 'proxy_http_version 1.1;
-                     proxy_set_header Connection "";',
-        slots => 'proxy_http_version 1.1;
-                  proxy_set_header Connection "";'));
+    $t->nginx(site_kept($t, 'keepalive 4; keepalive_timeout 1s;'));
     is(chat($t, 'ann', 'one')->{status}, 200, '1 s: a first turn');
     for my $n (1 .. 3) {
         sleep 2;
@@ -87,13 +87,7 @@ sub chat {
 {
     my $t = LlamaTest->new(workers => 1);
     $t->fake(np => 1, script => { save => { close_reused => 1 } });
-    $t->nginx($t->site(
-        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
-        upstream => 'keepalive 4; keepalive_timeout 60s;',
-        location => 'proxy_http_version 1.1;
-                     proxy_set_header Connection "";',
-        slots => 'proxy_http_version 1.1;
-                  proxy_set_header Connection "";'));
+    $t->nginx(site_kept($t, 'keepalive 4; keepalive_timeout 60s;'));
     is(chat($t, 'ann', 'one')->{status}, 200, 'ann');
     is(chat($t, 'bob', 'one')->{status}, 200, 'bob takes the slot');
     ok($t->log_lines(qr/closed a kept-alive connection before it answered the slot call save, sent again/),
@@ -114,13 +108,7 @@ sub chat {
 {
     my $t = LlamaTest->new(workers => 2);
     $t->llama(np => 1);
-    $t->nginx($t->site(
-        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
-        upstream => 'keepalive 4;',
-        location => 'proxy_http_version 1.1;
-                     proxy_set_header Connection "";',
-        slots => 'proxy_http_version 1.1;
-                  proxy_set_header Connection "";'));
+    $t->nginx(site_kept($t, 'keepalive 4;'));
     my @statuses;
     for my $n (1 .. 4) {
         push @statuses, chat($t, $n % 2 ? 'ann' : 'bob', "turn $n")->{status};
