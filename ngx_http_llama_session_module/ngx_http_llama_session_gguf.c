@@ -18,10 +18,11 @@
  *
  * llama-server does not report it: the GGUF's metadata does, where nginx
  * can read the file that GET /props names (the same host).  Only the
- * header is read, up to the tokenizer's keys, which convert_hf_to_gguf
- * writes after the model's: a few reads of a file that llama-server has
- * in the page cache.  GGUF is little-endian, as the hosts llama-server
- * runs on (a big-endian file fails the version check).  A file that is not the backend's model (another
+ * header's keys are read (tokenizer's included: another tool may write
+ * the model's after them), at most 16 MB a pass, of a file that
+ * llama-server has in the page cache.  GGUF is little-endian, as the
+ * hosts llama-server runs on (a big-endian file fails the version check).
+ * A file that is not the backend's model (another
  * host's path) is told by its embedding size, which /v1/models reports.
  */
 
@@ -138,9 +139,11 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
     u_char                         arch[NGX_HTTP_LLAMA_SESSION_ARCH_MAX];
     size_t                         alen;
     uint32_t                       version, type, etype;
+    off_t                          kv;
     uint64_t                       ntensors, nkv, klen, slen, n, v, i;
     ngx_int_t                      rc;
-    ngx_uint_t                     recurrent, attention, heads_seen;
+    ngx_uint_t                     recurrent, attention, heads_seen, early,
+                                   pass;
     ngx_http_llama_session_gguf_t  *g;
 
     ngx_memzero(mem, sizeof(ngx_http_llama_session_memory_t));
@@ -185,122 +188,165 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
         goto done;
     }
 
-    for (i = 0; i < nkv; i++) {
+    /*
+     * The keys wherever they stand: the model's keys ("<arch>.…") may come
+     * before general.architecture (a file another tool wrote, or merged),
+     * then the pairs are read a second time, from the first; and after the
+     * tokenizer's.  Every pass is bounded (GGUF_READ); a read that fails
+     * once the architecture is known ends the scan with what it found.
+     */
 
-        if (ngx_http_llama_session_gguf_get(g, &klen, 8) != NGX_OK
-            || klen == 0 || klen >= NGX_HTTP_LLAMA_SESSION_GGUF_KEY
-            || ngx_http_llama_session_gguf_get(g, key, klen) != NGX_OK
-            || ngx_http_llama_session_gguf_get(g, &type, 4) != NGX_OK
-            || type >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES)
-        {
-            goto done;
+    kv = g->offset + (off_t) g->pos;
+    early = 0;
+
+    for (pass = 0; pass < 2; pass++) {
+
+        if (pass == 1) {
+            if (!early || alen == 0) {
+                break;
+            }
+
+            g->offset = kv;
+            g->pos = 0;
+            g->len = 0;
+            g->read = 0;
+
+            recurrent = 0;
+            attention = 0;
+            heads_seen = 0;
+            mem->window = 0;
+            mem->n_embd = 0;
         }
 
-        if (klen >= 10 && ngx_strncmp(key, "tokenizer.", 10) == 0) {
-            /* the model's own keys came first */
-            break;
-        }
+        for (i = 0; i < nkv; i++) {
 
-        if (klen == sizeof("general.architecture") - 1
-            && ngx_strncmp(key, "general.architecture", klen) == 0
-            && type == NGX_HTTP_LLAMA_SESSION_GGUF_STRING)
-        {
-            if (ngx_http_llama_session_gguf_get(g, &slen, 8) != NGX_OK
-                || slen == 0 || slen >= NGX_HTTP_LLAMA_SESSION_ARCH_MAX
-                || ngx_http_llama_session_gguf_get(g, arch, slen) != NGX_OK)
+            if (ngx_http_llama_session_gguf_get(g, &klen, 8) != NGX_OK
+                || klen == 0 || klen >= NGX_HTTP_LLAMA_SESSION_GGUF_KEY
+                || ngx_http_llama_session_gguf_get(g, key, klen) != NGX_OK
+                || ngx_http_llama_session_gguf_get(g, &type, 4) != NGX_OK
+                || type >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES)
             {
-                goto done;
+                goto ended;
             }
 
-            alen = (size_t) slen;
-            continue;
-        }
-
-        if (alen == 0 || klen <= alen + 1
-            || ngx_strncmp(key, arch, alen) != 0 || key[alen] != '.')
-        {
-            if (ngx_http_llama_session_gguf_skip(g, type, 0) != NGX_OK) {
-                goto done;
-            }
-
-            continue;
-        }
-
-        if (ngx_http_llama_session_gguf_has(key, klen, arch, alen, "ssm.")
-            || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                               "shortconv.")
-            || ngx_http_llama_session_gguf_has(key, klen, arch, alen, "wkv."))
-        {
-            recurrent = 1;
-        }
-
-        if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                            "attention.sliding_window")
-            == 2 && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
-        {
-            if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
-                goto done;
-            }
-
-            mem->window = (uint32_t) ngx_min(v, 0x7fffffff);
-            continue;
-        }
-
-        if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                            "embedding_length") == 2
-            && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
-        {
-            if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
-                goto done;
-            }
-
-            mem->n_embd = v;
-            continue;
-        }
-
-        if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                            "attention.head_count") == 2
-            || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                               "attention.head_count_kv")
-               == 2)
-        {
-            /* a number, or one per layer: any layer that attends? */
-
-            heads_seen = 1;
-
-            if (type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY) {
-                if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
+            if (klen == sizeof("general.architecture") - 1
+                && ngx_strncmp(key, "general.architecture", klen) == 0
+                && type == NGX_HTTP_LLAMA_SESSION_GGUF_STRING
+                && alen == 0)
+            {
+                if (ngx_http_llama_session_gguf_get(g, &slen, 8) != NGX_OK
+                    || slen == 0 || slen >= NGX_HTTP_LLAMA_SESSION_ARCH_MAX
+                    || ngx_http_llama_session_gguf_get(g, arch, slen) != NGX_OK)
+                {
                     goto done;
                 }
 
-                attention |= (v > 0);
+                alen = (size_t) slen;
                 continue;
             }
 
-            if (ngx_http_llama_session_gguf_get(g, &etype, 4) != NGX_OK
-                || ngx_http_llama_session_gguf_get(g, &n, 8) != NGX_OK
-                || etype >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES
-                || ngx_http_llama_session_gguf_size[etype] == 0
-                || n > 65536)
+            if (alen == 0
+                && !(klen >= 8 && ngx_strncmp(key, "general.", 8) == 0)
+                && !(klen >= 10 && ngx_strncmp(key, "tokenizer.", 10) == 0))
             {
-                goto done;
+                /* perhaps a model's key before its architecture */
+                early = 1;
             }
 
-            while (n--) {
-                if (ngx_http_llama_session_gguf_uint(g, etype, &v) != NGX_OK) {
-                    goto done;
+            if (alen == 0 || klen <= alen + 1
+                || ngx_strncmp(key, arch, alen) != 0 || key[alen] != '.')
+            {
+                if (ngx_http_llama_session_gguf_skip(g, type, 0) != NGX_OK) {
+                    goto ended;
                 }
 
-                attention |= (v > 0);
+                continue;
             }
 
-            continue;
+            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen, "ssm.")
+                || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
+                                                   "shortconv.")
+                || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
+                                                   "wkv."))
+            {
+                recurrent = 1;
+            }
+
+            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
+                                                "attention.sliding_window")
+                == 2 && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
+            {
+                if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
+                    goto ended;
+                }
+
+                mem->window = (uint32_t) ngx_min(v, 0x7fffffff);
+                continue;
+            }
+
+            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
+                                                "embedding_length") == 2
+                && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
+            {
+                if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
+                    goto ended;
+                }
+
+                mem->n_embd = v;
+                continue;
+            }
+
+            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
+                                                "attention.head_count") == 2
+                || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
+                                                   "attention.head_count_kv")
+                   == 2)
+            {
+                /* a number, or one per layer: any layer that attends? */
+
+                heads_seen = 1;
+
+                if (type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY) {
+                    if (ngx_http_llama_session_gguf_uint(g, type, &v)
+                        != NGX_OK)
+                    {
+                        goto ended;
+                    }
+
+                    attention |= (v > 0);
+                    continue;
+                }
+
+                if (ngx_http_llama_session_gguf_get(g, &etype, 4) != NGX_OK
+                    || ngx_http_llama_session_gguf_get(g, &n, 8) != NGX_OK
+                    || etype >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES
+                    || ngx_http_llama_session_gguf_size[etype] == 0
+                    || n > 65536)
+                {
+                    goto ended;
+                }
+
+                while (n--) {
+                    if (ngx_http_llama_session_gguf_uint(g, etype, &v)
+                        != NGX_OK)
+                    {
+                        goto ended;
+                    }
+
+                    attention |= (v > 0);
+                }
+
+                continue;
+            }
+
+            if (ngx_http_llama_session_gguf_skip(g, type, 0) != NGX_OK) {
+                goto ended;
+            }
         }
 
-        if (ngx_http_llama_session_gguf_skip(g, type, 0) != NGX_OK) {
-            goto done;
-        }
     }
+
+ended:
 
     if (alen == 0) {
         goto done;

@@ -58,6 +58,18 @@ my %files = (
         'general.architecture', 8, 'gpt-oss',
         'gpt-oss.embedding_length', 4, 256,
         'gpt-oss.attention.sliding_window', 4, 128)), 'swa' ],
+    # the keys in another order (another tool, a merge): the model's after
+    # the tokenizer's, or before general.architecture
+    late => [ file('late.gguf', gguf(
+        'general.architecture', 8, 'gemma3',
+        'tokenizer.ggml.model', 8, 'llama',
+        'gemma3.embedding_length', 4, 256,
+        'gemma3.attention.sliding_window', 4, 512)), 'swa' ],
+    early2 => [ file('early2.gguf', gguf(
+        'granitehybrid.attention.head_count_kv', 9, [ 0, 0, 8, 0 ],
+        'granitehybrid.ssm.conv_kernel', 4, 4,
+        'granitehybrid.embedding_length', 4, 256,
+        'general.architecture', 8, 'granitehybrid')), 'hybrid' ],
     other => [ file('other.gguf', gguf(
         'general.architecture', 8, 'llama',
         'llama.embedding_length', 4, 4096)), 'unknown' ],
@@ -97,10 +109,13 @@ for my $case (sort keys %files) {
          "$case: the metrics say $kind");
     my $mem = $t->get('/api/sessions/current')->{json}{backend}{memory};
     is($mem && $mem->{kind}, $kind, "$case: the API says $kind");
-    if ($kind eq 'swa') {
+    if ($case eq 'swa') {
         is($mem->{sliding_window}, 128, "$case: with its window");
         ok($t->log_lines(qr/\(gpt-oss\) has sliding-window attention \(128 tokens\)/),
            "$case: said at start, with the fix");
+    }
+    if ($case eq 'late') {
+        is($mem->{sliding_window}, 512, "$case: the window after the tokenizer's keys");
     }
     if ($case eq 'other') {
         ok($t->log_lines(qr/is not the model of zone "llama" \(embedding 4096, llama-server's 256\)/),
