@@ -669,6 +669,8 @@ typedef struct {
     unsigned                        call_timed_out:1; /* proxy_read_timeout */
     unsigned                        call_inflight:1;
     unsigned                        call_retried:1; /* sent again, once */
+    unsigned                        faces_router:1; /* a plain zone before
+                                                   llama-server's router */
     unsigned                        save_pending:1;
     unsigned                        save_failed:1;
     unsigned                        load_file:1;

@@ -71,6 +71,17 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
                                         "retry later", 1);
     }
 
+    if (ctx->job.faces_router) {
+        /* the configuration's fault, not the backend's: say the fix */
+        return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
+                                        "server_error",
+                                        "the model server runs llama-server's "
+                                        "router mode, which nginx's "
+                                        "llama_session zone is not set for: "
+                                        "it needs \"models=\" (see the "
+                                        "error log)", 0);
+    }
+
     message = ngx_pnalloc(r->pool, ngx_strlen(what) + 64);
     if (message == NULL) {
         ngx_http_finalize_request(r, NGX_HTTP_INTERNAL_SERVER_ERROR);

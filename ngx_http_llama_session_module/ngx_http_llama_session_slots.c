@@ -224,6 +224,7 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
          */
 
         cJSON_Delete(json);
+        ctx->job.faces_router = 1;
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: zone \"%V\" faces llama-server's "
                       "router mode: give each of the router's models a "

@@ -25,6 +25,8 @@ my $r = $t->post('/v1/chat/completions',
                  headers => { 'X-Session-Id' => 'r1' });
 is($r->{status}, 502, 'a request through a zone that faces a router: 502');
 is($r->{json}{error}{type}, 'server_error', 'with a JSON error');
+like($r->{json}{error}{message}, qr/router mode, which nginx's llama_session zone is not set for: it needs "models="/,
+     'which names the fix (before: "did not answer a slot call (GET /props)")');
 ok($t->log_lines(qr/zone "llama" faces llama-server's router mode: give each of the router's models a zone with "model=", or give the zone "models="/),
    'the error log says why');
 ok(!(grep { $_->{method} eq 'POST' } @{ $t->fake_calls }),
