@@ -418,6 +418,7 @@ typedef struct {
      * restores stop for that backend configuration
      */
     u_char                          evicting_full; /* said once */
+    u_char                          speculative_said;
     ngx_uint_t                      ineffective_run;
     u_char                          restores_off;
     u_char                          restores_off_fp[
@@ -671,6 +672,12 @@ typedef struct {
     unsigned                        call_retried:1; /* sent again, once */
     unsigned                        faces_router:1; /* a plain zone before
                                                    llama-server's router */
+    unsigned                        speculative:1; /* the slot has a draft
+                                                   model (GET /slots) */
+    unsigned                        call_then:1; /* this erase is followed
+                                                   by the restore asked */
+    unsigned                        erased:1;   /* the restore's erase is
+                                                   done */
     unsigned                        save_pending:1;
     unsigned                        save_failed:1;
     unsigned                        load_file:1;

@@ -188,6 +188,28 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     ctx->job.call_uri = uri;
 
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE && ctx->job.speculative
+        && !ctx->job.erased)
+    {
+        /*
+         * a draft model: llama-server restores the target's context
+         * alone, and a draft context longer than the restored one fails
+         * every later request (500, "failed to process speculative
+         * batch"); the slot is erased first, then the restore is sent
+         * (call_done())
+         */
+
+        ctx->job.call_then = 1;
+        c = &ngx_http_llama_session_calls[NGX_HTTP_LLAMA_SESSION_CALL_ERASE];
+        uri.len = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
+                              ctx->job.slot) - uri.data;
+        args = model ? &c->router_query : &c->query;
+        ctx->job.call_uri = uri;
+        call = NGX_HTTP_LLAMA_SESSION_CALL_ERASE;
+    }
+
+    ctx->job.erased = 0;
+
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && !ctx->job.call_retried) {
         /* the file it writes and min_free must fit on the store's disk */
         (void) ngx_http_llama_session_store_room(r->connection->log, ctx,
@@ -431,6 +453,34 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
     /* the next call may be sent again once */
     ctx->job.call_retried = 0;
 
+    if (ctx->job.call_then && !sr->connection->error) {
+        /* the erase before a restore on a draft model's slot: the restore */
+
+        ctx->job.call_then = 0;
+        ctx->job.erased = 1;
+
+        if (sr->upstream == NULL || sr->upstream->headers_in.status_n
+                                    != NGX_HTTP_OK)
+        {
+            ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
+                          "llama_session: the erase of slot %ui before a "
+                          "restore failed, the restore is sent all the same",
+                          ctx->job.slot);
+        }
+
+        if (ngx_http_llama_session_call(sr->parent, ctx,
+                                        NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
+                                        ctx->job.call_key,
+                                        ctx->job.call_key_len)
+            == NGX_AGAIN)
+        {
+            return NGX_OK;
+        }
+
+        ctx->job.call_sr = sr;
+    }
+
+    ctx->job.call_then = 0;
     ctx->job.call_done = 1;
     ctx->job.call_inflight = 0;
 

@@ -102,6 +102,23 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
         task = cJSON_GetObjectItemCaseSensitive(slot, "id_task");
         ctx->job.slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
 
+        /* a draft model beside the target: restores erase first (call.c) */
+
+        ctx->job.speculative = cJSON_IsTrue(
+                    cJSON_GetObjectItemCaseSensitive(slot, "speculative"));
+
+        if (ctx->job.speculative && !ctx->zone->sh->speculative_said) {
+            ctx->zone->sh->speculative_said = 1;
+            ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                          "llama_session: llama-server runs speculative "
+                          "decoding (a draft model) for zone \"%V\": its "
+                          "slot files hold the target model's context "
+                          "alone, so each restore erases the slot first "
+                          "(a restore over a longer draft context fails "
+                          "every request with 500), and the draft starts "
+                          "over after it (docs/models.md)", &ctx->zone->name);
+        }
+
         cJSON_Delete(json);
 
         return NGX_OK;

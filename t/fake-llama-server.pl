@@ -37,7 +37,8 @@
 # (completion): the SSE events a streamed one gets, then [DONE];
 # discard (restore): a 200 that leaves the slot empty, as models with
 # recurrent or sliding-window layers do; apply (POST /apply-template):
-# {"status": N}; restore_ms (restore): the time its reply reports (a slow
+# {"status": N}; speculative (top level): GET /slots shows the slots with
+# a draft model; restore_ms (restore): the time its reply reports (a slow
 # disk); close_reused: N (save, restore, erase, completion): drop the
 # connection without an answer, the first N times the call comes on a
 # connection that served a request before (a kept-alive one); times: N
@@ -298,7 +299,9 @@ sub handle {
         my $st = read_state();
         my $i = 0;
         return reply($c, 200, [ map {
-            { id => $i++, n_ctx => 16384, speculative => JSON::PP::false,
+            { id => $i++, n_ctx => 16384,
+              speculative => $script->{speculative} ? JSON::PP::true
+                                                    : JSON::PP::false,
               is_processing => ($script->{slots}{processing}
                                 || $_->{busy}) ? JSON::PP::true
                                                : JSON::PP::false,
