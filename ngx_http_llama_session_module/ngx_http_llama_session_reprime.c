@@ -709,103 +709,48 @@ ngx_http_llama_session_prefix_tokenize(ngx_http_request_t *r,
 }
 
 
-/*
- * POST /tokenize's reply, {"tokens":[...]}: the tokens, in the pool.  A
- * conversation's tokens are more values than a cJSON tree of a backend's
- * reply may hold (JSON_VALUES), and cost it 64 bytes each: the list is
- * scanned here, numbers only (with_pieces objects are refused).
- */
-
-static ngx_str_t  ngx_http_llama_session_tokens_name = ngx_string("tokens");
+/* POST /tokenize's reply, {"tokens":[...]}: the tokens, in the pool */
 
 static ngx_int_t
 ngx_http_llama_session_prefix_tokens_of(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, int **tokens, size_t *n)
 {
-    int                            *t;
-    u_char                         *p, *end;
-    size_t                          i, max;
-    uint64_t                        v;
-    ngx_buf_t                      *b;
-    ngx_http_llama_session_span_t   list;
+    int     *t;
+    cJSON   *json, *list, *item;
+    size_t   i, len;
 
-    b = ctx->job.call_reply;
+    json = ngx_http_llama_session_prefix_reply(ctx);
+    list = cJSON_GetObjectItemCaseSensitive(json, "tokens");
 
-    if (b == NULL
-        || ngx_http_llama_session_json_object(b->pos, b->last,
-                                   &ngx_http_llama_session_tokens_name, &list,
-                                   1)
-           == NULL
-        || list.start == NULL || *list.start != '[')
-    {
+    len = cJSON_IsArray(list) ? (size_t) cJSON_GetArraySize(list) : 0;
+
+    if (len == 0 || len > NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS) {
+        cJSON_Delete(json);
         return NGX_DECLINED;
     }
 
-    /* at most one token per two bytes of the list ("1,") */
-
-    max = (size_t) (list.end - list.start) / 2 + 1;
-
-    if (max > NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS) {
-        max = NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS;
-    }
-
-    t = ngx_palloc(r->pool, max * sizeof(int));
+    t = ngx_palloc(r->pool, len * sizeof(int));
     if (t == NULL) {
+        cJSON_Delete(json);
         return NGX_ERROR;
     }
 
-    p = list.start + 1;
-    end = list.end - 1;     /* its "]" */
     i = 0;
 
-    for ( ;; ) {
-        while (p < end && (*p == ' ' || *p == '\t' || *p == '\r'
-                           || *p == '\n'))
+    cJSON_ArrayForEach(item, list) {
+        if (!cJSON_IsNumber(item) || item->valuedouble < 0
+            || item->valuedouble > 0x7fffffff)
         {
-            p++;
-        }
-
-        if (p == end) {
-            break;
-        }
-
-        if (*p < '0' || *p > '9' || i == max) {
+            /* with_pieces objects, or not a token id */
             ngx_pfree(r->pool, t);
+            cJSON_Delete(json);
             return NGX_DECLINED;
         }
 
-        for (v = 0; p < end && *p >= '0' && *p <= '9'; p++) {
-            v = v * 10 + (*p - '0');
-
-            if (v > 0x7fffffff) {
-                /* no token id */
-                ngx_pfree(r->pool, t);
-                return NGX_DECLINED;
-            }
-        }
-
-        t[i++] = (int) v;
-
-        while (p < end && (*p == ' ' || *p == '\t' || *p == '\r'
-                           || *p == '\n'))
-        {
-            p++;
-        }
-
-        if (p < end) {
-            if (*p != ',') {
-                ngx_pfree(r->pool, t);
-                return NGX_DECLINED;
-            }
-
-            p++;
-        }
+        t[i++] = (int) item->valuedouble;
     }
 
-    if (i == 0) {
-        ngx_pfree(r->pool, t);
-        return NGX_DECLINED;
-    }
+    cJSON_Delete(json);
 
     *tokens = t;
     *n = i;
