@@ -17,19 +17,13 @@
  * the re-prime (docs/models.md).
  *
  * How: POST /apply-template the turn's request with the reply and a user
- * message "1" appended, then with "2"; each render is tokenised as
- * llama-server tokenises a prompt (POST /tokenize, special tokens added
- * and parsed), and their longest common token prefix is what the next turn
- * starts with (a template that drops thinking has dropped it there as it
- * will then).  Tokens, not characters: no template's layout (newlines or
- * none between messages, as harmony's, special tokens, a channel the next
- * turn drops) moves the cut, and no cut splits a token.  POST /completion
- * {"prompt": [those tokens], "n_predict": 1, "id_slot": N,
+ * message "1" appended, then with "2"; their longest common prefix, cut
+ * after its last newline, is what the next turn starts with (a template
+ * that drops thinking has dropped it there as it will then).  POST
+ * /completion {"prompt": that, "n_predict": 1, "id_slot": N,
  * "cache_prompt": true}: llama-server evaluates what the slot lacks (from
  * its own checkpoint near the prompt's end) and the one token it samples
  * is never decoded, so the slot holds exactly that prefix; then the save.
- * /tokenize runs in llama-server's HTTP thread: it never waits behind the
- * slots' work.
  *
  * A re-prime that fails (no turn file, a template error, a prompt too
  * long) is logged and the save goes on as it would have.
@@ -49,8 +43,7 @@
 typedef struct {
     ngx_buf_t                      *sent;       /* the body in flight */
     ngx_buf_t                      *second;     /* the body with "2" */
-    int                            *tokens;     /* the render with "1" */
-    size_t                          ntokens;
+    ngx_str_t                       first;      /* the render with "1" */
     ngx_uint_t                      step;       /* the call in flight */
     ngx_int_t                       cached;     /* the completion's */
     ngx_int_t                       evaluated;
@@ -58,14 +51,9 @@ typedef struct {
 } ngx_http_llama_session_prefix_t;
 
 
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST     0   /* the render with "1" */
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS1   1   /* its tokens */
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND    2   /* the render with "2" */
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2   3
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE  4
-
-/* a conversation's tokens: more than any context llama-server takes */
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS    (4 * 1024 * 1024)
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST     0
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND    1
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE  2
 
 /* re-primes in a row that found nothing to do, before they stop */
 #define NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX      3
@@ -80,13 +68,8 @@ static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static void ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached);
-static ngx_int_t ngx_http_llama_session_prefix_tokenize(
-    ngx_http_request_t *r, ngx_http_llama_session_ctx_t *ctx, cJSON *prompt);
-static ngx_int_t ngx_http_llama_session_prefix_tokens_of(
-    ngx_http_request_t *r, ngx_http_llama_session_ctx_t *ctx, int **tokens,
-    size_t *n);
 static ngx_int_t ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, int *tokens, size_t n);
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt);
 static void ngx_http_llama_session_prefix_result(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_prefix_t *pp);
 static cJSON *ngx_http_llama_session_prefix_reply(
@@ -523,11 +506,9 @@ ngx_int_t
 ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, char *what)
 {
-    int                              *tokens;
     cJSON                            *json, *prompt;
-    size_t                            ntokens, common;
-    ngx_int_t                         rc;
     ngx_uint_t                        call;
+    ngx_str_t                         common;
     ngx_http_llama_session_prefix_t  *pp;
 
     pp = ctx->job.reprime;
@@ -545,10 +526,7 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
 
     call = (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE)
            ? NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
-           : (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS1
-              || pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2)
-             ? NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE
-             : NGX_HTTP_LLAMA_SESSION_CALL_APPLY;
+           : NGX_HTTP_LLAMA_SESSION_CALL_APPLY;
 
     if (ctx->job.call_status != NGX_HTTP_OK) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -564,55 +542,36 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    switch (pp->step) {
-
-    case NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE:
+    if (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE) {
         ngx_http_llama_session_prefix_result(ctx, pp);
         return NGX_OK;
+    }
 
-    case NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST:
-    case NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND:
+    json = ngx_http_llama_session_prefix_reply(ctx);
 
-        /* a render: its tokens are asked */
+    prompt = cJSON_GetObjectItemCaseSensitive(json, "prompt");
 
-        json = ngx_http_llama_session_prefix_reply(ctx);
-        prompt = cJSON_GetObjectItemCaseSensitive(json, "prompt");
-
-        if (!cJSON_IsString(prompt)) {
-            cJSON_Delete(json);
-            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                          "llama_session: POST /apply-template gave the %s "
-                          "no prompt", what);
-            return NGX_DECLINED;
-        }
-
-        rc = ngx_http_llama_session_prefix_tokenize(r, ctx, prompt);
+    if (!cJSON_IsString(prompt)) {
         cJSON_Delete(json);
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: POST /apply-template gave the %s no "
+                      "prompt", what);
+        return NGX_DECLINED;
+    }
 
-        if (rc != NGX_OK) {
+    if (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST) {
+        /* the first render: kept, the second is asked */
+
+        pp->first.len = ngx_strlen(prompt->valuestring);
+        pp->first.data = ngx_pnalloc(r->pool, pp->first.len);
+
+        if (pp->first.data == NULL) {
+            cJSON_Delete(json);
             return NGX_DECLINED;
         }
 
-        pp->step++;
-        pp->sent = ctx->job.call_body;
-
-        return ngx_http_llama_session_call(r, ctx,
-                                        NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE,
-                                        NULL, 0);
-
-    case NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS1:
-
-        /* the first render's tokens: kept, the second render is asked */
-
-        if (ngx_http_llama_session_prefix_tokens_of(r, ctx, &pp->tokens,
-                                                    &pp->ntokens)
-            != NGX_OK)
-        {
-            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                          "llama_session: POST /tokenize gave the %s no "
-                          "tokens", what);
-            return NGX_DECLINED;
-        }
+        ngx_memcpy(pp->first.data, prompt->valuestring, pp->first.len);
+        cJSON_Delete(json);
 
         pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND;
         ctx->job.call_body = pp->second;
@@ -621,48 +580,40 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_APPLY,
                                            NULL, 0);
-
-    default: /* NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2 */
-        break;
     }
 
-    /* the second render's tokens: what both share is the next turn's */
+    /* the second: what both share, up to its last newline */
 
-    if (ngx_http_llama_session_prefix_tokens_of(r, ctx, &tokens, &ntokens)
-        != NGX_OK)
+    common.data = pp->first.data;
+    common.len = 0;
+
+    while (common.len < pp->first.len
+           && prompt->valuestring[common.len] != '\0'
+           && prompt->valuestring[common.len]
+              == (char) pp->first.data[common.len])
     {
+        common.len++;
+    }
+
+    cJSON_Delete(json);
+
+    while (common.len && common.data[common.len - 1] != '\n') {
+        common.len--;
+    }
+
+    if (common.len == 0) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: POST /tokenize gave the %s no tokens",
-                      what);
+                      "llama_session: the template renders no common line "
+                      "for the %s", what);
         return NGX_DECLINED;
     }
 
-    for (common = 0;
-         common < pp->ntokens && common < ntokens
-         && pp->tokens[common] == tokens[common];
-         common++)
-    {
-        /* void */
-    }
-
-    ngx_pfree(r->pool, tokens);
-
-    if (common == 0) {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: the template renders no common "
-                      "token for the %s", what);
+    if (ngx_http_llama_session_prefix_prompt(r, ctx, &common) != NGX_OK) {
         return NGX_DECLINED;
     }
 
-    if (ngx_http_llama_session_prefix_prompt(r, ctx, pp->tokens, common)
-        != NGX_OK)
-    {
-        return NGX_DECLINED;
-    }
-
-    ngx_pfree(r->pool, pp->tokens);
-    pp->tokens = NULL;
-    pp->ntokens = 0;
+    ngx_pfree(r->pool, pp->first.data);
+    ngx_str_null(&pp->first);
 
     pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE;
     pp->sent = ctx->job.call_body;
@@ -670,92 +621,6 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE,
                                        NULL, 0);
-}
-
-
-/*
- * POST /tokenize's body for a render: its tokens as llama-server makes a
- * prompt's (special tokens added and parsed), the model's in router mode
- */
-
-static ngx_int_t
-ngx_http_llama_session_prefix_tokenize(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, cJSON *prompt)
-{
-    cJSON  *json;
-
-    json = cJSON_CreateObject();
-    if (json == NULL) {
-        return NGX_ERROR;
-    }
-
-    if (cJSON_AddItemReferenceToObject(json, "content", prompt) == 0
-        || cJSON_AddBoolToObject(json, "add_special", 1) == NULL
-        || cJSON_AddBoolToObject(json, "parse_special", 1) == NULL
-        || (ctx->zone->model.len
-            && cJSON_AddStringToObject(json, "model",
-                                       (char *) ctx->zone->model.data)
-               == NULL))
-    {
-        cJSON_Delete(json);
-        return NGX_ERROR;
-    }
-
-    ctx->job.call_body = ngx_http_llama_session_prefix_buf(r,
-                                                cJSON_PrintUnformatted(json));
-    cJSON_Delete(json);
-
-    return ctx->job.call_body ? NGX_OK : NGX_ERROR;
-}
-
-
-/* POST /tokenize's reply, {"tokens":[...]}: the tokens, in the pool */
-
-static ngx_int_t
-ngx_http_llama_session_prefix_tokens_of(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, int **tokens, size_t *n)
-{
-    int     *t;
-    cJSON   *json, *list, *item;
-    size_t   i, len;
-
-    json = ngx_http_llama_session_prefix_reply(ctx);
-    list = cJSON_GetObjectItemCaseSensitive(json, "tokens");
-
-    len = cJSON_IsArray(list) ? (size_t) cJSON_GetArraySize(list) : 0;
-
-    if (len == 0 || len > NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS) {
-        cJSON_Delete(json);
-        return NGX_DECLINED;
-    }
-
-    t = ngx_palloc(r->pool, len * sizeof(int));
-    if (t == NULL) {
-        cJSON_Delete(json);
-        return NGX_ERROR;
-    }
-
-    i = 0;
-
-    cJSON_ArrayForEach(item, list) {
-        if (!cJSON_IsNumber(item) || item->valuedouble < 0
-            || item->valuedouble > 0x7fffffff)
-        {
-            /* with_pieces objects, or not a token id */
-            ngx_pfree(r->pool, t);
-            cJSON_Delete(json);
-            return NGX_DECLINED;
-        }
-
-        t[i++] = (int) item->valuedouble;
-    }
-
-    cJSON_Delete(json);
-
-    *tokens = t;
-    *n = i;
-
-    return NGX_OK;
 }
 
 
@@ -774,13 +639,13 @@ ngx_http_llama_session_prefix_tokens(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
-/* POST /completion's body: the prefix's tokens, on the job's slot, one token */
+/* POST /completion's body: the prefix, on the job's slot, one token */
 
 static ngx_int_t
 ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, int *tokens, size_t n)
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt)
 {
-    char   *text;
+    char   *text, *copy;
     cJSON  *json, *p;
 
     json = cJSON_CreateObject();
@@ -788,7 +653,10 @@ ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    if (cJSON_AddNumberToObject(json, "n_predict", 1) == NULL
+    p = cJSON_CreateStringReference("");
+
+    if (p == NULL
+        || cJSON_AddNumberToObject(json, "n_predict", 1) == NULL
         || cJSON_AddBoolToObject(json, "cache_prompt", 1) == NULL
         || cJSON_AddNumberToObject(json, "id_slot", ctx->job.slot) == NULL
         || cJSON_AddBoolToObject(json, "stream", 0) == NULL
@@ -797,22 +665,29 @@ ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
                                        (char *) ctx->zone->model.data)
                == NULL))
     {
+        cJSON_Delete(p);
         cJSON_Delete(json);
         return NGX_ERROR;
     }
 
-    /* the tokens as they are: llama-server adds nothing to a token list */
+    /* the prompt: a NUL-terminated copy, which cJSON only refers to */
 
-    p = cJSON_CreateIntArray(tokens, (int) n);
-    if (p == NULL) {
+    p->valuestring = (char *) ngx_pnalloc(r->pool, prompt->len + 1);
+    if (p->valuestring == NULL) {
+        cJSON_Delete(p);
         cJSON_Delete(json);
         return NGX_ERROR;
     }
+
+    ngx_memcpy(p->valuestring, prompt->data, prompt->len);
+    p->valuestring[prompt->len] = '\0';
 
     cJSON_AddItemToObject(json, "prompt", p);
 
+    copy = p->valuestring;
     text = cJSON_PrintUnformatted(json);
     cJSON_Delete(json);
+    ngx_pfree(r->pool, copy);
 
     ctx->job.call_body = ngx_http_llama_session_prefix_buf(r, text);
 

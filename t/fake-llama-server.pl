@@ -9,7 +9,6 @@
 #   POST /completion, /v1/completions, /v1/chat/completions, /v1/embeddings
 #        and anything else under POST: an inference with a fake cache
 #   POST /apply-template: the messages' JSON, the last one on its own line
-#   POST /tokenize: a character's code point for each token
 #
 # Its "KV cache" per slot is the request's prompt text; cache_n is the
 # length of the common prefix (in characters) with the slot's text.  Save
@@ -404,16 +403,6 @@ sub handle {
         return reply($c, 200, { prompt => $prompt });
     }
 
-    # a "token" is a character: its code point, as the slot's text is
-    # characters (special tokens, add_special: nothing of the kind here)
-    if ($m eq 'POST' && $req->{path} eq '/tokenize') {
-        my $body = eval { $json->decode($req->{body}) } // {};
-        return error($c, 400, 'no content', 'invalid_request_error')
-            unless defined $body->{content} && !ref $body->{content};
-        return reply($c, 200, { tokens => [ map { ord } split //,
-                                            $body->{content} ] });
-    }
-
     if ($m eq 'POST') {
         return completion($c, $req, $script->{completion});
     }
@@ -433,12 +422,8 @@ sub completion {
 
     my $id = defined $body->{id_slot} && $body->{id_slot} >= 0
              ? $body->{id_slot} % $o{np} : 0;
-    # a prompt given as text, or as tokens (/tokenize's code points), is
-    # the slot's text as it is (a prefix prime)
+    # a prompt given as text is the slot's text as it is (a prefix prime)
     my $text = ref $body ne 'HASH' ? $req->{body}
-             : ref $body->{prompt} eq 'ARRAY' && !defined $body->{messages}
-               && !(grep { ref || !/^\d+$/ } @{ $body->{prompt} })
-               ? join('', map { chr } @{ $body->{prompt} })
              : defined $body->{prompt} && !ref $body->{prompt}
                && !defined $body->{messages} ? $body->{prompt}
              : $json->encode($body->{messages} // $body->{prompt}
