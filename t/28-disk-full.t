@@ -22,7 +22,7 @@ use Test::More;
 my $t = LlamaTest->new(workers => 2, timeout => 300);
 my $small = $t->dir . '/small';
 mkdir $small;
-if (system("mount -t tmpfs -o size=100m tmpfs $small 2>/dev/null") != 0) {
+if (system("mount -t tmpfs -o size=120m tmpfs $small 2>/dev/null") != 0) {
     plan skip_all => 'cannot mount a small tmpfs here';
 }
 LlamaTest::slots_dir($small, (getpwnam($LlamaTest::LLAMA_USER))[2]);
