@@ -192,7 +192,8 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_CALL_LOAD,           /* POST /models/load */
     NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD,         /* POST /models/unload */
     NGX_HTTP_LLAMA_SESSION_CALL_APPLY,          /* POST /apply-template */
-    NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE        /* the re-prime's */
+    NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE,       /* the re-prime's */
+    NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE        /* POST /tokenize */
 } ngx_http_llama_session_call_e;
 
 

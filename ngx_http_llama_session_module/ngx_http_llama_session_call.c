@@ -97,6 +97,9 @@ static ngx_http_llama_session_call_t  ngx_http_llama_session_calls[] = {
       ngx_null_string, ngx_null_string, NGX_HTTP_POST },
 
     { ngx_string("the re-prime's POST /completion"), ngx_string("/completion"),
+      ngx_null_string, ngx_null_string, NGX_HTTP_POST },
+
+    { ngx_string("POST /tokenize"), ngx_string("/tokenize"),
       ngx_null_string, ngx_null_string, NGX_HTTP_POST }
 };
 
@@ -346,7 +349,8 @@ ngx_http_llama_session_call_body(ngx_http_request_t *r,
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME
         || call == NGX_HTTP_LLAMA_SESSION_CALL_APPLY
-        || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE)
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
+        || call == NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE)
     {
         b = ctx->job.call_body;
         ctx->job.call_body = NULL;
@@ -577,7 +581,8 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
 
     if (body && (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME
                  || call == NGX_HTTP_LLAMA_SESSION_CALL_APPLY
-                 || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE))
+                 || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
+                 || call == NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE))
     {
         /* a body made for the call: the same bytes again */
         body->pos = ctx->job.call_sent_pos;

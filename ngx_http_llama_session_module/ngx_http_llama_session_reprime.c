@@ -17,13 +17,19 @@
  * the re-prime (docs/models.md).
  *
  * How: POST /apply-template the turn's request with the reply and a user
- * message "1" appended, then with "2"; their longest common prefix, cut
- * after its last newline, is what the next turn starts with (a template
- * that drops thinking has dropped it there as it will then).  POST
- * /completion {"prompt": that, "n_predict": 1, "id_slot": N,
+ * message "1" appended, then with "2"; each render is tokenised as
+ * llama-server tokenises a prompt (POST /tokenize, special tokens added
+ * and parsed), and their longest common token prefix is what the next turn
+ * starts with (a template that drops thinking has dropped it there as it
+ * will then).  Tokens, not characters: no template's layout (newlines or
+ * none between messages, as harmony's, special tokens, a channel the next
+ * turn drops) moves the cut, and no cut splits a token.  POST /completion
+ * {"prompt": [those tokens], "n_predict": 1, "id_slot": N,
  * "cache_prompt": true}: llama-server evaluates what the slot lacks (from
  * its own checkpoint near the prompt's end) and the one token it samples
  * is never decoded, so the slot holds exactly that prefix; then the save.
+ * /tokenize runs in llama-server's HTTP thread: it never waits behind the
+ * slots' work.
  *
  * A re-prime that fails (no turn file, a template error, a prompt too
  * long) is logged and the save goes on as it would have.
@@ -43,7 +49,8 @@
 typedef struct {
     ngx_buf_t                      *sent;       /* the body in flight */
     ngx_buf_t                      *second;     /* the body with "2" */
-    ngx_str_t                       first;      /* the render with "1" */
+    int                            *tokens;     /* the render with "1" */
+    size_t                          ntokens;
     ngx_uint_t                      step;       /* the call in flight */
     ngx_int_t                       cached;     /* the completion's */
     ngx_int_t                       evaluated;
@@ -51,9 +58,14 @@ typedef struct {
 } ngx_http_llama_session_prefix_t;
 
 
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST     0
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND    1
-#define NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE  2
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST     0   /* the render with "1" */
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS1   1   /* its tokens */
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND    2   /* the render with "2" */
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2   3
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE  4
+
+/* a conversation's tokens: more than any context llama-server takes */
+#define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS    (4 * 1024 * 1024)
 
 /* re-primes in a row that found nothing to do, before they stop */
 #define NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX      3
@@ -68,8 +80,13 @@ static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static void ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached);
+static ngx_int_t ngx_http_llama_session_prefix_tokenize(
+    ngx_http_request_t *r, ngx_http_llama_session_ctx_t *ctx, cJSON *prompt);
+static ngx_int_t ngx_http_llama_session_prefix_tokens_of(
+    ngx_http_request_t *r, ngx_http_llama_session_ctx_t *ctx, int **tokens,
+    size_t *n);
 static ngx_int_t ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt);
+    ngx_http_llama_session_ctx_t *ctx, int *tokens, size_t n);
 static void ngx_http_llama_session_prefix_result(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_prefix_t *pp);
 static cJSON *ngx_http_llama_session_prefix_reply(
@@ -506,9 +523,11 @@ ngx_int_t
 ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, char *what)
 {
+    int                              *tokens;
     cJSON                            *json, *prompt;
+    size_t                            ntokens, common;
+    ngx_int_t                         rc;
     ngx_uint_t                        call;
-    ngx_str_t                         common;
     ngx_http_llama_session_prefix_t  *pp;
 
     pp = ctx->job.reprime;
@@ -526,7 +545,10 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
 
     call = (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE)
            ? NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
-           : NGX_HTTP_LLAMA_SESSION_CALL_APPLY;
+           : (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS1
+              || pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2)
+             ? NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE
+             : NGX_HTTP_LLAMA_SESSION_CALL_APPLY;
 
     if (ctx->job.call_status != NGX_HTTP_OK) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -542,36 +564,55 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    if (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE) {
+    switch (pp->step) {
+
+    case NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE:
         ngx_http_llama_session_prefix_result(ctx, pp);
         return NGX_OK;
-    }
 
-    json = ngx_http_llama_session_prefix_reply(ctx);
+    case NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST:
+    case NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND:
 
-    prompt = cJSON_GetObjectItemCaseSensitive(json, "prompt");
+        /* a render: its tokens are asked */
 
-    if (!cJSON_IsString(prompt)) {
-        cJSON_Delete(json);
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: POST /apply-template gave the %s no "
-                      "prompt", what);
-        return NGX_DECLINED;
-    }
+        json = ngx_http_llama_session_prefix_reply(ctx);
+        prompt = cJSON_GetObjectItemCaseSensitive(json, "prompt");
 
-    if (pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_FIRST) {
-        /* the first render: kept, the second is asked */
-
-        pp->first.len = ngx_strlen(prompt->valuestring);
-        pp->first.data = ngx_pnalloc(r->pool, pp->first.len);
-
-        if (pp->first.data == NULL) {
+        if (!cJSON_IsString(prompt)) {
             cJSON_Delete(json);
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: POST /apply-template gave the %s "
+                          "no prompt", what);
             return NGX_DECLINED;
         }
 
-        ngx_memcpy(pp->first.data, prompt->valuestring, pp->first.len);
+        rc = ngx_http_llama_session_prefix_tokenize(r, ctx, prompt);
         cJSON_Delete(json);
+
+        if (rc != NGX_OK) {
+            return NGX_DECLINED;
+        }
+
+        pp->step++;
+        pp->sent = ctx->job.call_body;
+
+        return ngx_http_llama_session_call(r, ctx,
+                                        NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE,
+                                        NULL, 0);
+
+    case NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS1:
+
+        /* the first render's tokens: kept, the second render is asked */
+
+        if (ngx_http_llama_session_prefix_tokens_of(r, ctx, &pp->tokens,
+                                                    &pp->ntokens)
+            != NGX_OK)
+        {
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: POST /tokenize gave the %s no "
+                          "tokens", what);
+            return NGX_DECLINED;
+        }
 
         pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND;
         ctx->job.call_body = pp->second;
@@ -580,40 +621,48 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_APPLY,
                                            NULL, 0);
+
+    default: /* NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2 */
+        break;
     }
 
-    /* the second: what both share, up to its last newline */
+    /* the second render's tokens: what both share is the next turn's */
 
-    common.data = pp->first.data;
-    common.len = 0;
-
-    while (common.len < pp->first.len
-           && prompt->valuestring[common.len] != '\0'
-           && prompt->valuestring[common.len]
-              == (char) pp->first.data[common.len])
+    if (ngx_http_llama_session_prefix_tokens_of(r, ctx, &tokens, &ntokens)
+        != NGX_OK)
     {
-        common.len++;
-    }
-
-    cJSON_Delete(json);
-
-    while (common.len && common.data[common.len - 1] != '\n') {
-        common.len--;
-    }
-
-    if (common.len == 0) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: the template renders no common line "
-                      "for the %s", what);
+                      "llama_session: POST /tokenize gave the %s no tokens",
+                      what);
         return NGX_DECLINED;
     }
 
-    if (ngx_http_llama_session_prefix_prompt(r, ctx, &common) != NGX_OK) {
+    for (common = 0;
+         common < pp->ntokens && common < ntokens
+         && pp->tokens[common] == tokens[common];
+         common++)
+    {
+        /* void */
+    }
+
+    ngx_pfree(r->pool, tokens);
+
+    if (common == 0) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session: the template renders no common "
+                      "token for the %s", what);
         return NGX_DECLINED;
     }
 
-    ngx_pfree(r->pool, pp->first.data);
-    ngx_str_null(&pp->first);
+    if (ngx_http_llama_session_prefix_prompt(r, ctx, pp->tokens, common)
+        != NGX_OK)
+    {
+        return NGX_DECLINED;
+    }
+
+    ngx_pfree(r->pool, pp->tokens);
+    pp->tokens = NULL;
+    pp->ntokens = 0;
 
     pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE;
     pp->sent = ctx->job.call_body;
@@ -621,6 +670,147 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE,
                                        NULL, 0);
+}
+
+
+/*
+ * POST /tokenize's body for a render: its tokens as llama-server makes a
+ * prompt's (special tokens added and parsed), the model's in router mode
+ */
+
+static ngx_int_t
+ngx_http_llama_session_prefix_tokenize(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, cJSON *prompt)
+{
+    cJSON  *json;
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (cJSON_AddItemReferenceToObject(json, "content", prompt) == 0
+        || cJSON_AddBoolToObject(json, "add_special", 1) == NULL
+        || cJSON_AddBoolToObject(json, "parse_special", 1) == NULL
+        || (ctx->zone->model.len
+            && cJSON_AddStringToObject(json, "model",
+                                       (char *) ctx->zone->model.data)
+               == NULL))
+    {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    ctx->job.call_body = ngx_http_llama_session_prefix_buf(r,
+                                                cJSON_PrintUnformatted(json));
+    cJSON_Delete(json);
+
+    return ctx->job.call_body ? NGX_OK : NGX_ERROR;
+}
+
+
+/*
+ * POST /tokenize's reply, {"tokens":[...]}: the tokens, in the pool.  A
+ * conversation's tokens are more values than a cJSON tree of a backend's
+ * reply may hold (JSON_VALUES), and cost it 64 bytes each: the list is
+ * scanned here, numbers only (with_pieces objects are refused).
+ */
+
+static ngx_str_t  ngx_http_llama_session_tokens_name = ngx_string("tokens");
+
+static ngx_int_t
+ngx_http_llama_session_prefix_tokens_of(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, int **tokens, size_t *n)
+{
+    int                            *t;
+    u_char                         *p, *end;
+    size_t                          i, max;
+    uint64_t                        v;
+    ngx_buf_t                      *b;
+    ngx_http_llama_session_span_t   list;
+
+    b = ctx->job.call_reply;
+
+    if (b == NULL
+        || ngx_http_llama_session_json_object(b->pos, b->last,
+                                   &ngx_http_llama_session_tokens_name, &list,
+                                   1)
+           == NULL
+        || list.start == NULL || *list.start != '[')
+    {
+        return NGX_DECLINED;
+    }
+
+    /* at most one token per two bytes of the list ("1,") */
+
+    max = (size_t) (list.end - list.start) / 2 + 1;
+
+    if (max > NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS) {
+        max = NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS;
+    }
+
+    t = ngx_palloc(r->pool, max * sizeof(int));
+    if (t == NULL) {
+        return NGX_ERROR;
+    }
+
+    p = list.start + 1;
+    end = list.end - 1;     /* its "]" */
+    i = 0;
+
+    for ( ;; ) {
+        while (p < end && (*p == ' ' || *p == '\t' || *p == '\r'
+                           || *p == '\n'))
+        {
+            p++;
+        }
+
+        if (p == end) {
+            break;
+        }
+
+        if (*p < '0' || *p > '9' || i == max) {
+            ngx_pfree(r->pool, t);
+            return NGX_DECLINED;
+        }
+
+        for (v = 0; p < end && *p >= '0' && *p <= '9'; p++) {
+            v = v * 10 + (*p - '0');
+
+            if (v > 0x7fffffff) {
+                /* no token id */
+                ngx_pfree(r->pool, t);
+                return NGX_DECLINED;
+            }
+        }
+
+        t[i++] = (int) v;
+
+        while (p < end && (*p == ' ' || *p == '\t' || *p == '\r'
+                           || *p == '\n'))
+        {
+            p++;
+        }
+
+        if (p < end) {
+            if (*p != ',') {
+                ngx_pfree(r->pool, t);
+                return NGX_DECLINED;
+            }
+
+            p++;
+        }
+    }
+
+    if (i == 0) {
+        ngx_pfree(r->pool, t);
+        return NGX_DECLINED;
+    }
+
+    *tokens = t;
+    *n = i;
+
+    return NGX_OK;
 }
 
 
@@ -639,13 +829,13 @@ ngx_http_llama_session_prefix_tokens(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
-/* POST /completion's body: the prefix, on the job's slot, one token */
+/* POST /completion's body: the prefix's tokens, on the job's slot, one token */
 
 static ngx_int_t
 ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *prompt)
+    ngx_http_llama_session_ctx_t *ctx, int *tokens, size_t n)
 {
-    char   *text, *copy;
+    char   *text;
     cJSON  *json, *p;
 
     json = cJSON_CreateObject();
@@ -653,10 +843,7 @@ ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    p = cJSON_CreateStringReference("");
-
-    if (p == NULL
-        || cJSON_AddNumberToObject(json, "n_predict", 1) == NULL
+    if (cJSON_AddNumberToObject(json, "n_predict", 1) == NULL
         || cJSON_AddBoolToObject(json, "cache_prompt", 1) == NULL
         || cJSON_AddNumberToObject(json, "id_slot", ctx->job.slot) == NULL
         || cJSON_AddBoolToObject(json, "stream", 0) == NULL
@@ -665,29 +852,22 @@ ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
                                        (char *) ctx->zone->model.data)
                == NULL))
     {
-        cJSON_Delete(p);
         cJSON_Delete(json);
         return NGX_ERROR;
     }
 
-    /* the prompt: a NUL-terminated copy, which cJSON only refers to */
+    /* the tokens as they are: llama-server adds nothing to a token list */
 
-    p->valuestring = (char *) ngx_pnalloc(r->pool, prompt->len + 1);
-    if (p->valuestring == NULL) {
-        cJSON_Delete(p);
+    p = cJSON_CreateIntArray(tokens, (int) n);
+    if (p == NULL) {
         cJSON_Delete(json);
         return NGX_ERROR;
     }
-
-    ngx_memcpy(p->valuestring, prompt->data, prompt->len);
-    p->valuestring[prompt->len] = '\0';
 
     cJSON_AddItemToObject(json, "prompt", p);
 
-    copy = p->valuestring;
     text = cJSON_PrintUnformatted(json);
     cJSON_Delete(json);
-    ngx_pfree(r->pool, copy);
 
     ctx->job.call_body = ngx_http_llama_session_prefix_buf(r, text);
 

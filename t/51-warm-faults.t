@@ -60,6 +60,7 @@ sub what {
     return $c->{path} =~ m{^/slots/\d+$} ? ($c->{query} =~ /action=(\w+)/)[0]
          : $c->{path} eq '/slots' ? 'get'
          : $c->{path} eq '/apply-template' ? 'template'
+         : $c->{path} eq '/tokenize' ? 'tokens'
          : LlamaTest::prefix_call($c) ? 'reprime'
          : $c->{method} eq 'POST' ? (($c->{body} // '') =~ /"max_tokens":1,/
                                      ? 'prime' : 'completion')
@@ -140,7 +141,8 @@ is($r->{status}, 200, 'a refused prime: the request is served');
 is($r->{action}, 'fresh', 'fresh');
 is($r->{cache_n}, 0, 'from an empty slot: nothing of gamma is reused');
 @calls = grep { $_ ne 'get' && $_ ne 'other' } map { what($_) } calls_since($n);
-is_deeply(\@calls, [ qw(template template reprime save prime erase completion) ],
+is_deeply(\@calls, [ qw(template tokens template tokens reprime save prime
+                         erase completion) ],
           'gamma, re-primed and saved, leaves the slot, which is erased '
           . 'after the refused prime')
     or diag "@calls";

@@ -74,9 +74,9 @@ ok(!$t->log_lines(qr/\[(?:error|crit|alert)\]/),
    'no error on the way (no 401 from llama-server)');
 
 my $log = $t->read_file($t->dir . '/slots.log');
-like($log, qr{^/_llama_slots/slots\?- 200\n/_llama_slots/apply-template\?- 200\n/_llama_slots/apply-template\?- 200\n/_llama_slots/completion\?- 200\n/_llama_slots/slots/0\?action=save 200$}m,
-     "the idle saver's GET /slots, its re-prime (two renders and the "
-     . 'completion) and save went through the slots location');
+like($log, qr{^/_llama_slots/slots\?- 200\n/_llama_slots/apply-template\?- 200\n/_llama_slots/tokenize\?- 200\n/_llama_slots/apply-template\?- 200\n/_llama_slots/tokenize\?- 200\n/_llama_slots/completion\?- 200\n/_llama_slots/slots/0\?action=save 200$}m,
+     "the idle saver's GET /slots, its re-prime (two renders, their "
+     . 'tokens and the completion) and save went through the slots location');
 
 # a reboot: the slot is empty, dana comes back from her idle-saved file
 $t->stop_nginx;

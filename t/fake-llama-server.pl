@@ -9,6 +9,7 @@
 #   POST /completion, /v1/completions, /v1/chat/completions, /v1/embeddings
 #        and anything else under POST: an inference with a fake cache
 #   POST /apply-template: the messages' JSON, the last one on its own line
+#   POST /tokenize: a character's code point for each token
 #
 # Its "KV cache" per slot is the request's prompt text; cache_n is the
 # length of the common prefix (in characters) with the slot's text.  Save
@@ -403,6 +404,18 @@ sub handle {
         return reply($c, 200, { prompt => $prompt });
     }
 
+    # a "token" is a character: its code point, as the slot's text is
+    # characters (special tokens, add_special: nothing of the kind here)
+    if ($m eq 'POST' && $req->{path} eq '/tokenize') {
+        my $body = eval { $json->decode($req->{body}) } // {};
+        return error($c, 400, 'no content', 'invalid_request_error')
+            unless defined $body->{content} && !ref $body->{content};
+        # written by hand: a conversation is megabytes of tokens, more
+        # than JSON::PP encodes in a test's time
+        return reply($c, 200, '{"tokens":['
+                     . join(',', unpack('U*', $body->{content})) . ']}');
+    }
+
     if ($m eq 'POST') {
         return completion($c, $req, $script->{completion});
     }
@@ -410,10 +423,30 @@ sub handle {
     return error($c, 404, 'File Not Found', 'not_found_error');
 }
 
+# the length of the common prefix of two texts, by halving: a character
+# at a time is quadratic on wide-character strings (substr walks them)
+sub common {
+    my ($a, $b) = @_;
+    my ($lo, $hi) = (0, length $a < length $b ? length $a : length $b);
+    while ($lo < $hi) {
+        my $m = int(($lo + $hi + 1) / 2);
+        if (substr($a, 0, $m) eq substr($b, 0, $m)) { $lo = $m } else { $hi = $m - 1 }
+    }
+    return $lo;
+}
+
 sub completion {
     my ($c, $req, $f) = @_;
 
-    my $body = eval { $json->decode($req->{body}) } // {};
+    # a prompt of tokens is read by a pattern before the rest is decoded:
+    # JSON::PP takes seconds over the megabytes of a long conversation's
+    my $tokens;
+    my $raw = $req->{body};
+    if ($raw =~ s/"prompt"\s*:\s*\[([\d,\s]*)\]/"prompt":0/) {
+        $tokens = pack 'U*', map { $_ + 0 } split /\s*,\s*/, $1 =~ s/^\s+//r;
+        utf8::downgrade($tokens, 1);
+    }
+    my $body = eval { $json->decode($raw) } // {};
 
     # llama-server tokenizes before its task takes a slot: "pre_ms" delays
     # that, whatever became of the client meanwhile
@@ -422,8 +455,10 @@ sub completion {
 
     my $id = defined $body->{id_slot} && $body->{id_slot} >= 0
              ? $body->{id_slot} % $o{np} : 0;
-    # a prompt given as text is the slot's text as it is (a prefix prime)
+    # a prompt given as text, or as tokens (/tokenize's code points), is
+    # the slot's text as it is (a prefix prime)
     my $text = ref $body ne 'HASH' ? $req->{body}
+             : defined $tokens && !defined $body->{messages} ? $tokens
              : defined $body->{prompt} && !ref $body->{prompt}
                && !defined $body->{messages} ? $body->{prompt}
              : $json->encode($body->{messages} // $body->{prompt}
@@ -433,9 +468,7 @@ sub completion {
     my $cache_n = with_state(sub {
         my $s = $_[0]{slots}[$id];
         my $old = $s->{text};
-        my $n = 0;
-        $n++ while $n < length($old) && $n < length($text)
-                   && substr($old, $n, 1) eq substr($text, $n, 1);
+        my $n = common($old, $text);
         $s->{busy} = 1;
         $s->{task} = $_[0]{task}++;
         return $n;

@@ -89,6 +89,16 @@ sub rig_path {
 }
 
 sub llama_binary { $ENV{LLAMA_SERVER} // rig_path('build-llama-server.sh') }
+
+# a real chat template of llama.cpp's tree (models/templates/NAME.jinja), of
+# the llama-server the tests run
+sub chat_template {
+    my ($name) = @_;
+    my $file = dirname(dirname(rig_path('build-llama-server.sh')))
+             . "/src/models/templates/$name.jinja";
+    die "no template $file\n" unless -e $file;
+    return $file;
+}
 sub llama_model  { $ENV{LLAMA_MODEL} // rig_path('make-model.sh') }
 
 sub spawn {
@@ -268,10 +278,11 @@ sub fake_script {
 # the calls the fake backend got, in order: [{method, path, query, headers,
 # body}, ...]
 # a call the module makes for a prefix prime (reprime.c), not a client's:
-# a render, or the completion that makes the slot hold the prefix
+# a render, its tokens, or the completion that makes the slot hold the
+# prefix
 sub prefix_call {
     my ($c) = @_;
-    return $c->{path} eq '/apply-template'
+    return $c->{path} eq '/apply-template' || $c->{path} eq '/tokenize'
         || ($c->{path} eq '/completion'
             && ($c->{body} // '') =~ /^\{"n_predict":1,"cache_prompt":true,"id_slot":\d+,/);
 }
