@@ -90,6 +90,7 @@ rig: deps
 	rig/make-model.sh 12
 	rig/make-model.sh gemma3
 	rig/make-model.sh lfm2
+	rig/make-model.sh mmproj
 	rig/npm-clients.sh
 
 # NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's

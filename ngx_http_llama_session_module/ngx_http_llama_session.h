@@ -255,6 +255,7 @@ typedef struct {
     u_char                          has_base;   /* base[] is its prefix's */
     u_char                          base[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving_base; /* a base's save runs */
+    u_char                          media;      /* its session has media */
     u_char                          has_ns;     /* ns[] is its tenant's */
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
@@ -339,9 +340,14 @@ typedef struct {
     ngx_atomic_uint_t               ineffective; /* ... and did not */
     ngx_atomic_uint_t               reprimes;   /* before a save */
     ngx_atomic_uint_t               reprime_failed;
+    ngx_atomic_uint_t               reprime_media; /* skipped: media */
+    ngx_atomic_uint_t               media_unsaved; /* saves refused */
     ngx_atomic_uint_t               reprime_tokens; /* evaluated by them */
     ngx_atomic_uint_t               reprefills; /* a restore cost more */
 } ngx_http_llama_session_stats_t;
+
+
+#define NGX_HTTP_LLAMA_SESSION_MEDIA_SAID  64
 
 
 typedef struct {
@@ -423,6 +429,18 @@ typedef struct {
     u_char                          restores_off;
     u_char                          restores_off_fp[
                                         NGX_HTTP_LLAMA_SESSION_FP_LEN];
+
+    /*
+     * llama-server refused to save a slot that holds media (501), for the
+     * configuration media_refused_fp; the sessions it was said of, by a
+     * hash of their keys, the last NGX_HTTP_LLAMA_SESSION_MEDIA_SAID
+     */
+    u_char                          media_refused;
+    u_char                          media_refused_fp[
+                                        NGX_HTTP_LLAMA_SESSION_FP_LEN];
+    uint32_t                        media_said[
+                                        NGX_HTTP_LLAMA_SESSION_MEDIA_SAID];
+    ngx_uint_t                      media_said_next;
 
     /* the model's memory, for the configuration memory_fp (gguf.c) */
     u_char                          memory_known;
@@ -680,6 +698,7 @@ typedef struct {
                                                    done */
     unsigned                        save_pending:1;
     unsigned                        save_failed:1;
+    unsigned                        media_refused:1; /* the save: 501 */
     unsigned                        load_file:1;
     unsigned                        restarted:1;
     unsigned                        slots_checked:1; /* GET /slots vouched */
@@ -803,6 +822,7 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        messages:1;  /* translated, anthropic.c */
     unsigned                        responses:1; /* a Responses API prime */
     unsigned                        bind:1;     /* models=: not bound yet */
+    unsigned                        media:1;    /* an image in messages */
 
     /* what the reply says of the prompt's cache, see reply.c */
     u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];

@@ -703,6 +703,8 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
     ngx_http_llama_session_api_stat(model_lost);
     ngx_http_llama_session_api_stat(reprimes);
     ngx_http_llama_session_api_stat(reprime_failed);
+    ngx_http_llama_session_api_stat(reprime_media);
+    ngx_http_llama_session_api_stat(media_unsaved);
     ngx_http_llama_session_api_stat(reprime_tokens);
     ngx_http_llama_session_api_stat(reprefills);
 

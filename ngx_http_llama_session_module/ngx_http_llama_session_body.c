@@ -418,6 +418,12 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
+    /* an image, audio or a file: a slot llama-server may not save */
+
+    ctx->media = ngx_http_llama_session_json_media(
+                               spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES].start,
+                               spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES].end);
+
     if (!ctx->identity
         && ngx_http_llama_session_msgs(r, ctx,
                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM],

@@ -1205,7 +1205,9 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     } else {
         p = ngx_slprintf(p, last, "\"%*s\" not saved (%s)",
                          ctx->job.out_len, ctx->job.out_key,
-                         ctx->job.save_failed ? "the save failed"
+                         ctx->job.media_refused
+                         ? "llama-server cannot save its media"
+                         : ctx->job.save_failed ? "the save failed"
                          : (ctx->job.out_len == sizeof("default") - 1
                             && ngx_strncmp(ctx->job.out_key, "default",
                                            ctx->job.out_len) == 0)

@@ -291,6 +291,11 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
 
     ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
 
+    if (ngx_http_llama_session_media_refused(log, ctx, key, len) == NGX_OK) {
+        ctx->job.media_refused = 1;
+        return NGX_ERROR;
+    }
+
     ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
     ngx_http_llama_session_save_stat(ctx->zone, reason, 0, 0, 0);
 
@@ -307,6 +312,75 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
                       : (u_char *) "");
 
     return NGX_ERROR;
+}
+
+
+/*
+ * A save llama-server refused because the slot holds media it cannot
+ * serialise (501 "Cannot serialize media chunk", builds before v0.4.0's
+ * placeholders, or another kind of media): no error, the conversation
+ * goes on; its previous file, if any, stays (a prefix of it).  Said once
+ * per session at info, counted; the zone keeps such a session in its
+ * slot while another can go (choose_locked()).  NGX_OK: it was that.
+ */
+
+ngx_int_t
+ngx_http_llama_session_media_refused(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
+{
+    uint32_t                        hash;
+    ngx_buf_t                      *b;
+    ngx_uint_t                      i, said;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *zone;
+
+    b = ctx->job.call_reply;
+
+    if (ctx->job.call_status != NGX_HTTP_NOT_IMPLEMENTED || b == NULL
+        || ngx_strlcasestrn(b->pos, b->last, (u_char *) "media", 5 - 1)
+           == NULL)
+    {
+        return NGX_DECLINED;
+    }
+
+    zone = ctx->zone;
+    sh = zone->sh;
+    hash = ngx_crc32_short(key, len);
+    said = 0;
+
+    (void) ngx_atomic_fetch_add(&sh->stats.media_unsaved, 1);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    sh->media_refused = 1;
+    ngx_memcpy(sh->media_refused_fp, ctx->job.fp,
+               NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_MEDIA_SAID; i++) {
+        if (sh->media_said[i] == hash) {
+            said = 1;
+            break;
+        }
+    }
+
+    if (!said) {
+        sh->media_said[sh->media_said_next++
+                       % NGX_HTTP_LLAMA_SESSION_MEDIA_SAID] = hash;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (!said) {
+        ngx_log_error(NGX_LOG_INFO, log, 0,
+                      "llama_session: llama-server cannot save slot %ui: "
+                      "session \"%*s\" holds media it does not serialise "
+                      "(%*s); it stays in its slot while another can go, "
+                      "else its history is prefilled again when it returns",
+                      ctx->job.slot, len, key,
+                      ngx_min(b->last - b->pos, 200), b->pos);
+    }
+
+    return NGX_OK;
 }
 
 

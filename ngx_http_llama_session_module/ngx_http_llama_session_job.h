@@ -29,6 +29,8 @@ void ngx_http_llama_session_job_close(ngx_http_request_t *r);
 ngx_int_t ngx_http_llama_session_sleep(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_msec_t delay);
 void ngx_http_llama_session_job_timer(ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_media_refused(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
     size_t len);

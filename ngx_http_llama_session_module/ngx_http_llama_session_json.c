@@ -456,3 +456,86 @@ ngx_http_llama_session_json_tree(u_char *p, size_t len)
 
     return cJSON_ParseWithLength((const char *) p, len);
 }
+
+
+/*
+ * Does a "messages" array (p at its '[') carry an image, audio or a file:
+ * a content part of such a type (OpenAI's, the Responses API's,
+ * Anthropic's), or Ollama's "images"?  llama-server's template writes
+ * such a part as a marker (mtmd's "<__media__>") that only its own
+ * tokeniser of the request turns into the media's chunks.  A part that
+ * does not scan is none.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_json_media(u_char *p, u_char *end)
+{
+    u_char                         *pos, *ppos;
+    ngx_uint_t                      i;
+    ngx_str_t                       names[2], type;
+    ngx_http_llama_session_span_t   msg, part, fields[2], kind;
+
+    static ngx_str_t  types[] = {
+        ngx_string("image_url"), ngx_string("input_image"),
+        ngx_string("image"), ngx_string("input_audio"),
+        ngx_string("audio"), ngx_string("file"), ngx_string("input_file"),
+        ngx_string("document"), ngx_string("video_url")
+    };
+
+    if (p == NULL || p >= end || *p != '[') {
+        return 0;
+    }
+
+    ngx_str_set(&names[0], "content");
+    ngx_str_set(&names[1], "images");
+    ngx_str_set(&type, "type");
+
+    pos = p;
+
+    while (ngx_http_llama_session_json_next(&pos, end, &msg) == NGX_OK) {
+
+        if (*msg.start != '{'
+            || ngx_http_llama_session_json_object(msg.start, msg.end, names,
+                                                  fields, 2)
+               == NULL)
+        {
+            continue;
+        }
+
+        /* Ollama's "images": [base64, ...], one or more */
+
+        if (fields[1].start && *fields[1].start == '['
+            && ngx_http_llama_session_json_next(&fields[1].start,
+                                                fields[1].end, &part)
+               == NGX_OK)
+        {
+            return 1;
+        }
+
+        if (fields[0].start == NULL || *fields[0].start != '[') {
+            continue;
+        }
+
+        ppos = fields[0].start;
+
+        while (ngx_http_llama_session_json_next(&ppos, fields[0].end, &part)
+               == NGX_OK)
+        {
+            if (*part.start != '{'
+                || ngx_http_llama_session_json_object(part.start, part.end,
+                                                      &type, &kind, 1)
+                   == NULL)
+            {
+                continue;
+            }
+
+            for (i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+                if (ngx_http_llama_session_json_string_is(&kind, &types[i])) {
+                    return 1;
+                }
+            }
+        }
+    }
+
+    return 0;
+}

@@ -24,6 +24,7 @@ ngx_int_t ngx_http_llama_session_json_next(u_char **pos, u_char *end,
     ngx_http_llama_session_span_t *elt);
 ngx_int_t ngx_http_llama_session_json_body(u_char *p, u_char *end,
     ngx_str_t *names, ngx_http_llama_session_span_t *values, ngx_uint_t n);
+ngx_uint_t ngx_http_llama_session_json_media(u_char *p, u_char *end);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_JSON_H_INCLUDED_ */

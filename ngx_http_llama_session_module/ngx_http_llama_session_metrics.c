@@ -67,6 +67,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_REPRIME_TOKENS,
     NGX_HTTP_LLAMA_SESSION_M_MEMORY,
     NGX_HTTP_LLAMA_SESSION_M_REPREFILLS,
+    NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED,
     NGX_HTTP_LLAMA_SESSION_M_FAMILIES
 } ngx_http_llama_session_family_e;
 
@@ -156,7 +157,11 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "unknown (1 for the kind)." },
     { "reprefills_total", "counter",
       "Sessions re-prefilled instead of restored: their file would have "
-      "taken longer to read than their prompt to prefill." }
+      "taken longer to read than their prompt to prefill." },
+    { "media_unsaved_total", "counter",
+      "Saves llama-server refused because the slot holds an image or audio "
+      "it cannot serialise (501): the session stays in its slot while it "
+      "can, else it is prefilled again." }
 };
 
 
@@ -524,7 +529,10 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
                                           ",result=\"ok\"", st->reprimes)
             || ngx_http_llama_session_sample("reprimes_total",
                                           ",result=\"failed\"",
-                                          st->reprime_failed))
+                                          st->reprime_failed)
+            || ngx_http_llama_session_sample("reprimes_total",
+                                          ",result=\"media\"",
+                                          st->reprime_media))
         {
             return NGX_ERROR;
         }
@@ -551,6 +559,10 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
     case NGX_HTTP_LLAMA_SESSION_M_REPREFILLS:
         return ngx_http_llama_session_sample("reprefills_total", "",
                                              st->reprefills);
+
+    case NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED:
+        return ngx_http_llama_session_sample("media_unsaved_total", "",
+                                             st->media_unsaved);
 
     case NGX_HTTP_LLAMA_SESSION_M_EVICTIONS:
         return ngx_http_llama_session_sample("evictions_total", "",

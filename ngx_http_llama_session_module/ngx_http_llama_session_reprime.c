@@ -368,6 +368,17 @@ close:
 
     ngx_pfree(r->pool, data);
 
+    if (rc == NGX_DONE) {
+        (void) ngx_atomic_fetch_add(&zone->sh->stats.reprime_media, 1);
+
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: the last turn of \"%*s\" holds an "
+                      "image, audio or a file: its slot is saved as it is, "
+                      "without a re-prime (a render writes the media as "
+                      "text)", ctx->job.out_len, ctx->job.out_key);
+        return NGX_DECLINED;
+    }
+
     if (rc != NGX_OK) {
         return NGX_DECLINED;
     }
@@ -381,7 +392,12 @@ close:
 /*
  * The two bodies of POST /apply-template: the turn's request with its
  * reply appended.  The file is the module's own, of the session whose
- * slot the job holds: its key must be the session's.
+ * slot the job holds: its key must be the session's.  NGX_DONE: the
+ * turn's messages carry media, which /apply-template renders as a text
+ * marker (mtmd's) and /tokenize as that text: a prime of it would cut the
+ * slot at the first image.  The slot as the turn left it is what the
+ * next turn extends then (a model that attends to the whole context, or
+ * to a window with --swa-full, reuses it up to the last reply).
  */
 
 static ngx_int_t
@@ -389,13 +405,24 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t len,
     ngx_buf_t **first, ngx_buf_t **second)
 {
-    u_char     *nl;
-    cJSON      *head, *body, *key, *message, *messages;
-    ngx_int_t   rc;
+    u_char                         *nl;
+    cJSON                          *head, *body, *key, *message, *messages;
+    ngx_int_t                       rc;
+    ngx_http_llama_session_span_t   span;
+
+    static ngx_str_t  messages_name = ngx_string("messages");
 
     nl = ngx_strlchr(data, data + len, '\n');
     if (nl == NULL) {
         return NGX_DECLINED;
+    }
+
+    if (ngx_http_llama_session_json_body(nl + 1, data + len, &messages_name,
+                                         &span, 1)
+        == NGX_OK
+        && ngx_http_llama_session_json_media(span.start, span.end))
+    {
+        return NGX_DONE;
     }
 
     head = cJSON_ParseWithLength((char *) data, nl - data);

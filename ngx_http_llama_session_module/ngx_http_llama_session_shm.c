@@ -493,7 +493,15 @@ ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx)
             rank = 1;
 
         } else {
-            rank = slot->dirty ? 3 : 2;
+            /*
+             * a session with an image, on a llama-server that cannot save
+             * one, is lost when it leaves: the last to go
+             */
+
+            rank = (slot->media && slot->dirty && sh->media_refused
+                    && ngx_memcmp(sh->media_refused_fp, sh->fp,
+                                  NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
+                   ? 4 : slot->dirty ? 3 : 2;
 
             if (ctx->default_session) {
                 rank += 4;
@@ -842,6 +850,7 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
     slot->dirty = 0;
     slot->saveable = 0;
     slot->has_base = 0;
+    slot->media = 0;
 }
 
 
@@ -1160,6 +1169,11 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
             /* another session, of no known tenant (not from a request) */
             slot->has_ns = 0;
         }
+
+        /* a conversation's image stays in its history */
+        slot->media = (slot->key_len == len
+                       && ngx_memcmp(slot->key, key, len) == 0
+                       && slot->media) || ctx->media;
 
         ngx_memcpy(slot->key, key, len);
         slot->key_len = (u_short) len;

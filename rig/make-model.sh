@@ -10,6 +10,10 @@
 #                               256-token window, 1 global)
 #   make-model.sh lfm2 [N]      hybrid short-conv + attention (6 layers,
 #                               attention at 2 and 5)
+#   make-model.sh mmproj        not a model: the multimodal projector
+#                               (make-mmproj.py) that llama-server loads with
+#                               --mmproj next to a text model, for requests
+#                               with images
 set -euo pipefail
 
 version=${NODE_LLAMA_CPP:-3.21.1}
@@ -19,13 +23,35 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 arch=llama
 case ${1:-} in
-    llama|gemma3|lfm2) arch=$1; shift ;;
+    llama|gemma3|lfm2|mmproj) arch=$1; shift ;;
     ''|*[!0-9]*)
         if [ -n "${1:-}" ]; then
-            echo "usage: $0 [llama|gemma3|lfm2] [LAYERS]" >&2
+            echo "usage: $0 [llama|gemma3|lfm2] [LAYERS] | $0 mmproj" >&2
             exit 2
         fi ;;
 esac
+
+# the projector has no layer count to choose and its own generator; its
+# output width is the text models' n_embd (256), so it goes with any of them
+if [ "$arch" = mmproj ]; then
+    if [ -n "${1:-}" ]; then
+        echo "usage: $0 mmproj" >&2
+        exit 2
+    fi
+    # make-mmproj.py's version of the file: bump it when the script changes
+    # what it writes
+    model=$cache/models/tiny-mmproj-v1.gguf
+    if [ -s "$model" ]; then
+        echo "$model"
+        exit 0
+    fi
+    [ -d "$src/gguf-py" ] || "$here/build-llama-server.sh" >/dev/null
+    mkdir -p "$cache/models"
+    echo "make-model: writing $model" >&2
+    /usr/bin/python3 "$here/make-mmproj.py" "$src" "$model"
+    echo "$model"
+    exit 0
+fi
 
 # each architecture's default number of layers (as in make-model.py)
 case $arch in

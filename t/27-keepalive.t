@@ -28,7 +28,7 @@ sub chat {
     my ($t, $id, $text) = @_;
     return $t->post('/v1/chat/completions',
                     { messages => [ { role => 'user',
-                                      content => "This is $id's conversation." },
+                                      content => "This is ${id}'s conversation." },
                                     { role => 'assistant', content => 'Go on.' },
                                     { role => 'user', content => $text } ],
                       max_tokens => 8, logit_bias => \@ban, seed => 1 },

@@ -38,7 +38,9 @@
 # discard (restore): a 200 that leaves the slot empty, as models with
 # recurrent or sliding-window layers do; apply (POST /apply-template):
 # {"status": N}; speculative (top level): GET /slots shows the slots with
-# a draft model; restore_ms (restore): the time its reply reports (a slow
+# a draft model; media (top level): a save of a slot whose text holds an
+# "image_url" part answers 501 as a build that cannot serialise an image
+# chunk does; restore_ms (restore): the time its reply reports (a slow
 # disk); close_reused: N (save, restore, erase, completion): drop the
 # connection without an answer, the first N times the call comes on a
 # connection that served a request before (a kept-alive one); times: N
@@ -342,6 +344,11 @@ sub handle {
                 my $s = $_[0]{slots}[$id];
                 return ($s->{text}, $s->{n});
             });
+            # a build that cannot serialise an image chunk (server-common's
+            # server_tokens before v0.4.0's placeholders)
+            return error($c, 501, 'Cannot serialize media chunk in server '
+                                  . 'tokens', 'not_supported_error')
+                if $script->{media} && $text =~ /"image_url"/;
             open my $fh, '>', $file
                 or return error($c, 500, 'Unable to save slot');
             if ($script->{save}{partial}) {
