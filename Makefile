@@ -34,7 +34,7 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 systemd-analyze:systemd
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps deps-packages deps-src rig test demo bench soak asan \
+.PHONY: all deps deps-packages deps-src rig rig-next test test-next demo bench soak asan \
         test-asan test-valgrind deb clean
 
 all: $(MODULE)
@@ -93,15 +93,35 @@ rig: deps
 	rig/make-model.sh mmproj
 	rig/npm-clients.sh
 
+# the next llama.cpp: node-llama-cpp's newer release (llama.cpp v0.5.0),
+# built beside the pinned one into the same cache; LLAMA_NEXT= skips it
+LLAMA_NEXT ?= 3.22.1
+# the real-backend tests that matter, run against it too by make test:
+# sessions, re-prime and templates, warm starts, router, clients, stop,
+# images, draft models
+NEXT_TESTS ?= t/10-sessions.t t/92-reprime.t t/39-templates.t t/50-warm.t \
+              t/73-router-real.t t/85-clients.t t/101-stop.t t/38-media.t \
+              t/29-draft.t
+
+rig-next: deps
+	@$(if $(strip $(LLAMA_NEXT)),NODE_LLAMA_CPP=$(LLAMA_NEXT) \
+	    rig/build-llama-server.sh,:)
+
 # NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's
 # source package with the module (rig/build-nginx.sh, cached)
-test: deps $(MODULE) rig
+test: deps $(MODULE) rig rig-next
 	@if [ -n "$(NGINX_VERSION)" ]; then \
 	    eval "$$(rig/build-nginx.sh $(NGINX_VERSION))"; \
 	    export NGINX_BINARY NGINX_MODULE; \
 	    echo "testing against $$NGINX_BINARY"; \
 	fi; \
-	prove $(PROVE_FLAGS) t/
+	prove $(PROVE_FLAGS) t/ && $(MAKE) --no-print-directory test-next
+
+# the tests of NEXT_TESTS against llama.cpp of node-llama-cpp LLAMA_NEXT
+test-next: deps $(MODULE) rig rig-next
+	@$(if $(strip $(LLAMA_NEXT)),echo "testing against llama-server of \
+	    node-llama-cpp $(LLAMA_NEXT)" && NODE_LLAMA_CPP=$(LLAMA_NEXT) \
+	    prove $(PROVE_FLAGS) $(NEXT_TESTS),:)
 
 demo: deps $(MODULE) rig
 	examples/demo.sh

@@ -34,6 +34,11 @@
           one, the first one back; each new and returning turn's time to
           first token, nginx + module (llama_session_warm system) against
           llama-server alone at its defaults
+11. draft the rig's model as its own draft (-md, draft-simple): draft
+          tokens accepted and generation speed on a session's turns kept in
+          its slot, right after a restore (erase, restore), the turn after
+          that, and after a full re-prefill (not in the default list:
+          --only draft)
 6. team   M sessions on 4 slots (-np 4), 4 clients with think time:
           llama-server alone at its defaults, with a RAM budget of two
           sessions, and nginx + module (slots=4), M = 4, 8, 16
@@ -41,7 +46,7 @@
 Every comparison runs in one process, its sides alternating request by
 request.  Results: a table on stdout and JSON (--out).
 
-usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients] [--quick]
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft] [--quick]
 """
 
 import argparse
@@ -1028,6 +1033,77 @@ def bench_kvq(work, quick):
     for srv in servers.values():
         srv.stop()
         shutil.rmtree(srv.slots, ignore_errors=True)
+    return res
+
+
+# 11. a draft model: what a restore costs speculative decoding ------------
+
+def draft_turn(port, msgs, n):
+    """a greedy turn of n tokens: (reply, timings)"""
+    st, _, p = post(port, '/v1/chat/completions',
+                    {'messages': msgs, 'max_tokens': n, 'temperature': 0,
+                     'logit_bias': [[i, False] for i in range(3, 259)]})
+    j = json.loads(p)
+    return j['choices'][0]['message']['content'], j.get('timings', {})
+
+
+def bench_draft(work, quick):
+    """the rig's model as its own draft (--spec-type draft-simple): the
+    draft tokens accepted and the generation speed of a session's turns
+    kept in its slot, after a restore of its file (erase, then restore: what
+    the module does on a speculative slot), and after a full re-prefill;
+    the same server, the same conversation"""
+    ptoks = 1024 if quick else 4096
+    gen = 32 if quick else 64
+    reps = 2 if quick else 4
+    model = rig('make-model.sh')
+    srv = Llama(work, 'draft', ptoks * 2 + 1024,
+                extra=['-md', model, '--spec-type', 'draft-simple'])
+    nwords = words_for(srv.port, ptoks, 'dr')
+    msgs = [{'role': 'system', 'content': filler('sys', nwords // 4)},
+            {'role': 'user', 'content': filler('drh', nwords * 3 // 4)}]
+    res = {'prompt_tokens': ptoks, 'generated': gen, 'sides': {}}
+
+    def one(kind):
+        # the conversation's next turn, the slot prepared as kind says
+        if kind == 'restore':
+            post(srv.port, '/slots/0?action=save', {'filename': 'd.bin'})
+            post(srv.port, '/slots/0?action=erase', {})
+            post(srv.port, '/slots/0?action=restore', {'filename': 'd.bin'})
+        elif kind == 'reprefill':
+            post(srv.port, '/slots/0?action=erase', {})
+        reply, tm = draft_turn(srv.port, msgs, gen)
+        msgs.extend([{'role': 'assistant', 'content': reply},
+                     {'role': 'user', 'content': 'more %d' % len(msgs)}])
+        return tm
+
+    one('reprefill')
+    for _ in range(reps):
+        # 'after': the turn that follows a restore, kept in its slot
+        for kind, how in (('kept', 'kept'), ('restore', 'restore'),
+                          ('after', 'kept'), ('reprefill', 'reprefill')):
+            res['sides'].setdefault(kind, []).append(one(how))
+    summary = {}
+    for kind, tms in res['sides'].items():
+        drafted = sum(t.get('draft_n', 0) for t in tms)
+        accepted = sum(t.get('draft_n_accepted', 0) for t in tms)
+        summary[kind] = {
+            'draft_n': drafted, 'draft_accepted': accepted,
+            'prompt_ms_median': median([t.get('prompt_ms', 0) for t in tms]),
+            'predicted_per_second_median':
+                median([t.get('predicted_per_second', 0) for t in tms]),
+            'cache_n_median': median([t.get('cache_n', 0) for t in tms])}
+    res['summary'] = summary
+    for kind in ('kept', 'restore', 'after', 'reprefill'):
+        d = summary.get(kind)
+        if d:
+            print('draft %-9s accepted %4d of %4d drafted, prompt %.0f ms '
+                  '(cache_n %d), generation %.1f tokens/s' % (
+                      kind, d['draft_accepted'], d['draft_n'],
+                      d['prompt_ms_median'], d['cache_n_median'],
+                      d['predicted_per_second_median']))
+    srv.stop()
+    shutil.rmtree(srv.slots, ignore_errors=True)
     return res
 
 

@@ -138,19 +138,32 @@ ngx_http_llama_session_msg(ngx_http_llama_session_msg_t *m,
 
 /*
  * The reply is over (reply.c): explain a large miss against the session's
- * previous prompt, then keep this prompt as the slot's last one.
+ * previous prompt, then keep this prompt as the slot's last one.  1: the
+ * client changed or dropped a message the previous prompt had (the prompt
+ * does not extend it); 0: it did not, or nothing tells.
  */
 
-void
+ngx_uint_t
 ngx_http_llama_session_miss(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached, ngx_int_t evaluated)
 {
     u_char                        *p, *last, text[512];
     size_t                         same;
-    ngx_uint_t                     i, k, total, expected;
+    ngx_uint_t                     i, k, total, expected, changed;
     ngx_http_llama_session_msg_t  *a, *b;
 
     total = (evaluated >= 0) ? (ngx_uint_t) (cached + evaluated) : 0;
+    changed = 0;
+
+    if (ctx->prev && ctx->nprev && ctx->nmsgs) {
+        for (i = 0; i < ctx->nprev && i < ctx->nmsgs; i++) {
+            if (ctx->prev[i].hash != ctx->msgs[i].hash) {
+                break;
+            }
+        }
+
+        changed = (i < ctx->nprev);
+    }
 
     if (ctx->prev && ctx->nprev && ctx->nmsgs && ctx->prev_tokens && total) {
 
@@ -236,6 +249,8 @@ ngx_http_llama_session_miss(ngx_http_request_t *r,
     if (ctx->msgs && total && !ctx->default_session) {
         ngx_http_llama_session_slot_msgs(ctx, total);
     }
+
+    return changed;
 }
 
 

@@ -16,7 +16,7 @@
 ngx_int_t ngx_http_llama_session_msgs(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *system,
     ngx_http_llama_session_span_t *messages);
-void ngx_http_llama_session_miss(ngx_http_request_t *r,
+ngx_uint_t ngx_http_llama_session_miss(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached, ngx_int_t evaluated);
 ngx_int_t ngx_http_llama_session_msgs_encode(u_char *dst, size_t size,
     ngx_http_llama_session_msg_t *msgs, ngx_uint_t n);

@@ -292,7 +292,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                          cached, evaluated, expected;
-    ngx_uint_t                         again, swa, stop;
+    ngx_uint_t                         again, swa, stop, changed;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_zone_t     *zone;
     ngx_http_llama_session_metrics_t  *m;
@@ -340,7 +340,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
         }
     }
 
-    ngx_http_llama_session_miss(r, ctx, cached, evaluated);
+    changed = ngx_http_llama_session_miss(r, ctx, cached, evaluated);
 
     if (ctx->r_prompt_n > 0 && ctx->r_prompt_ms > 0) {
         /* the backend's prompt speed, for when a restore pays (cost.c) */
@@ -403,13 +403,18 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
 
     /*
      * sliding-window attention: a slot file holds the window only, reused
-     * only with --swa-full; one restore that brought nothing says
-     * llama-server runs without it.  Else a few in a row stop restores.
+     * only with --swa-full; one restore that brought nothing at all to a
+     * prompt that extends the session's previous one says llama-server
+     * runs without it.  A prompt that leaves the restored state more than
+     * a window before its end (a client that changed its history) brings
+     * nothing either way (llama-server finds no context checkpoint for a
+     * restored state): that is an ineffective restore as on any model.
+     * Else a few in a row stop restores.
      */
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    swa = (sh->memory_known
+    swa = (cached == 0 && !changed && sh->memory_known
            && sh->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
            && ngx_memcmp(sh->memory_fp, ctx->job.fp,
                          NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);

@@ -78,6 +78,7 @@ static ngx_int_t ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     ngx_buf_t **first, ngx_buf_t **second);
 static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_uint_t ngx_http_llama_session_reprime_reasons(cJSON *messages);
 static void ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached);
 static ngx_int_t ngx_http_llama_session_prefix_tokenize(
@@ -257,7 +258,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     ssize_t                            n;
     ngx_fd_t                           fd;
     ngx_int_t                          rc;
-    ngx_uint_t                         seq;
+    ngx_uint_t                         seq, kind;
     ngx_file_t                         file;
     ngx_file_info_t                    fi;
     ngx_buf_t                         *first, *second;
@@ -289,6 +290,35 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     if (seq == 0) {
         return NGX_DECLINED;
+    }
+
+    /*
+     * a client's swap, on a model that attends to the whole context (or
+     * to a window, with --swa-full): the next turn reuses the slot up to
+     * where its prompt leaves the reply as generated, and evaluates the
+     * rest itself, the tokens the re-prime would evaluate now.  Here that
+     * work would only move from the returning client to the one waiting
+     * for the slot, with five round trips through a server busy with the
+     * other slots' work: the slot is saved as it is.  Idle saves, saves
+     * before an unload and the API's re-prime (no client waits for them);
+     * hybrid and recurrent models always do (they reuse nothing else).
+     */
+
+    if (ctx->api == NULL && !ctx->job.own) {
+        kind = ngx_http_llama_session_memory_kind(zone, ctx->job.fp);
+
+        if (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
+            || kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA)
+        {
+            ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                           "llama_session: \"%*s\" is saved on a swap "
+                           "without a re-prime (full attention)",
+                           ctx->job.out_len, ctx->job.out_key);
+
+            ngx_http_llama_session_turn_drop(zone, ctx->job.slot,
+                                             r->connection->log);
+            return NGX_DECLINED;
+        }
     }
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -447,6 +477,20 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
         cJSON_Delete(message);
 
     } else {
+        /*
+         * the reply's reasoning goes back as the client sent its earlier
+         * replies': most send none (OpenAI's API has no such field,
+         * DeepSeek's refuses it), and a template that renders reasoning
+         * in the history (Nemotron 3's "<think></think>" for none) then
+         * renders the reply without it; a first turn tells nothing, and
+         * is taken as the most do
+         */
+
+        if (!ngx_http_llama_session_reprime_reasons(messages)) {
+            cJSON_DeleteItemFromObjectCaseSensitive(message,
+                                                    "reasoning_content");
+        }
+
         cJSON_AddItemToArray(messages, message);
         rc = ngx_http_llama_session_prefix_bodies(r, body, first, second);
     }
@@ -455,6 +499,36 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     cJSON_Delete(body);
 
     return rc;
+}
+
+
+/* does an assistant message of the history carry its reasoning? */
+
+static ngx_uint_t
+ngx_http_llama_session_reprime_reasons(cJSON *messages)
+{
+    cJSON  *m, *v;
+
+    cJSON_ArrayForEach(m, messages) {
+        v = cJSON_GetObjectItemCaseSensitive(m, "role");
+
+        if (!cJSON_IsString(v) || ngx_strcmp(v->valuestring, "assistant") != 0)
+        {
+            continue;
+        }
+
+        v = cJSON_GetObjectItemCaseSensitive(m, "reasoning_content");
+
+        if (v == NULL) {
+            v = cJSON_GetObjectItemCaseSensitive(m, "reasoning");
+        }
+
+        if (cJSON_IsString(v) && v->valuestring[0] != '\0') {
+            return 1;
+        }
+    }
+
+    return 0;
 }
 
 

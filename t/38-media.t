@@ -153,8 +153,11 @@ sub actions {
     my $mmproj = LlamaTest::rig_path('make-model.sh mmproj');
     my $t = LlamaTest->new(workers => 2);
     $t->llama(np => 1, ctx => 8192, args => [ '--mmproj', $mmproj ]);
+    # idle saves: the re-prime runs there on a full-attention model (a
+    # client's swap saves the slot as it is)
     $t->nginx($t->site(
-        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% '
+              . 'save_idle=300ms;',
         location => 'add_header X-S-Action $llama_session_action always;'));
 
     local $png = 'data:image/png;base64,' . encode_base64(png(32, 32), '');
@@ -170,6 +173,7 @@ sub actions {
     for my $round (1 .. 3) {
         for my $c ([ 'pic', \@pic ], [ 'txt', \@txt ]) {
             my ($id, $msgs) = @$c;
+            my $n = () = $t->log_lines(qr/idle save of "$id-/);
             my $r = $t->post('/v1/chat/completions',
                              { messages => $msgs, max_tokens => 4,
                                temperature => 0 },
@@ -189,6 +193,9 @@ sub actions {
             my $reply = $r->{json}{choices}[0]{message}{content} // '';
             push @$msgs, { role => 'assistant', content => $reply },
                          { role => 'user', content => "question $round" };
+            ok($t->wait_for(sub { $t->log_lines(qr/idle save of "$id-/)
+                                  > $n }, 10),
+               "round $round: $id saved while idle");
         }
     }
     ok($t->log_lines(qr/the last turn of "pic-[0-9a-f]+" holds an image/),

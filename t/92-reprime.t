@@ -106,6 +106,9 @@ sub scenario {
     my @re = $t->log_lines(qr/re-primed "ann-$name-\w+" on slot 0 of zone "llama" before its save: (-?\d+) tokens from the slot, (-?\d+) evaluated/);
     if ($o{reprime_off}) {
         is(scalar @re, 0, "$name: reprime=off: no re-prime");
+    } elsif ($o{plain_swap}) {
+        is(scalar @re, 0, "$name: a client's swap on full attention saves "
+                          . 'the slot as it is');
     } else {
         is(scalar @re, 1, "$name: ann was re-primed once, before her "
                           . ($o{idle} ? 'idle save' : 'swap') . ": @re");
@@ -134,8 +137,8 @@ sub scenario {
         my (undef, $t3) = reply_of($r3);
         is($r3->{headers}{'x-s-action'}, 'restore',
            "$name: after a restart ann is restored");
-        $o{check}->($t3, "$name: after a restart $t3->{cache_n} cached, "
-                         . "$t3->{prompt_n} evaluated");
+        ($o{check_restart} // $o{check})->($t3, "$name: after a restart "
+                         . "$t3->{cache_n} cached, $t3->{prompt_n} evaluated");
     }
 
     if ($o{kind}) {
@@ -156,9 +159,19 @@ my $all_but_new = sub {
     cmp_ok($tm->{prompt_n}, '<=', 24, $what);
 };
 
+# a client's swap on a full-attention or sliding-window model saves the
+# slot as it is (the re-prime would only move the reply's evaluation from
+# the returning client to the waiting one): the returning turn evaluates
+# the reply again (24 tokens, which random weights write as token sequences
+# the tokenizer would not make) and the new message
+my $all_but_reply = sub {
+    my ($tm, $what) = @_;
+    cmp_ok($tm->{prompt_n}, '<=', 70, $what);
+};
+
 scenario(name => 'llama', idle => 1, stream => 1, restart => 1, kind => 'full',
-         check => $all_but_new);
-scenario(name => 'llamaswap', check => $all_but_new);
+         check => $all_but_new, check_restart => $all_but_reply);
+scenario(name => 'llamaswap', plain_swap => 1, check => $all_but_reply);
 
 # reprime=off on the full-attention model: restores still work, the
 # reply's tokens are evaluated again (measured: 846 cached, 64 evaluated,
@@ -198,10 +211,12 @@ my $gemma3 = LlamaTest::rig_path('make-model.sh gemma3');
 
 scenario(name => 'gemma3full', model => $gemma3, idle => 1, restart => 1,
          kind => 'swa',
-         args => [ '--swa-full' ], check => $all_but_new);
+         args => [ '--swa-full' ], check => $all_but_new,
+         check_restart => $all_but_reply);
 scenario(name => 'gemma3think', model => $gemma3, stream => 1,
+         plain_swap => 1,
          args => [ '--swa-full', '--jinja', '--chat-template-file', $think ],
-         check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
+         check => $all_but_reply);
 
 # gpt-oss's harmony template: no newline between messages
 # ("...<|end|><|start|>user<|message|>..."), so a cut after the last
@@ -213,13 +228,19 @@ my $harmony = LlamaTest::chat_template('openai-gpt-oss-120b');
 my %final = (grammar => 'root ::= "<|channel|>final<|message|>" [a-z ]{8,60}');
 
 scenario(name => 'harmony', stream => 1, restart => 1, extra => \%final,
+         plain_swap => 1,
          args => [ '--jinja', '--chat-template-file', $harmony ],
-         check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
+         check => $all_but_reply);
 scenario(name => 'lfm2harmony', model => $lfm2, idle => 1, extra => \%final,
          args => [ '--jinja', '--chat-template-file', $harmony ],
          check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
 scenario(name => 'gemma3harmony', model => $gemma3, extra => \%final,
+         plain_swap => 1,
          args => [ '--swa-full', '--jinja', '--chat-template-file', $harmony ],
+         check => $all_but_reply);
+# harmony through the re-prime on full attention: an idle save
+scenario(name => 'harmonyidle', idle => 1, extra => \%final,
+         args => [ '--jinja', '--chat-template-file', $harmony ],
          check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
 
 # warm starts: the base (the system prompt alone) restored from its file
@@ -296,6 +317,48 @@ warm_scenario(name => 'gemma3', model => $gemma3, args => [ '--swa-full' ]);
     my $r2 = turn($t, 'ann-swa', $a);
     isnt($r2->{headers}{'x-s-action'}, 'restore', 'gemma3: no restore since');
 
+    $t->stop;
+}
+
+# with --swa-full and reprime=off, a client that rewrote its history far
+# behind the window: the restore brings nothing, and that is no sign of a
+# missing --swa-full (saves go on)
+{
+    my $t = LlamaTest->new(workers => 2);
+    $t->llama(model => $gemma3, args => [ '--swa-full' ]);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% '
+              . 'reprime=off;',
+        location => 'add_header X-S-Action $llama_session_action always;'));
+
+    my $long = join ' ', map { "Ann keeps note $_." } 1 .. 100;
+    my $a = [ { role => 'system', content => $system },
+              { role => 'user', content => 'Hello, I am Ann.' },
+              { role => 'assistant', content => 'Hello Ann.' },
+              { role => 'user', content => $long } ];
+    my ($reply) = reply_of(turn($t, 'ann-far', $a));
+    turn($t, 'bob-far', conversation_of('Bob'));
+    # the first note rewritten: some 600 tokens before the slot's end (the
+    # first message, which names the conversation, stays)
+    $a->[3]{content} =~ s/^Ann keeps note 1\./Ann kept note 1./;
+    push @$a, { role => 'assistant', content => $reply },
+              { role => 'user', content => 'And then?' };
+    my $r = turn($t, 'ann-far', $a);
+    my (undef, $tm) = reply_of($r);
+    is($r->{headers}{'x-s-action'}, 'restore', 'gemma3 far: ann restored')
+        or diag explain $r->{headers};
+    # llama-server keeps no context checkpoint of a restored state: a
+    # prompt that leaves it more than a window before its end is prefilled
+    # whole, --swa-full or not
+    is($tm->{cache_n}, 0, 'gemma3 far: the change lies beyond the window: '
+                          . 'nothing is reused');
+    ok(!$t->log_lines(qr/runs without --swa-full/),
+       'gemma3 far: no --swa-full diagnosis');
+    my @before = glob($t->dir . '/slots/*.bin');
+    turn($t, 'bob-far', conversation_of('Bob'));
+    my $r2 = turn($t, 'ann-far', $a);
+    is($r2->{headers}{'x-s-action'}, 'restore',
+       'gemma3 far: saves and restores go on');
     $t->stop;
 }
 
