@@ -101,7 +101,8 @@ LLAMA_NEXT ?= 3.22.1
 # images, draft models
 NEXT_TESTS ?= t/10-sessions.t t/92-reprime.t t/39-templates.t t/50-warm.t \
               t/73-router-real.t t/85-clients.t t/101-stop.t t/38-media.t \
-              t/29-draft.t
+              t/29-draft.t t/01-proxy.t t/22-reboot.t t/33-real-faults.t \
+              t/86-miss.t t/96-anthropic.t t/99-bases.t
 
 rig-next: deps
 	@$(if $(strip $(LLAMA_NEXT)),NODE_LLAMA_CPP=$(LLAMA_NEXT) \

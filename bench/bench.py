@@ -39,6 +39,11 @@
           its slot, right after a restore (erase, restore), the turn after
           that, and after a full re-prefill (not in the default list:
           --only draft)
+12. returning  the returning turn's time to first token, p50 and p95:
+          llama-server alone at its defaults against the module's zone at
+          its defaults and with save_idle=1s; one slot with one client, four
+          slots with twelve clients at once (not in the default list:
+          --only returning)
 6. team   M sessions on 4 slots (-np 4), 4 clients with think time:
           llama-server alone at its defaults, with a RAM budget of two
           sessions, and nginx + module (slots=4), M = 4, 8, 16
@@ -46,7 +51,7 @@
 Every comparison runs in one process, its sides alternating request by
 request.  Results: a table on stdout and JSON (--out).
 
-usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft] [--quick]
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning] [--quick]
 """
 
 import argparse
@@ -1039,12 +1044,16 @@ def bench_kvq(work, quick):
 # 11. a draft model: what a restore costs speculative decoding ------------
 
 def draft_turn(port, msgs, n):
-    """a greedy turn of n tokens: (reply, timings)"""
-    st, _, p = post(port, '/v1/chat/completions',
-                    {'messages': msgs, 'max_tokens': n, 'temperature': 0,
-                     'logit_bias': [[i, False] for i in range(3, 259)]})
+    """a greedy turn of n tokens: (reply, timings); /completion with the
+    rendered prompt and no logit bias, as the draft samples without the
+    target's bias (a banned token it proposes is never accepted)"""
+    st, _, p = post(port, '/apply-template', {'messages': msgs})
+    prompt = json.loads(p)['prompt']
+    st, _, p = post(port, '/completion',
+                    {'prompt': prompt, 'n_predict': n, 'temperature': 0,
+                     'cache_prompt': True})
     j = json.loads(p)
-    return j['choices'][0]['message']['content'], j.get('timings', {})
+    return j.get('content', ''), j.get('timings', {})
 
 
 def bench_draft(work, quick):
@@ -1104,6 +1113,147 @@ def bench_draft(work, quick):
                       d['predicted_per_second_median']))
     srv.stop()
     shutil.rmtree(srv.slots, ignore_errors=True)
+    return res
+
+
+# 12. the returning turn, the zone's defaults against llama-server's ------
+
+def module_zone(work, name, llama, nslots, zone_extra=''):
+    """nginx + module, the zone as the README's example has it (a keepalive
+    upstream) plus zone_extra: (the Nginx, its port)"""
+    nport = free_port()
+    ngx = Nginx(work, name, '''
+    llama_session_zone zone=llama:4m slots=%d store=%s %s;
+    upstream llama { server 127.0.0.1:%d; keepalive 8; keepalive_timeout 4s; }
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session llama;
+            llama_session_wait_timeout 600s;
+            proxy_pass http://llama;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://llama/;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_read_timeout 900s;
+        }
+    }''' % (nslots, llama.slots, zone_extra, llama.port, nport))
+    wait_http(nport)
+    return ngx, nport
+
+
+def bench_returning(work, quick):
+    """returning turns' time to first token: llama-server alone at its
+    defaults (its RAM prompt cache), the module's zone at its defaults (no
+    save_idle: each swap saves on the client's path) and with save_idle=1s;
+    one slot with one client (two sessions taking turns, a think time
+    between turns), and four slots with twelve clients at once (each its
+    own conversation, think times of 0.5 to 4 s)"""
+    import random
+    import threading
+    ptoks = 1024 if quick else 2048
+    res = {'prompt_tokens': ptoks}
+
+    for nslots, nclients in [x for x in ((1, 1), (4, 12))
+                             if str(x[0]) in os.environ.get('BENCH_SLOTS', '1,4')]:
+        ctx = nslots * (ptoks * 2 + 2048)
+        rounds = 3 if nslots > 1 else (4 if quick else 8)
+        alone = Llama(work, 'ret-alone-%d' % nslots, ctx, args=[], np=nslots)
+        mod = Llama(work, 'ret-mod-%d' % nslots, ctx, np=nslots)
+        modi = Llama(work, 'ret-modi-%d' % nslots, ctx, np=nslots)
+        ngx, nport = module_zone(work, 'nginx-ret-%d' % nslots, mod, nslots)
+        ngxi, nporti = module_zone(work, 'nginx-reti-%d' % nslots, modi,
+                                   nslots, 'save_idle=1s')
+        sides = [('alone_defaults', alone.port), ('zone_defaults', nport),
+                 ('zone_save_idle', nporti)]
+        nwords = words_for(alone.port, ptoks, 'ret')
+        system = filler('sys', nwords // 4)
+        nconv = 2 if nslots == 1 else nclients
+        conv = {(side, i): [{'role': 'system', 'content': system},
+                            {'role': 'user', 'content':
+                             filler('r%dw' % i, nwords * 3 // 4) + ' Q1?'}]
+                for side, _ in sides for i in range(nconv)}
+        rec = {side: [] for side, _ in sides}
+        lock = threading.Lock()
+
+        def turn(side, port, i, rnd):
+            msgs = conv[(side, i)]
+            if rnd:
+                msgs.append({'role': 'user', 'content':
+                             'Q%d? %s' % (rnd + 1, filler('q', 8))})
+            ttft, text, cache_n, _, prompt_n = stream_turn(
+                port, msgs, 'ret-%d' % i)
+            msgs.append({'role': 'assistant', 'content': text})
+            if rnd:
+                with lock:
+                    rec[side].append(ttft)
+
+        if nslots == 1:
+            # one client: the sides alternate turn by turn, two sessions
+            # take turns, a think time of 1.5 s between a client's turns
+            for rnd in range(rounds):
+                for i in range(nconv):
+                    for side, port in sides:
+                        turn(side, port, i, rnd)
+                    time.sleep(1.5)
+        else:
+            # twelve clients at once, side after side, the same think
+            # times for each side
+            for side, port in sides:
+                rng = random.Random(7)
+                thinks = {i: [rng.uniform(0.5, 4.0) for _ in range(rounds)]
+                          for i in range(nconv)}
+
+                def client(i):
+                    for rnd in range(rounds):
+                        turn(side, port, i, rnd)
+                        time.sleep(thinks[i][rnd])
+
+                th = [threading.Thread(target=client, args=(i,))
+                      for i in range(nconv)]
+                for x in th:
+                    x.start()
+                for x in th:
+                    x.join()
+
+        row = {'slots': nslots, 'clients': nclients, 'sides': {}}
+        for side, _ in sides:
+            row['sides'][side] = {'p50': median(rec[side]),
+                                  'p95': p95(rec[side]),
+                                  'samples': len(rec[side]),
+                                  'ttft': sorted(round(x, 3)
+                                                 for x in rec[side])}
+        d = row['sides']
+        for side in ('zone_defaults', 'zone_save_idle'):
+            row[side + '_vs_alone_p50'] = d[side]['p50'] / d['alone_defaults']['p50']
+            row[side + '_vs_alone_p95'] = d[side]['p95'] / d['alone_defaults']['p95']
+        res['%d_slots' % nslots] = row
+        print('returning %d tokens, %d slot(s), %2d client(s): p50 / p95 (s) '
+              'alone %s / %s, zone defaults %s / %s (%.2fx / %.2fx), '
+              'save_idle %s / %s (%.2fx / %.2fx)' % (
+                  ptoks, nslots, nclients,
+                  fmt(d['alone_defaults']['p50']),
+                  fmt(d['alone_defaults']['p95']),
+                  fmt(d['zone_defaults']['p50']),
+                  fmt(d['zone_defaults']['p95']),
+                  row['zone_defaults_vs_alone_p50'],
+                  row['zone_defaults_vs_alone_p95'],
+                  fmt(d['zone_save_idle']['p50']),
+                  fmt(d['zone_save_idle']['p95']),
+                  row['zone_save_idle_vs_alone_p50'],
+                  row['zone_save_idle_vs_alone_p95']))
+        for x in (ngx, ngxi):
+            x.stop()
+        for srv in (alone, mod, modi):
+            srv.stop()
+            shutil.rmtree(srv.slots, ignore_errors=True)
     return res
 
 
