@@ -1136,6 +1136,8 @@ def module_zone(work, name, llama, nslots, zone_extra=''):
             proxy_buffering off;
             proxy_read_timeout 900s;
             add_header X-S-Action $llama_session_action always;
+            add_header X-S-Wait $llama_session_wait_ms always;
+            add_header X-S-Swap $llama_session_swap_ms always;
         }
         location /_llama_slots/ {
             internal;
@@ -1164,10 +1166,12 @@ def bench_returning(work, quick):
     for nslots, nclients in [x for x in ((1, 1), (4, 12))
                              if str(x[0]) in os.environ.get('BENCH_SLOTS', '1,4')]:
         ctx = nslots * (ptoks * 2 + 2048)
-        rounds = 3 if nslots > 1 else (4 if quick else 8)
+        rounds = (2 if quick else 4) if nslots > 1 else (4 if quick else 8)
         alone = Llama(work, 'ret-alone-%d' % nslots, ctx, args=[], np=nslots)
-        mod = Llama(work, 'ret-mod-%d' % nslots, ctx, np=nslots)
-        modi = Llama(work, 'ret-modi-%d' % nslots, ctx, np=nslots)
+        more = os.environ.get('BENCH_MODULE_EXTRA', '').split()
+        mod = Llama(work, 'ret-mod-%d' % nslots, ctx, np=nslots, extra=more)
+        modi = Llama(work, 'ret-modi-%d' % nslots, ctx, np=nslots,
+                     extra=more)
         ngx, nport = module_zone(work, 'nginx-ret-%d' % nslots, mod, nslots)
         ngxi, nporti = module_zone(work, 'nginx-reti-%d' % nslots, modi,
                                    nslots, 'save_idle=1s')
@@ -1188,12 +1192,20 @@ def bench_returning(work, quick):
             if rnd:
                 msgs.append({'role': 'user', 'content':
                              'Q%d? %s' % (rnd + 1, filler('q', 8))})
-            ttft, text, cache_n, _, prompt_n = stream_turn(
+            ttft, text, cache_n, hdrs, prompt_n = stream_turn(
                 port, msgs, 'ret-%d' % i)
             msgs.append({'role': 'assistant', 'content': text})
             if rnd:
                 with lock:
                     rec[side].append(ttft)
+                    if os.environ.get('BENCH_DEBUG'):
+                        h = {k.lower(): v for k, v in hdrs.items()}
+                        print('  %s ret-%d round %d: %.3f s, %s, wait %s '
+                              'ms, swap %s ms, %s cached of %s' % (
+                                  side, i, rnd, ttft,
+                                  h.get('x-s-action', '-'),
+                                  h.get('x-s-wait', '-'),
+                                  h.get('x-s-swap', '-'), cache_n, prompt_n))
 
         if nslots == 1:
             # one client: the sides alternate turn by turn, two sessions
@@ -1204,24 +1216,30 @@ def bench_returning(work, quick):
                         turn(side, port, i, rnd)
                     time.sleep(1.5)
         else:
-            # twelve clients at once, side after side, the same think
-            # times for each side
+            # twelve clients, side after side: every conversation's first
+            # turn (not measured), then all at once, each returning after
+            # a think time (the same seeded times for each side), so that
+            # returning turns meet each other, not twelve first prefills
             for side, port in sides:
                 rng = random.Random(7)
                 thinks = {i: [rng.uniform(0.5, 4.0) for _ in range(rounds)]
                           for i in range(nconv)}
 
-                def client(i):
-                    for rnd in range(rounds):
-                        turn(side, port, i, rnd)
-                        time.sleep(thinks[i][rnd])
+                def first(i):
+                    turn(side, port, i, 0)
 
-                th = [threading.Thread(target=client, args=(i,))
-                      for i in range(nconv)]
-                for x in th:
-                    x.start()
-                for x in th:
-                    x.join()
+                def client(i):
+                    for rnd in range(1, rounds + 1):
+                        time.sleep(thinks[i][rnd - 1])
+                        turn(side, port, i, rnd)
+
+                for fn in (first, client):
+                    th = [threading.Thread(target=fn, args=(i,))
+                          for i in range(nconv)]
+                    for x in th:
+                        x.start()
+                    for x in th:
+                        x.join()
 
         row = {'slots': nslots, 'clients': nclients, 'sides': {}}
         for side, _ in sides:
