@@ -45,6 +45,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                                   &sub, fields, 1);
     }
 
+    /* images, audio or files in the messages (the re-prime's test) */
+    (void) ngx_http_llama_session_json_media(spans[2].start, spans[2].end);
+
     if (spans[2].start && *spans[2].start == '[') {
         ngx_str_set(&names[0], "role");
         ngx_str_set(&names[1], "content");
