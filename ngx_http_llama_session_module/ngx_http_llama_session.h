@@ -256,6 +256,9 @@ typedef struct {
     u_char                          base[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving_base; /* a base's save runs */
     u_char                          media;      /* its session has media */
+    u_char                          draft_lost; /* restored on a draft
+                                                   model: the draft's own
+                                                   context is not */
     u_char                          has_ns;     /* ns[] is its tenant's */
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
@@ -366,6 +369,14 @@ typedef struct {
     double                          restore_ms_per_byte;
     ngx_uint_t                      skipped;    /* re-prefills in a row */
     ngx_uint_t                      probing;    /* a restore to measure */
+
+    /*
+     * a draft model: the generation's ms a token with the draft's context
+     * whole [0] and after a restore [1], and the tokens a turn generates
+     */
+    ngx_uint_t                      gen_samples[2];
+    double                          gen_ms_per_token[2];
+    double                          gen_tokens;
 } ngx_http_llama_session_cost_t;
 
 
@@ -425,6 +436,9 @@ typedef struct {
      */
     u_char                          evicting_full; /* said once */
     u_char                          speculative_said;
+    u_char                          speculative; /* for speculative_fp */
+    u_char                          speculative_fp[
+                                        NGX_HTTP_LLAMA_SESSION_FP_LEN];
     ngx_uint_t                      ineffective_run;
     u_char                          restores_off;
     u_char                          restores_off_fp[
@@ -834,6 +848,8 @@ struct ngx_http_llama_session_ctx_s {
     ngx_int_t                       r_cache_read;
     ngx_int_t                       r_input_tokens;
     double                          r_prompt_ms;
+    ngx_int_t                       r_predicted_n;
+    double                          r_predicted_ms;
     ngx_int_t                       cached;     /* the result, -1: unknown */
 
     /* the body in one piece, as identify read it (NULL data: none) */

@@ -14,6 +14,15 @@
  * last few.  A session whose restore would take clearly longer than the
  * prefill of its tokens is re-prefilled instead, and the swap line and the
  * metrics say so.
+ *
+ * With a draft model (speculative decoding), a restore also costs the
+ * draft's help: llama-server restores the target's context alone, and the
+ * draft accepts nothing on the session's turns in that slot after it
+ * (docs/models.md); a prefill feeds both.  The generation's speed is
+ * learnt apart for turns whose slot was restored and for the others
+ * (timings.predicted_ms over predicted_n), with the tokens a turn
+ * generates, and a restore's cost counts the next turn's slower
+ * generation.
  */
 
 
@@ -31,6 +40,7 @@
 
 #define NGX_HTTP_LLAMA_SESSION_COST_TOKENS   64
 #define NGX_HTTP_LLAMA_SESSION_COST_BYTES    4096
+#define NGX_HTTP_LLAMA_SESSION_COST_GENERATED 8
 
 /* after so many re-prefills in a row, one restore measures the disk again */
 
@@ -53,6 +63,56 @@ ngx_http_llama_session_cost_prefill(ngx_http_llama_session_zone_t *zone,
     }
 
     ngx_http_llama_session_cost_learn(zone, fp, 0, ms / tokens);
+}
+
+
+/* a turn's generation: tokens in ms, on a slot whose draft was lost or not */
+
+void
+ngx_http_llama_session_cost_generate(ngx_http_llama_session_zone_t *zone,
+    u_char *fp, ngx_uint_t lost, ngx_int_t tokens, double ms)
+{
+    double                         *avg;
+    ngx_uint_t                     *n;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_cost_t  *cost;
+
+    sh = zone->sh;
+
+    if (tokens < NGX_HTTP_LLAMA_SESSION_COST_GENERATED || ms <= 0
+        || !sh->speculative
+        || ngx_memcmp(sh->speculative_fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
+           != 0)
+    {
+        return;
+    }
+
+    cost = &sh->cost;
+    lost = lost ? 1 : 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (ngx_memcmp(cost->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN) != 0) {
+        ngx_memzero(cost, sizeof(ngx_http_llama_session_cost_t));
+        ngx_memcpy(cost->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    }
+
+    avg = &cost->gen_ms_per_token[lost];
+    n = &cost->gen_samples[lost];
+
+    *avg = (*n == 0) ? ms / tokens
+           : (*n < 4) ? (*avg * *n + ms / tokens) / (*n + 1)
+           : *avg * 0.75 + ms / tokens * 0.25;
+
+    cost->gen_tokens = (cost->gen_samples[0] + cost->gen_samples[1] == 0)
+                       ? (double) tokens
+                       : cost->gen_tokens * 0.75 + (double) tokens * 0.25;
+
+    if (*n < 1000) {
+        (*n)++;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
 }
 
 
@@ -143,6 +203,19 @@ ngx_http_llama_session_cost_reprefill(ngx_http_llama_session_ctx_t *ctx,
 
     *restore_ms = cost.restore_ms_per_byte * (double) bytes;
     *prefill_ms = cost.prefill_ms_per_token * (double) tokens;
+
+    /* a draft model: the next turn generates without the draft's help */
+
+    if (zone->sh->speculative
+        && ngx_memcmp(zone->sh->speculative_fp, ctx->job.fp,
+                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0
+        && cost.gen_samples[0] >= NGX_HTTP_LLAMA_SESSION_COST_SAMPLES
+        && cost.gen_samples[1] >= NGX_HTTP_LLAMA_SESSION_COST_SAMPLES
+        && cost.gen_ms_per_token[1] > cost.gen_ms_per_token[0])
+    {
+        *restore_ms += (cost.gen_ms_per_token[1] - cost.gen_ms_per_token[0])
+                       * cost.gen_tokens;
+    }
 
     if (*restore_ms <= *prefill_ms * NGX_HTTP_LLAMA_SESSION_COST_MARGIN) {
         return 0;

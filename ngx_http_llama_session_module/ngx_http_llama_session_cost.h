@@ -15,6 +15,9 @@
 
 void ngx_http_llama_session_cost_prefill(ngx_http_llama_session_zone_t *zone,
     u_char *fp, ngx_int_t tokens, double ms);
+void ngx_http_llama_session_cost_generate(
+    ngx_http_llama_session_zone_t *zone, u_char *fp, ngx_uint_t lost,
+    ngx_int_t tokens, double ms);
 void ngx_http_llama_session_cost_restore(ngx_http_llama_session_zone_t *zone,
     u_char *fp, off_t bytes, double ms);
 ngx_uint_t ngx_http_llama_session_cost_reprefill(

@@ -57,6 +57,8 @@ static ngx_http_llama_session_figure_t  ngx_http_llama_session_figures[] = {
       offsetof(ngx_http_llama_session_ctx_t, r_cache_read) },
     { ngx_string("\"input_tokens\":"),
       offsetof(ngx_http_llama_session_ctx_t, r_input_tokens) },
+    { ngx_string("\"predicted_n\":"),
+      offsetof(ngx_http_llama_session_ctx_t, r_predicted_n) },
     { ngx_null_string, 0 }
 };
 
@@ -99,6 +101,8 @@ ngx_http_llama_session_reply_header(ngx_http_request_t *r)
         ctx->r_cache_read = -1;
         ctx->r_input_tokens = -1;
         ctx->r_prompt_ms = -1;
+        ctx->r_predicted_n = -1;
+        ctx->r_predicted_ms = -1;
 
         /* a chat turn's message is kept for the re-prime (turn.c) */
         ngx_http_llama_session_turn_start(r, ctx);
@@ -197,11 +201,13 @@ ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
     u_char *last, ngx_uint_t whole)
 {
     u_char                           *q;
-    double                            ms, frac;
+    double                            ms, frac, *msf;
+    ngx_str_t                        *name;
     ngx_int_t                         v, *field;
     ngx_http_llama_session_figure_t  *f;
 
     static ngx_str_t  prompt_ms = ngx_string("\"prompt_ms\":");
+    static ngx_str_t  predicted_ms = ngx_string("\"predicted_ms\":");
 
     for ( ;; ) {
         p = ngx_strlchr(p, last, '"');
@@ -209,10 +215,18 @@ ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
             return;
         }
 
-        if (last - p >= (ssize_t) prompt_ms.len
-            && ngx_strncmp(p, prompt_ms.data, prompt_ms.len) == 0)
-        {
-            q = p + prompt_ms.len;
+        name = (last - p >= (ssize_t) prompt_ms.len
+                && ngx_strncmp(p, prompt_ms.data, prompt_ms.len) == 0)
+               ? &prompt_ms
+               : (last - p >= (ssize_t) predicted_ms.len
+                  && ngx_strncmp(p, predicted_ms.data, predicted_ms.len)
+                     == 0)
+                 ? &predicted_ms : NULL;
+
+        if (name) {
+            msf = (name == &prompt_ms) ? &ctx->r_prompt_ms
+                                       : &ctx->r_predicted_ms;
+            q = p + name->len;
 
             while (q < last && *q == ' ') {
                 q++;
@@ -235,7 +249,7 @@ ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
             }
 
             if (q < last || whole) {
-                ctx->r_prompt_ms = ms;
+                *msf = ms;
             }
 
             p++;
@@ -347,6 +361,13 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
         ngx_http_llama_session_cost_prefill(zone, ctx->job.fp,
                                             ctx->r_prompt_n,
                                             ctx->r_prompt_ms);
+    }
+
+    if (ctx->r_predicted_n > 0 && ctx->r_predicted_ms > 0) {
+        /* a draft model's help, whole or lost to a restore (cost.c) */
+        ngx_http_llama_session_cost_generate(zone, ctx->job.fp,
+                                     zone->sh->slots[ctx->job.slot].draft_lost,
+                                     ctx->r_predicted_n, ctx->r_predicted_ms);
     }
 
     if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE

@@ -851,6 +851,7 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
     slot->saveable = 0;
     slot->has_base = 0;
     slot->media = 0;
+    slot->draft_lost = 0;
 }
 
 
@@ -1168,6 +1169,24 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_ctx_t *ctx,
         {
             /* another session, of no known tenant (not from a request) */
             slot->has_ns = 0;
+        }
+
+        /*
+         * the draft's context: lost by a restore (llama-server restores
+         * the target's alone), whole again after an empty slot's prefill
+         */
+
+        if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
+            || ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_WARM)
+        {
+            slot->draft_lost = ctx->job.speculative
+                               && (ctx->action
+                                   == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
+                                   || slot->draft_lost
+                                   || ctx->warm.base_file);
+
+        } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_FRESH) {
+            slot->draft_lost = 0;
         }
 
         /* a conversation's image stays in its history */

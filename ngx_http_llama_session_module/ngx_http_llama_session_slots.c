@@ -107,6 +107,17 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
         ctx->job.speculative = cJSON_IsTrue(
                     cJSON_GetObjectItemCaseSensitive(slot, "speculative"));
 
+        if (ctx->job.speculative
+            && (!ctx->zone->sh->speculative
+                || ngx_memcmp(ctx->zone->sh->speculative_fp, ctx->job.fp,
+                              NGX_HTTP_LLAMA_SESSION_FP_LEN) != 0))
+        {
+            /* for the cost of a restore (cost.c); one writer's bytes */
+            ngx_memcpy(ctx->zone->sh->speculative_fp, ctx->job.fp,
+                       NGX_HTTP_LLAMA_SESSION_FP_LEN);
+            ctx->zone->sh->speculative = 1;
+        }
+
         if (ctx->job.speculative && !ctx->zone->sh->speculative_said) {
             ctx->zone->sh->speculative_said = 1;
             ngx_log_error(NGX_LOG_NOTICE, log, 0,

@@ -76,4 +76,44 @@ for my $spec (1, 0) {
     $f->stop;
 }
 
+# the cost of a restore counts the draft's lost help (cost.c): the fake
+# says 16 tokens a turn at 1 ms each, and at 400 ms each on a slot restored
+# since its last erase; the file restores in 0.5 ms, the prompt (~6,400
+# "tokens" at 0.5 ms) prefills in ~3.2 s.  Once the module has learnt both
+# speeds, a returning session is re-prefilled (its draft whole again)
+# instead of restored; without a draft model it is restored every time
+for my $spec (1, 0) {
+    my $f = LlamaTest->new(workers => 1);
+    $f->fake(np => 1, script => { speculative => $spec,
+                                  draft => { ms => 1, lost_ms => 400 } });
+    $f->nginx($f->site(
+        zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+        location => 'add_header X-S-Action $llama_session_action always;'));
+    my %conv;
+    my $turn = sub {
+        my ($sid) = @_;
+        my $c = $conv{$sid} //= [ { role => 'user',
+                                    content => "$sid " . ('history ' x 800) } ];
+        push @$c, { role => 'user', content => 'more ' . scalar(@$c) };
+        my $r = $f->post('/v1/chat/completions', { messages => $c },
+                         headers => { 'X-Session-Id' => $sid });
+        push @$c, { role => 'assistant', content => 'ok' };
+        return $r->{status} == 200 ? $r->{headers}{'x-s-action'} : $r->{status};
+    };
+    $turn->($_) for qw(a b c);
+    my @r = map { $turn->($_) } qw(a b c a b c);
+    if ($spec) {
+        is("@r[0 .. 2]", 'restore restore restore',
+           "draft cost: restores while the speeds are learnt: @r");
+        ok((grep { $_ eq 'fresh' } @r[3 .. 5]),
+           'then a returning session is re-prefilled, its draft whole');
+        ok($f->log_lines(qr/fresh \(re-prefilled: its file would take ~\d+ ms to restore/),
+           'the swap line says why');
+    } else {
+        is("@r", join(' ', ('restore') x 6),
+           "no draft model: every return restored: @r");
+    }
+    $f->stop;
+}
+
 done_testing;

@@ -181,17 +181,25 @@ for my $ep (sort keys %endpoints) {
     # the other sessions take every other slot in between
     turn("between$_$sid") for 1 .. 3;
     # the same for the returning turn (its state is still in the slot)
-    my $r2;
+    my ($r2, $tries);
     for (1 .. 3) {
+        $tries++;
         $r2 = $t->post($ep, $endpoints{$ep}->($sid, 'two', ($s1 + 1) % 4),
                        headers => { 'X-Session-Id' => $sid });
         last unless $r2->{status} == 500
                     && ($r2->{content} // '') =~ /does not match/;
     }
     is($r2->{status}, 200, "$ep again, with another id_slot from the client");
-    cmp_ok(cached_of($r2->{json}) // 0, '>', 250,
-           "$ep: its own state on its own slot ("
-           . (cached_of($r2->{json}) // 'no') . ' cached)');
+    if ($tries == 1) {
+        cmp_ok(cached_of($r2->{json}) // 0, '>', 250,
+               "$ep: its own state on its own slot ("
+               . (cached_of($r2->{json}) // 'no') . ' cached)');
+    } else {
+        # a 500 leaves the slot unknown to the module (it cannot vouch for
+        # what a failed request left): the turn asked again starts fresh
+        is($r2->{headers}{'x-s-action'}, 'fresh',
+           "$ep: after a 500 the slot is not vouched for: fresh");
+    }
 }
 
 # llama-server restarts: each session's next turn comes from its file

@@ -38,7 +38,9 @@
 # discard (restore): a 200 that leaves the slot empty, as models with
 # recurrent or sliding-window layers do; apply (POST /apply-template):
 # {"status": N}; speculative (top level): GET /slots shows the slots with
-# a draft model; media (top level): a save of a slot whose text holds an
+# a draft model; draft (top level): {"ms": N, "lost_ms": M}, the
+# replies' timings say 16 tokens generated at N ms each, at M ms on a slot
+# restored since its last erase; media (top level): a save of a slot whose text holds an
 # "image_url" part answers 501 as a build that cannot serialise an image
 # chunk does; restore_ms (restore): the time its reply reports (a slow
 # disk); close_reused: N (save, restore, erase, completion): drop the
@@ -327,7 +329,7 @@ sub handle {
             my $n = with_state(sub {
                 my $s = $_[0]{slots}[$id];
                 my $n = $s->{n};
-                @$s{qw(text n)} = ('', 0);
+                @$s{qw(text n restored)} = ('', 0, 0);
                 return $n;
             });
             return reply($c, 200, { id_slot => $id, n_erased => $n });
@@ -385,9 +387,9 @@ sub handle {
         }
         # a model that discards a restored cache (recurrent or sliding-window
         # layers): the restore answers 200, the slot stays empty
-        with_state(sub { @{ $_[0]{slots}[$id] }{qw(text n)}
-                           = $script->{restore}{discard} ? ('', 0)
-                             : ($data->{text}, $data->{n}) });
+        with_state(sub { @{ $_[0]{slots}[$id] }{qw(text n restored)}
+                           = $script->{restore}{discard} ? ('', 0, 0)
+                             : ($data->{text}, $data->{n}, 1) });
         return reply($c, 200, { id_slot => $id, filename => $name,
                                 n_restored => $data->{n},
                                 n_read => -s $file,
@@ -506,6 +508,13 @@ sub completion {
 
     my %timings = (cache_n => $cache_n, prompt_n => length($text) - $cache_n,
                    prompt_ms => (length($text) - $cache_n) * 0.5);
+    # a draft model: 16 tokens generated, slower on a slot restored since
+    # its last erase (the draft's own context is not in a slot file)
+    if (my $d = script()->{draft}) {
+        my $lost = with_state(sub { $_[0]{slots}[$id]{restored} });
+        $timings{predicted_n} = 16;
+        $timings{predicted_ms} = 16 * ($lost ? $d->{lost_ms} : $d->{ms});
+    }
     my $usage = { prompt_tokens => length $text, completion_tokens => 1,
                   prompt_tokens_details => { cached_tokens => $cache_n } };
     my %echo = (body_len => length $req->{body},
