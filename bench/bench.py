@@ -1300,30 +1300,10 @@ def bench_team(work, quick, full=False):
                          args=['--cache-ram', str(budget)], np=nslots)
             withmod = Llama(work, 'team-module-%d-%d' % (ptoks, m), ctx,
                             np=nslots)
-            nport = free_port()
-            ngx = Nginx(work, 'nginx-team-%d-%d' % (ptoks, m), '''
-    llama_session_zone zone=llama:4m slots=%d store=%s save_idle=500ms
-                       backend=127.0.0.1:%d;
-    upstream llama { server 127.0.0.1:%d; keepalive 8; keepalive_timeout 4s; }
-    server {
-        listen 127.0.0.1:%d;
-        location / {
-            llama_session llama;
-            llama_session_wait_timeout 600s;
-            proxy_pass http://llama;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 900s;
-            add_header X-S-Action $llama_session_action always;
-        }
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://llama/;
-            proxy_read_timeout 900s;
-        }
-    }''' % (nslots, withmod.slots, withmod.port, withmod.port, nport))
-            wait_http(nport)
+            ngx, nport = module_zone(work, 'nginx-team-%d-%d' % (ptoks, m),
+                                     withmod, nslots,
+                                     'save_idle=500ms backend=127.0.0.1:%d'
+                                     % withmod.port)
             sides = [('defaults', defaults.port), ('ram_two_sessions',
                                                    ram2.port),
                      ('module', nport)]
