@@ -418,12 +418,6 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    /* an image, audio or a file: a slot llama-server may not save */
-
-    ctx->media = ngx_http_llama_session_json_media(
-                               spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES].start,
-                               spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES].end);
-
     if (!ctx->identity
         && ngx_http_llama_session_msgs(r, ctx,
                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM],
@@ -469,6 +463,18 @@ fallback:
     rc = ngx_http_llama_session_choose_zone(r, ctx);
     if (rc != NGX_OK) {
         return rc;
+    }
+
+    /*
+     * an image, audio or a file, on a backend that refused to save one:
+     * such a session stays in its slot while another can go (shm.c); the
+     * messages are walked for it only there
+     */
+
+    if (ctx->zone && ctx->zone->sh->media_refused) {
+        ctx->media = ngx_http_llama_session_json_media(
+                               spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES].start,
+                               spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES].end);
     }
 
     if (ngx_http_llama_session_make_key(r, ctx, &ns) != NGX_OK) {
