@@ -42,14 +42,21 @@
 #define NGX_HTTP_LLAMA_SESSION_COST_BYTES    4096
 #define NGX_HTTP_LLAMA_SESSION_COST_GENERATED 8
 
+/* the rates learnt: cost_learn()'s which */
+
+#define NGX_HTTP_LLAMA_SESSION_RATE_PREFILL  0
+#define NGX_HTTP_LLAMA_SESSION_RATE_RESTORE  1
+#define NGX_HTTP_LLAMA_SESSION_RATE_GEN      2    /* the draft whole */
+#define NGX_HTTP_LLAMA_SESSION_RATE_LOST     3    /* after a restore */
+
 /* after so many re-prefills in a row, one restore measures the disk again */
 
 #define NGX_HTTP_LLAMA_SESSION_COST_PROBE    8
 
 
 static void ngx_http_llama_session_cost_learn(
-    ngx_http_llama_session_zone_t *zone, u_char *fp, ngx_uint_t restore,
-    double rate);
+    ngx_http_llama_session_zone_t *zone, u_char *fp, ngx_uint_t which,
+    double rate, ngx_int_t tokens);
 
 
 /* a reply's prefill: tokens evaluated in ms */
@@ -62,7 +69,9 @@ ngx_http_llama_session_cost_prefill(ngx_http_llama_session_zone_t *zone,
         return;
     }
 
-    ngx_http_llama_session_cost_learn(zone, fp, 0, ms / tokens);
+    ngx_http_llama_session_cost_learn(zone, fp,
+                                      NGX_HTTP_LLAMA_SESSION_RATE_PREFILL,
+                                      ms / tokens, 0);
 }
 
 
@@ -72,10 +81,7 @@ void
 ngx_http_llama_session_cost_generate(ngx_http_llama_session_zone_t *zone,
     u_char *fp, ngx_uint_t lost, ngx_int_t tokens, double ms)
 {
-    double                         *avg;
-    ngx_uint_t                     *n;
-    ngx_http_llama_session_sh_t    *sh;
-    ngx_http_llama_session_cost_t  *cost;
+    ngx_http_llama_session_sh_t  *sh;
 
     sh = zone->sh;
 
@@ -87,32 +93,10 @@ ngx_http_llama_session_cost_generate(ngx_http_llama_session_zone_t *zone,
         return;
     }
 
-    cost = &sh->cost;
-    lost = lost ? 1 : 0;
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    if (ngx_memcmp(cost->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN) != 0) {
-        ngx_memzero(cost, sizeof(ngx_http_llama_session_cost_t));
-        ngx_memcpy(cost->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
-    }
-
-    avg = &cost->gen_ms_per_token[lost];
-    n = &cost->gen_samples[lost];
-
-    *avg = (*n == 0) ? ms / tokens
-           : (*n < 4) ? (*avg * *n + ms / tokens) / (*n + 1)
-           : *avg * 0.75 + ms / tokens * 0.25;
-
-    cost->gen_tokens = (cost->gen_samples[0] + cost->gen_samples[1] == 0)
-                       ? (double) tokens
-                       : cost->gen_tokens * 0.75 + (double) tokens * 0.25;
-
-    if (*n < 1000) {
-        (*n)++;
-    }
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
+    ngx_http_llama_session_cost_learn(zone, fp,
+                                      lost ? NGX_HTTP_LLAMA_SESSION_RATE_LOST
+                                           : NGX_HTTP_LLAMA_SESSION_RATE_GEN,
+                                      ms / tokens, tokens);
 }
 
 
@@ -126,19 +110,24 @@ ngx_http_llama_session_cost_restore(ngx_http_llama_session_zone_t *zone,
         return;
     }
 
-    ngx_http_llama_session_cost_learn(zone, fp, 1, ms / (double) bytes);
+    ngx_http_llama_session_cost_learn(zone, fp,
+                                      NGX_HTTP_LLAMA_SESSION_RATE_RESTORE,
+                                      ms / (double) bytes, 0);
 }
 
 
+/* one rate learnt (which), and with a generation its tokens */
+
 static void
 ngx_http_llama_session_cost_learn(ngx_http_llama_session_zone_t *zone,
-    u_char *fp, ngx_uint_t restore, double rate)
+    u_char *fp, ngx_uint_t which, double rate, ngx_int_t tokens)
 {
-    double                       *avg;
-    ngx_uint_t                   *n;
+    double                        *avg;
+    ngx_uint_t                    *n, restore;
     ngx_http_llama_session_cost_t *cost;
 
     cost = &zone->sh->cost;
+    restore = (which == NGX_HTTP_LLAMA_SESSION_RATE_RESTORE);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -148,8 +137,22 @@ ngx_http_llama_session_cost_learn(ngx_http_llama_session_zone_t *zone,
         ngx_memcpy(cost->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
     }
 
-    avg = restore ? &cost->restore_ms_per_byte : &cost->prefill_ms_per_token;
-    n = restore ? &cost->restore_samples : &cost->prefill_samples;
+    switch (which) {
+    case NGX_HTTP_LLAMA_SESSION_RATE_PREFILL:
+        avg = &cost->prefill_ms_per_token;
+        n = &cost->prefill_samples;
+        break;
+    case NGX_HTTP_LLAMA_SESSION_RATE_RESTORE:
+        avg = &cost->restore_ms_per_byte;
+        n = &cost->restore_samples;
+        break;
+    default: /* the generation, the draft whole or lost */
+        avg = &cost->gen_ms_per_token[which - NGX_HTTP_LLAMA_SESSION_RATE_GEN];
+        n = &cost->gen_samples[which - NGX_HTTP_LLAMA_SESSION_RATE_GEN];
+        cost->gen_tokens = (cost->gen_samples[0] + cost->gen_samples[1] == 0)
+                           ? (double) tokens
+                           : cost->gen_tokens * 0.75 + (double) tokens * 0.25;
+    }
 
     /*
      * the first samples averaged, then each new one weighs a quarter; a
