@@ -124,6 +124,16 @@ ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
 }
 
 
+/* identity by extension (ext.c) needs a zone: the harness has none */
+
+ngx_int_t
+ngx_http_llama_session_extension(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
+{
+    return NGX_OK;
+}
+
+
 /* models= zones (models.c): the harness has no zone */
 
 ngx_uint_t

@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     10
+#define NGX_HTTP_LLAMA_SESSION_VERSION     11
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -510,6 +510,13 @@ typedef struct {
     ngx_uint_t                      cycles;
     ngx_uint_t                      live_cycle;
 
+    /* conversations without an id, by the messages they extend (ext.c) */
+    ngx_rbtree_t                    ext_tree;
+    ngx_rbtree_node_t               ext_sentinel;
+    ngx_queue_t                     ext_lru;
+    ngx_uint_t                      ext_n;
+    ngx_uint_t                      ext_max;
+
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
 
@@ -822,6 +829,7 @@ struct ngx_http_llama_session_ctx_s {
     char                           *fail_message;
 
     unsigned                        default_session:1;
+    unsigned                        ext_fallback:1; /* "sys-…": ext.c */
     unsigned                        use_default:1;
     unsigned                        refuse:1;
     unsigned                        queued:1;

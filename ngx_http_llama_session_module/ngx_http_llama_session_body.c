@@ -19,6 +19,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_canon.h"
+#include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_models.h"
@@ -485,7 +486,9 @@ fallback:
         ngx_http_llama_session_key_prefix(ctx);
     }
 
-    return NGX_OK;
+    /* no id: the conversation whose messages this request extends */
+
+    return ngx_http_llama_session_extension(r, ctx, &ns);
 }
 
 
@@ -872,6 +875,7 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ctx->id.len = p - ctx->id.data;
 
     ngx_str_set(&ctx->source, "system_hash");
+    ctx->ext_fallback = 1;
 
     return NGX_OK;
 

@@ -12,6 +12,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_shm.h"
@@ -36,6 +37,7 @@ typedef struct {
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_uint_t                      base_uses;
+    uint64_t                        chain;      /* ext.c's, 0: none */
     unsigned                        has_idk:1;
     unsigned                        has_sys:1;
     unsigned                        has_ns:1;
@@ -53,6 +55,8 @@ static void ngx_http_llama_session_store_read_meta(
 static void ngx_http_llama_session_store_set_meta(
     ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_node_t *node,
     ngx_http_llama_session_found_t *f);
+static void ngx_http_llama_session_store_chain(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_found_t *f);
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
@@ -488,6 +492,7 @@ ngx_http_llama_session_store_index(ngx_http_llama_session_zone_t *zone,
         node->used_at = f[i].mtime;
 
         ngx_http_llama_session_store_set_meta(zone->sh, node, &f[i]);
+        ngx_http_llama_session_store_chain(zone, &f[i]);
     }
 
     ngx_log_error(NGX_LOG_NOTICE, log, 0,
@@ -624,6 +629,7 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
 
             node->used_at = f[i].mtime;
             ngx_http_llama_session_store_set_meta(zone->sh, node, &f[i]);
+            ngx_http_llama_session_store_chain(zone, &f[i]);
         }
 
         ngx_http_llama_session_node_file(zone->sh, node, 1, f[i].size);
@@ -814,6 +820,18 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->has_ns = 1;
     }
 
+    /* a conversation without an id: its last request's chain (ext.c) */
+    item = cJSON_GetObjectItemCaseSensitive(json, "msgs");
+    if (cJSON_IsString(item) && f->has_ns && f->has_sys
+        && f->id_len > sizeof("sys-") - 1
+        && ngx_strncmp(f->id, "sys-", sizeof("sys-") - 1) == 0)
+    {
+        f->chain = ngx_http_llama_session_ext_saved(f->ns, f->sys, f->model,
+                                          f->model_len,
+                                          (u_char *) item->valuestring,
+                                          ngx_strlen(item->valuestring));
+    }
+
     cJSON_Delete(json);
 }
 
@@ -853,6 +871,19 @@ ngx_http_llama_session_store_set_meta(ngx_http_llama_session_sh_t *sh,
     if (f->has_ns) {
         node->has_ns = 1;
         ngx_memcpy(node->ns, f->ns, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    }
+}
+
+
+/* with the zone locked: a saved conversation's last request (ext.c) */
+
+static void
+ngx_http_llama_session_store_chain(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_found_t *f)
+{
+    if (f->chain && f->len > 1 + NGX_HTTP_LLAMA_SESSION_FP_LEN) {
+        ngx_http_llama_session_ext_index(zone, f->chain, f->name,
+                                 f->len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN);
     }
 }
 

@@ -119,7 +119,7 @@ is(ask({ model => 'm', system => $sys, prompt => 'x' },
    $want, 'Ollama /api/generate system');
 is(ask({ messages => [ { role => 'system',
                          content => [ { type => 'text', text => $sys } ] },
-                       { role => 'user', content => 'x' } ] })->{id},
+                       { role => 'user', content => 'parts' } ] })->{id},
    $want, 'system content as text parts');
 isnt(ask({ messages => [ { role => 'system', content => "$sys!" } ] })->{id},
      $want, 'another system prompt, another session');

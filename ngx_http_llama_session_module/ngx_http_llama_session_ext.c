@@ -1,0 +1,472 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * A conversation without an id is known by the messages it extends.  A
+ * request that names no session (llama_session_id_fallback system_hash)
+ * was given "sys-<its system prompt's digest>", and with the start of its
+ * first message in the key, conversations that open alike (Qwen Code's
+ * injected first exchange, an agent's fixed first task) shared one
+ * session.  Now each such request's message list is summed up as a chain:
+ * C(0) from the tenant, the model and the system prompt, C(i) from C(i-1)
+ * and message i (its hash, length and role, miss.c's).  The zone keeps,
+ * per conversation, the chains of its last two requests, each naming the
+ * conversation's key.  A request belongs to the conversation whose kept
+ * chain is the longest prefix of its own:
+ *
+ *   - a returning turn extends its previous request;
+ *   - the same request again (a retry, a regenerated reply) equals it;
+ *   - an edited last message extends the request before it.
+ *
+ * A request that extends none is a new conversation.  The first of its
+ * family (same tenant, model, system prompt and first message) keeps the
+ * key it always had, "sys-<16 hex>", so a client whose conversations open
+ * differently sees no change, and files saved before stay found; any
+ * later one of the family is "sys-<16 hex>-<16 hex of its chain>", a key
+ * of its own, warm from the system prompt's base as any new conversation,
+ * never from another conversation's messages.  Two new conversations that
+ * run at once are two sessions, on two slots.
+ *
+ * The chains live in the zone's shared memory (a tree ordered by chain, a
+ * least recently used queue, at most an eighth of the zone); a session's
+ * .json keeps its last prompt's messages, so the zone's index at start
+ * learns the last chain of each saved conversation again.  A chain lost to
+ * the bound costs its conversation one re-prefill: its next request is a
+ * new conversation, then known again.
+ */
+
+
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_ext.h"
+#include "ngx_http_llama_session_shm.h"
+
+
+typedef struct {
+    ngx_rbtree_node_t               node;       /* ordered by chain */
+    ngx_queue_t                     lru;
+    uint64_t                        chain;
+    uint64_t                        parent;     /* the chain it extended,
+                                                   0: none */
+    u_char                          key_len;
+    u_char                          family;     /* a family's marker */
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+} ngx_http_llama_session_ext_t;
+
+
+static uint64_t ngx_http_llama_session_ext_mix(uint64_t x);
+static uint64_t ngx_http_llama_session_ext_seed(u_char *ns, u_char *sys,
+    u_char *model, size_t model_len);
+static uint64_t ngx_http_llama_session_ext_step(uint64_t prev,
+    ngx_http_llama_session_msg_t *m);
+static void ngx_http_llama_session_ext_insert_value(ngx_rbtree_node_t *temp,
+    ngx_rbtree_node_t *node, ngx_rbtree_node_t *sentinel);
+static ngx_http_llama_session_ext_t *ngx_http_llama_session_ext_find(
+    ngx_http_llama_session_sh_t *sh, uint64_t chain);
+static void ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
+    uint64_t chain, uint64_t parent, ngx_uint_t family, u_char *key,
+    size_t len);
+static void ngx_http_llama_session_ext_free(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_ext_t *e);
+
+
+void
+ngx_http_llama_session_ext_init(ngx_http_llama_session_sh_t *sh, size_t size)
+{
+    ngx_rbtree_init(&sh->ext_tree, &sh->ext_sentinel,
+                    ngx_http_llama_session_ext_insert_value);
+    ngx_queue_init(&sh->ext_lru);
+
+    sh->ext_n = 0;
+    sh->ext_max = ngx_max(size / 8 / 256, 64);
+}
+
+
+/*
+ * The request's conversation, after its key was made from "sys-…": that
+ * key, another conversation's it extends, or a key of its own
+ */
+
+ngx_int_t
+ngx_http_llama_session_extension(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
+{
+    u_char                         *p, *last;
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    uint64_t                        seed, family, *chain;
+    ngx_int_t                       i;
+    ngx_uint_t                      taken;
+    ngx_http_llama_session_ext_t   *e, *g;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+
+    if (!ctx->ext_fallback || zone == NULL || ctx->bind || ctx->nmsgs == 0
+        || !ctx->has_nsk)
+    {
+        return NGX_OK;
+    }
+
+    chain = ngx_palloc(r->pool, ctx->nmsgs * sizeof(uint64_t));
+    if (chain == NULL) {
+        return NGX_ERROR;
+    }
+
+    seed = ngx_http_llama_session_ext_seed(ctx->nsk, ctx->sys,
+                                           ctx->model.data, ctx->model.len);
+
+    chain[0] = ngx_http_llama_session_ext_step(seed, &ctx->msgs[0]);
+
+    for (i = 1; i < (ngx_int_t) ctx->nmsgs; i++) {
+        chain[i] = ngx_http_llama_session_ext_step(chain[i - 1],
+                                                   &ctx->msgs[i]);
+    }
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    /* the longest request of a conversation that this one extends */
+
+    e = NULL;
+
+    for (i = ctx->nmsgs - 1; i >= 0; i--) {
+        e = ngx_http_llama_session_ext_find(zone->sh, chain[i]);
+        if (e && !e->family) {
+            break;
+        }
+
+        e = NULL;
+    }
+
+    if (e) {
+        ctx->key_len = e->key_len;
+        ngx_memcpy(ctx->key, e->key, e->key_len);
+
+        ngx_queue_remove(&e->lru);
+        ngx_queue_insert_tail(&zone->sh->ext_lru, &e->lru);
+
+        if (i < (ngx_int_t) ctx->nmsgs - 1) {
+            /* a longer request: the one before the last is let go */
+
+            if (e->parent) {
+                g = ngx_http_llama_session_ext_find(zone->sh, e->parent);
+
+                if (g && !g->family && g->key_len == e->key_len
+                    && ngx_memcmp(g->key, e->key, e->key_len) == 0)
+                {
+                    ngx_http_llama_session_ext_free(zone, g);
+                }
+            }
+
+            ngx_http_llama_session_ext_add(zone, chain[ctx->nmsgs - 1],
+                                           chain[i], 0, ctx->key,
+                                           ctx->key_len);
+        }
+
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: %ui messages extend %ui of \"%*s\"",
+                       ctx->nmsgs, (ngx_uint_t) i + 1, ctx->key_len,
+                       ctx->key);
+
+        return NGX_OK;
+    }
+
+    /*
+     * a new conversation: the family's key if no other conversation has
+     * it (none since start, nor a file), a key of its own otherwise
+     */
+
+    family = ngx_http_llama_session_ext_mix(seed
+                                            ^ (uint64_t) ngx_crc32_short(
+                                                  ctx->head,
+                                                  NGX_HTTP_LLAMA_SESSION_DIGEST)
+                                            ^ 0x66616d696c79ULL);
+
+    taken = (ngx_http_llama_session_ext_find(zone->sh, family) != NULL);
+
+    if (!taken && zone->sh->fp_known) {
+        n = ngx_http_llama_session_file_name(name, ctx->key, ctx->key_len,
+                                             zone->sh->fp);
+        taken = (ngx_http_llama_session_lookup_name(zone, name, n) != NULL);
+    }
+
+    if (!taken) {
+        ngx_http_llama_session_ext_add(zone, family, 0, 1, ctx->key,
+                                       ctx->key_len);
+        ngx_http_llama_session_ext_add(zone, chain[ctx->nmsgs - 1], 0, 0,
+                                       ctx->key, ctx->key_len);
+
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        return NGX_OK;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    p = ngx_pnalloc(r->pool, ctx->id.len + 1 + 16);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    last = ngx_cpymem(p, ctx->id.data, ctx->id.len);
+    last = ngx_sprintf(last, "-%016uxL", chain[ctx->nmsgs - 1]);
+
+    ctx->id.data = p;
+    ctx->id.len = last - p;
+
+    if (ngx_http_llama_session_make_key(r, ctx, ns) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (!ctx->bind) {
+        ngx_http_llama_session_key_prefix(ctx);
+    }
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+    ngx_http_llama_session_ext_add(zone, chain[ctx->nmsgs - 1], 0, 0,
+                                   ctx->key, ctx->key_len);
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "llama_session: a new conversation of its family: \"%V\""
+                   ", %ui messages", &ctx->id, ctx->nmsgs);
+
+    return NGX_OK;
+}
+
+
+/* a saved session's last chain, from its .json; 0: none */
+
+uint64_t
+ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys, u_char *model,
+    size_t model_len, u_char *msgs, size_t len)
+{
+    u_char                        buf[NGX_HTTP_LLAMA_SESSION_MSGS_MAX
+                                      * sizeof(ngx_http_llama_session_msg_t)
+                                      + 3];
+    uint64_t                      chain;
+    ngx_str_t                     src, out;
+    ngx_uint_t                    i, n;
+    ngx_http_llama_session_msg_t  m;
+
+    if (len == 0 || ngx_base64_decoded_length(len) > sizeof(buf)) {
+        return 0;
+    }
+
+    src.data = msgs;
+    src.len = len;
+    out.data = buf;
+
+    if (ngx_decode_base64(&out, &src) != NGX_OK
+        || out.len == 0
+        || out.len % sizeof(ngx_http_llama_session_msg_t))
+    {
+        return 0;
+    }
+
+    n = out.len / sizeof(ngx_http_llama_session_msg_t);
+
+    chain = ngx_http_llama_session_ext_seed(ns, sys, model, model_len);
+
+    for (i = 0; i < n; i++) {
+        /* the buffer is not aligned for the record */
+        ngx_memcpy(&m, buf + i * sizeof(ngx_http_llama_session_msg_t),
+                   sizeof(ngx_http_llama_session_msg_t));
+        chain = ngx_http_llama_session_ext_step(chain, &m);
+    }
+
+    return chain;
+}
+
+
+/* the zone's index at start: a saved conversation's last request */
+
+void
+ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
+    uint64_t chain, u_char *key, size_t len)
+{
+    if (chain == 0 || len > NGX_HTTP_LLAMA_SESSION_KEY_MAX) {
+        return;
+    }
+
+    if (ngx_http_llama_session_ext_find(zone->sh, chain) == NULL) {
+        ngx_http_llama_session_ext_add(zone, chain, 0, 0, key, len);
+    }
+}
+
+
+/* splitmix64's finalizer */
+
+static uint64_t
+ngx_http_llama_session_ext_mix(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+
+    return x;
+}
+
+
+static uint64_t
+ngx_http_llama_session_ext_seed(u_char *ns, u_char *sys, u_char *model,
+    size_t model_len)
+{
+    uint64_t  a, b;
+
+    /* the model as the zone's records keep it */
+
+    model_len = ngx_min(model_len, NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
+
+    ngx_memcpy(&a, ns, sizeof(uint64_t));
+    ngx_memcpy(&b, sys, sizeof(uint64_t));
+
+    return ngx_http_llama_session_ext_mix(
+               ngx_http_llama_session_ext_mix(a)
+               ^ ngx_http_llama_session_ext_mix(b + 1)
+               ^ ngx_http_llama_session_ext_mix(
+                     ((uint64_t) ngx_murmur_hash2(model, model_len) << 32)
+                     + model_len + 2));
+}
+
+
+static uint64_t
+ngx_http_llama_session_ext_step(uint64_t prev,
+    ngx_http_llama_session_msg_t *m)
+{
+    uint64_t  x;
+
+    x = ngx_http_llama_session_ext_mix(prev + 0x9e3779b97f4a7c15ULL)
+        ^ (((uint64_t) m->len << 32) | m->hash);
+
+    x = ngx_http_llama_session_ext_mix(x ^ ((uint64_t) m->role << 56));
+
+    /* 0 means "none" */
+
+    return x ? x : 1;
+}
+
+
+static void
+ngx_http_llama_session_ext_insert_value(ngx_rbtree_node_t *temp,
+    ngx_rbtree_node_t *node, ngx_rbtree_node_t *sentinel)
+{
+    ngx_rbtree_node_t            **p;
+    ngx_http_llama_session_ext_t  *e, *t;
+
+    e = (ngx_http_llama_session_ext_t *) node;
+
+    for ( ;; ) {
+        t = (ngx_http_llama_session_ext_t *) temp;
+
+        p = (e->chain < t->chain) ? &temp->left : &temp->right;
+
+        if (*p == sentinel) {
+            break;
+        }
+
+        temp = *p;
+    }
+
+    *p = node;
+    node->parent = temp;
+    node->left = sentinel;
+    node->right = sentinel;
+    ngx_rbt_red(node);
+}
+
+
+static ngx_http_llama_session_ext_t *
+ngx_http_llama_session_ext_find(ngx_http_llama_session_sh_t *sh,
+    uint64_t chain)
+{
+    ngx_rbtree_node_t             *node, *sentinel;
+    ngx_http_llama_session_ext_t  *e;
+
+    node = sh->ext_tree.root;
+    sentinel = sh->ext_tree.sentinel;
+
+    while (node != sentinel) {
+        e = (ngx_http_llama_session_ext_t *) node;
+
+        if (chain == e->chain) {
+            return e;
+        }
+
+        node = (chain < e->chain) ? node->left : node->right;
+    }
+
+    return NULL;
+}
+
+
+/* with the zone locked; a chain kept already names the new key */
+
+static void
+ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
+    uint64_t chain, uint64_t parent, ngx_uint_t family, u_char *key,
+    size_t len)
+{
+    ngx_queue_t                   *q;
+    ngx_http_llama_session_sh_t   *sh;
+    ngx_http_llama_session_ext_t  *e;
+
+    sh = zone->sh;
+
+    e = ngx_http_llama_session_ext_find(sh, chain);
+
+    if (e == NULL) {
+        if (sh->ext_n >= sh->ext_max && !ngx_queue_empty(&sh->ext_lru)) {
+            q = ngx_queue_head(&sh->ext_lru);
+            ngx_http_llama_session_ext_free(zone,
+                      ngx_queue_data(q, ngx_http_llama_session_ext_t, lru));
+        }
+
+        e = ngx_slab_alloc_locked(zone->shpool,
+                                  sizeof(ngx_http_llama_session_ext_t));
+
+        if (e == NULL && !ngx_queue_empty(&sh->ext_lru)) {
+            q = ngx_queue_head(&sh->ext_lru);
+            ngx_http_llama_session_ext_free(zone,
+                      ngx_queue_data(q, ngx_http_llama_session_ext_t, lru));
+
+            e = ngx_slab_alloc_locked(zone->shpool,
+                                      sizeof(ngx_http_llama_session_ext_t));
+        }
+
+        if (e == NULL) {
+            /* the conversation is new again on its next request */
+            return;
+        }
+
+        e->chain = chain;
+        ngx_rbtree_insert(&sh->ext_tree, &e->node);
+        sh->ext_n++;
+
+    } else {
+        ngx_queue_remove(&e->lru);
+    }
+
+    ngx_queue_insert_tail(&sh->ext_lru, &e->lru);
+
+    e->parent = parent;
+    e->family = (u_char) family;
+    e->key_len = (u_char) ngx_min(len, NGX_HTTP_LLAMA_SESSION_KEY_MAX);
+    ngx_memcpy(e->key, key, e->key_len);
+}
+
+
+static void
+ngx_http_llama_session_ext_free(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_ext_t *e)
+{
+    ngx_rbtree_delete(&zone->sh->ext_tree, &e->node);
+    ngx_queue_remove(&e->lru);
+    zone->sh->ext_n--;
+
+    ngx_slab_free_locked(zone->shpool, e);
+}

@@ -1,0 +1,27 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * A conversation without an id, known by the messages it extends: the
+ * functions of ngx_http_llama_session_ext.c.
+ */
+
+
+#ifndef _NGX_HTTP_LLAMA_SESSION_EXT_H_INCLUDED_
+#define _NGX_HTTP_LLAMA_SESSION_EXT_H_INCLUDED_
+
+
+#include "ngx_http_llama_session.h"
+
+
+void ngx_http_llama_session_ext_init(ngx_http_llama_session_sh_t *sh,
+    size_t size);
+ngx_int_t ngx_http_llama_session_extension(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
+uint64_t ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys,
+    u_char *model, size_t model_len, u_char *msgs, size_t len);
+void ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
+    uint64_t chain, u_char *key, size_t len);
+
+
+#endif /* _NGX_HTTP_LLAMA_SESSION_EXT_H_INCLUDED_ */

@@ -1,0 +1,213 @@
+#!/usr/bin/perl
+
+# Conversations that carry no id, against a real llama-server with two
+# slots: a request belongs to the conversation whose requests it extends.
+# Qwen Code's shape: no id anywhere, every conversation opens with the same
+# injected exchange (a user message with the date and the folder, an
+# assistant's "Got it."), so the system prompt and the first message are
+# the same for all of them.  Three such conversations take turns on two
+# slots: each comes back with its own history cached (restored from its own
+# file), its own key; the first keeps the key it always had (sys-…).  Also:
+# a conversation whose first message differs (pi's shape) keeps sys-…; a
+# regenerated turn and an edited last message stay in their conversation;
+# a client that trims its history starts a conversation of its own; a
+# probe with the shared opening learns nothing beyond the system prompt;
+# two new conversations at once run on two slots; after a restart of nginx
+# the zone learns the conversations again from their files.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2);
+$t->llama(np => 2, ctx => 32768);
+
+my $site = $t->site(
+    zone => 'llama_session_zone zone=llama:1m slots=2 store=%%SLOTS%%;',
+    upstream => 'keepalive 4;',
+    location => q{
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_read_timeout 300s;
+        add_header X-S-Id $llama_session_id always;
+        add_header X-S-Key $llama_session_key always;
+        add_header X-S-Action $llama_session_action always;
+        add_header X-S-Slot $llama_session_slot always;
+    });
+$t->nginx($site);
+
+my $system = join ' ', map { "Rule $_: you are Qwen Code, an interactive "
+                             . "CLI agent; follow section $_." } 1 .. 60;
+my @opening = (
+    { role => 'user',
+      content => "This is the Qwen Code. We are setting up the context for "
+               . "our chat.\nToday's date is Wednesday, December 2, 2026.\n"
+               . "My operating system is: linux\nI'm currently working in "
+               . "the directory: /home/dev/project" },
+    { role => 'assistant', content => 'Got it. Thanks for the context!' },
+);
+
+sub conversation {
+    my ($name, @lead) = @_;
+    return { name => $name, n => 0,
+             messages => [ { role => 'system', content => $system }, @lead ] };
+}
+
+# one turn: the reply's figures and the module's headers
+sub turn {
+    my ($c, $text) = @_;
+
+    $c->{n}++;
+    $text //= $c->{n} == 1
+        ? join(' ', map { "$c->{name} task detail $_: files, tests and "
+                          . "a plan." } 1 .. 30)
+        : "$c->{name}: next step $c->{n}?";
+    push @{ $c->{messages} }, { role => 'user', content => $text };
+
+    return ask($c);
+}
+
+sub ask {
+    my ($c) = @_;
+    my $r = $t->post('/v1/chat/completions',
+                     { model => 'qwen3-coder', messages => $c->{messages},
+                       max_tokens => 4, temperature => 0, seed => 1 });
+    die "turn of $c->{name}: $r->{status} $r->{content}\n"
+        unless $r->{status} == 200;
+
+    push @{ $c->{messages} },
+        { role => 'assistant',
+          content => $r->{json}{choices}[0]{message}{content} };
+
+    my %out = (prompt => $r->{json}{usage}{prompt_tokens},
+               cached => $r->{json}{usage}{prompt_tokens_details}
+                         {cached_tokens} // 0,
+               map { $_ => $r->{headers}{"x-s-$_"} }
+                   qw(id key action slot));
+    $c->{prev} = $c->{last};
+    $c->{last} = \%out;
+    return \%out;
+}
+
+my @q = map { conversation("Q$_", @opening) } 1 .. 3;
+
+# first turns: one family, three conversations
+my @first = map { turn($_) } @q;
+like($first[0]{id}, qr/^sys-[0-9a-f]{16}$/,
+     'the first conversation of the family keeps its sys- id');
+like($first[$_]{id}, qr/^\Q$first[0]{id}\E-[0-9a-f]{16}$/,
+     "conversation " . ($_ + 1) . " of the family: an id of its own")
+    for 1, 2;
+my %keys = map { $_->{key} => 1 } @first;
+is(scalar keys %keys, 3, 'three conversations, three keys');
+
+# they take turns on two slots: every return finds its own history
+for my $round (2 .. 4) {
+    for my $c (@q) {
+        my $prev = $c->{last}{prompt};
+        my $r = turn($c);
+        is($r->{key}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{key},
+           "$c->{name} turn $round: its own key");
+        cmp_ok($r->{cached}, '>=', 0.9 * $prev,
+               "$c->{name} turn $round: $r->{cached} of its previous "
+               . "$prev tokens cached ($r->{action})");
+    }
+}
+
+my @bins = glob($t->dir . '/slots/*.bin');
+my %on_disk = map { my ($k) = m{/([^/]+)\.[^.]+\.bin$}; ($k // '') => 1 }
+              @bins;
+is(scalar(grep { $on_disk{$_} } keys %keys), 3,
+   'each conversation has its own file');
+
+# a regenerated turn (the same request again) and an edited last message
+{
+    my $c = $q[0];
+    pop @{ $c->{messages} };                       # the reply
+    my $r = ask($c);
+    is($r->{key}, $first[0]{key}, 'the same request again: its conversation');
+
+    pop @{ $c->{messages} };
+    pop @{ $c->{messages} };                       # the question
+    push @{ $c->{messages} }, { role => 'user', content => 'Q1: edited?' };
+    $r = ask($c);
+    is($r->{key}, $first[0]{key}, 'an edited last message: its conversation');
+    cmp_ok($r->{cached}, '>=', 0.8 * $c->{prev}{prompt},
+           "and most of its history cached ($r->{cached})");
+}
+
+# a client that trims its history: a conversation of its own
+{
+    my $c = conversation('T', @opening);
+    push @{ $c->{messages} },
+        @{ $q[1]{messages} }[5 .. $#{ $q[1]{messages} }];
+    my $r = ask($c);
+    ok(!$keys{ $r->{key} }, 'a trimmed history is a new conversation');
+    like($r->{id}, qr/^\Q$first[0]{id}\E-/, 'of the same family');
+}
+
+# a probe with the shared opening and a question of its own
+{
+    my $c = conversation('P', @opening);
+    my $r = turn($c, 'What did the others ask?');
+    ok(!$keys{ $r->{key} }, 'a probe is a conversation of its own');
+    cmp_ok($r->{cached}, '<', $first[0]{prompt} - 200,
+           "it finds no other conversation's messages ($r->{cached} cached, "
+           . "$r->{action})");
+}
+
+# pi's shape: the first message differs, the id is the family's as before
+{
+    my $c = conversation('pi');
+    my $r1 = turn($c, 'pi: list the files');
+    like($r1->{id}, qr/^sys-[0-9a-f]{16}$/, 'another opening: its own sys-');
+    ok(!$keys{ $r1->{key} }, 'another family, another key');
+    my $r2 = turn($c);
+    is($r2->{key}, $r1->{key}, 'and its next turn its conversation');
+}
+
+# two new conversations at once: two sessions, two slots
+{
+    my @h = map {
+        my $n = $_;
+        my $c = conversation("N$n", @opening);
+        push @{ $c->{messages} }, { role => 'user',
+            content => join ' ', map { "N$n long task $_." } 1 .. 300 };
+        $t->async_post('/v1/chat/completions',
+                       { model => 'qwen3-coder', messages => $c->{messages},
+                         max_tokens => 8, temperature => 0 });
+    } 1, 2;
+    my @r = map { $t->async_wait($_) } @h;
+    is($r[0]{status}, 200, 'parallel 1 answered');
+    is($r[1]{status}, 200, 'parallel 2 answered');
+    isnt($r[0]{headers}{'x-s-key'}, $r[1]{headers}{'x-s-key'},
+         'two conversations');
+    isnt($r[0]{headers}{'x-s-slot'}, $r[1]{headers}{'x-s-slot'},
+         'on two slots');
+    ok($r[0]{start} < $r[1]{end} && $r[1]{start} < $r[0]{end},
+       'at once');
+}
+
+# nginx restarts: the zone learns the conversations from their files
+{
+    $t->stop_nginx;
+    $t->start_nginx;
+
+    for my $c (@q[1, 2]) {
+        my $prev = $c->{last}{prompt};
+        my $r = turn($c);
+        is($r->{key}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{key},
+           "$c->{name} after a restart: its own key");
+        cmp_ok($r->{cached}, '>=', 0.9 * $prev,
+               "$c->{name} after a restart: $r->{cached} of $prev cached "
+               . "($r->{action})");
+    }
+}
+
+$t->stop;
+done_testing;
