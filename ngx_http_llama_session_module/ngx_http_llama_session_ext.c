@@ -186,10 +186,21 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
     taken = (ngx_http_llama_session_ext_find(zone->sh, family) != NULL);
 
-    if (!taken && zone->sh->fp_known) {
-        n = ngx_http_llama_session_file_name(name, ctx->key, ctx->key_len,
-                                             zone->sh->fp);
-        taken = (ngx_http_llama_session_lookup_name(zone, name, n) != NULL);
+    if (!taken) {
+        /*
+         * the family's file, if it has one; before the backend's
+         * configuration is known (right after a start) the file cannot be
+         * named, and the family's key is not given out
+         */
+
+        taken = 1;
+
+        if (zone->sh->fp_known) {
+            n = ngx_http_llama_session_file_name(name, ctx->key,
+                                                 ctx->key_len, zone->sh->fp);
+            taken = (ngx_http_llama_session_lookup_name(zone, name, n)
+                     != NULL);
+        }
     }
 
     if (!taken) {

@@ -221,6 +221,9 @@ static ngx_str_t  ngx_http_llama_session_default_headers[] = {
     ngx_string("conversation-id"),
     ngx_string("x-openwebui-chat-id"),
     ngx_string("x-claude-code-session-id"),
+    ngx_string("x-session-affinity"),
+    ngx_string("x-dynamo-session-id"),
+    ngx_string("session_id"),
     ngx_null_string
 };
 

@@ -23,6 +23,7 @@ $t->nginx($t->site(
     zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
     upstream => '',
     server => q{
+        underscores_in_headers on;
         add_header X-S-Id $llama_session_id always;
         add_header X-S-Key $llama_session_key always;
         add_header X-S-Action $llama_session_action always;
@@ -72,6 +73,14 @@ is(ask($chat, 'Session-Id' => 's1')->{id}, 's1', 'Session-Id');
 is(ask($chat, 'Conversation-Id' => 'cv1')->{id}, 'cv1', 'Conversation-Id');
 is(ask($chat, 'X-OpenWebUI-Chat-Id' => 'ow1')->{id}, 'ow1',
    'X-OpenWebUI-Chat-Id');
+is(ask($chat, 'X-Session-Affinity' => 'af1')->{id}, 'af1',
+   'X-Session-Affinity (opencode, pi)');
+is(ask($chat, 'X-Dynamo-Session-Id' => 'dy1')->{id}, 'dy1',
+   'X-Dynamo-Session-Id');
+is(ask($chat, 'session_id' => 'pi1', 'x-client-request-id' => 'rq')->{id},
+   'pi1', 'session_id with underscores_in_headers on (pi)');
+is(ask($chat, 'x-client-request-id' => 'rq')->{id}, 'default',
+   'x-client-request-id is not a session');
 is(ask($chat, 'Conversation-Id' => 'late', 'X-Session-Id' => 'first',
        'Session-Id' => 'mid')->{id}, 'first', 'X-Session-Id goes first');
 is(ask($chat, 'Session-Id' => 'mid', 'X-Conversation-Id' => 'xc')->{id},

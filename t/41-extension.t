@@ -98,11 +98,14 @@ my @q = map { conversation("Q$_", @opening) } 1 .. 3;
 
 # first turns: one family, three conversations
 my @first = map { turn($_) } @q;
-like($first[0]{id}, qr/^sys-[0-9a-f]{16}$/,
-     'the first conversation of the family keeps its sys- id');
-like($first[$_]{id}, qr/^\Q$first[0]{id}\E-[0-9a-f]{16}$/,
-     "conversation " . ($_ + 1) . " of the family: an id of its own")
-    for 1, 2;
+# (the very first request after a start comes before the zone knows its
+# backend's configuration, and cannot check the family's file: it takes an
+# id of its own too)
+my ($family) = $first[0]{id} =~ /^(sys-[0-9a-f]{16})/;
+like($first[$_]{id}, qr/^\Q$family\E(-[0-9a-f]{16})?$/,
+     "conversation " . ($_ + 1) . " of the family: sys-…") for 0 .. 2;
+is(scalar(grep { $_->{id} eq $family } @first), 1,
+   'one of them keeps the family\'s id');
 my %keys = map { $_->{key} => 1 } @first;
 is(scalar keys %keys, 3, 'three conversations, three keys');
 
@@ -148,7 +151,7 @@ is(scalar(grep { $on_disk{$_} } keys %keys), 3,
         @{ $q[1]{messages} }[5 .. $#{ $q[1]{messages} }];
     my $r = ask($c);
     ok(!$keys{ $r->{key} }, 'a trimmed history is a new conversation');
-    like($r->{id}, qr/^\Q$first[0]{id}\E-/, 'of the same family');
+    like($r->{id}, qr/^\Q$family\E-/, 'of the same family');
 }
 
 # a probe with the shared opening and a question of its own
