@@ -67,6 +67,7 @@ static ngx_int_t ngx_http_llama_session_anthropic_whole(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
 static cJSON *ngx_http_llama_session_anthropic_error(ngx_uint_t status,
     cJSON *reply);
+static ngx_int_t ngx_http_llama_session_anthropic_bare(cJSON *json);
 static void ngx_http_llama_session_anthropic_usage(
     ngx_http_llama_session_conv_t *c, cJSON *usage);
 static char *ngx_http_llama_session_anthropic_stop(cJSON *finish);
@@ -325,6 +326,16 @@ ngx_http_llama_session_anthropic_chat(cJSON *in)
         if (item) {
             cJSON_AddItemToObject(out, same[i], cJSON_Duplicate(item, 1));
         }
+    }
+
+    /*
+     * a stream's first event carries the prompt's tokens, as llama-server's
+     * own /v1/messages gives them in message_start (clients count their
+     * context by it): llama-server puts its timings in every chunk then
+     */
+
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(in, "stream"))) {
+        cJSON_AddTrueToObject(out, "timings_per_token");
     }
 
     thinking = cJSON_GetObjectItemCaseSensitive(in, "thinking");
@@ -968,6 +979,19 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
 
     ngx_http_llama_session_conv_stats(c, json);
 
+    if (!a->started
+        && ngx_http_llama_session_anthropic_bare(json) == NGX_OK)
+    {
+        /*
+         * llama-server's first chunk names the role alone; the prompt's
+         * figures come with the next one (timings_per_token): so does
+         * message_start
+         */
+
+        cJSON_Delete(json);
+        return NGX_OK;
+    }
+
     if (!a->started) {
         ngx_http_llama_session_anthropic_names(a, json);
 
@@ -1273,6 +1297,54 @@ ngx_http_llama_session_anthropic_error(ngx_uint_t status, cJSON *reply)
                               : "the model server failed the request");
 
     return out;
+}
+
+
+/*
+ * A chunk that says nothing but the role: no timings, no end, no text,
+ * reasoning nor tool call.  NGX_OK: bare
+ */
+
+static ngx_int_t
+ngx_http_llama_session_anthropic_bare(cJSON *json)
+{
+    char   *text;
+    cJSON  *choice, *delta, *end;
+
+    if (cJSON_GetObjectItemCaseSensitive(json, "timings")) {
+        return NGX_DECLINED;
+    }
+
+    choice = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(json,
+                                                                 "choices"),
+                                0);
+
+    end = cJSON_GetObjectItemCaseSensitive(choice, "finish_reason");
+    if (end && !cJSON_IsNull(end)) {
+        return NGX_DECLINED;
+    }
+
+    delta = cJSON_GetObjectItemCaseSensitive(choice, "delta");
+
+    if (!cJSON_IsObject(delta)
+        || cJSON_GetObjectItemCaseSensitive(delta, "tool_calls"))
+    {
+        return NGX_DECLINED;
+    }
+
+    text = cJSON_GetStringValue(
+               cJSON_GetObjectItemCaseSensitive(delta, "content"));
+    if (text && text[0]) {
+        return NGX_DECLINED;
+    }
+
+    text = cJSON_GetStringValue(
+               cJSON_GetObjectItemCaseSensitive(delta, "reasoning_content"));
+    if (text && text[0]) {
+        return NGX_DECLINED;
+    }
+
+    return NGX_OK;
 }
 
 

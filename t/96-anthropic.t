@@ -42,15 +42,22 @@ async function ask(c, body, stream) {
     if (stream) {
         const s = c.messages.stream(body);
         const events = [];
-        s.on('streamEvent', (e) => events.push(e.type));
+        let start = null;
+        s.on('streamEvent', (e) => {
+            events.push(e.type);
+            if (e.type === 'message_start') {
+                start = JSON.parse(JSON.stringify(e.message.usage));
+            }
+        });
         const m = await s.finalMessage();
-        return { m, events };
+        return { m, events, start };
     }
     return { m: await c.messages.create(body), events: [] };
 }
 
-function brief({ m, events }, id, stream) {
-    return { id, stream, type: m.type, role: m.role, stop: m.stop_reason,
+function brief({ m, events, start }, id, stream) {
+    return { id, stream, start, type: m.type, role: m.role,
+             stop: m.stop_reason,
              blocks: m.content.map((b) => b.type), content: m.content,
              input: m.usage.input_tokens,
              cached: m.usage.cache_read_input_tokens ?? 0,
@@ -146,6 +153,15 @@ for my $r (grep { $_->{stream} } @again) {
                    message_delta message_stop) ],
               "$r->{id}: the stream's events in Anthropic's order")
         or diag explain $r->{events};
+}
+for my $r (grep { $_->{stream} && $_->{round} } @$turns) {
+    my $st = $r->{start} // {};
+    my $in = ($st->{input_tokens} // 0) + ($st->{cache_read_input_tokens} // 0);
+    ok($in > 100 && $in == $r->{input} + $r->{cached},
+       "$r->{id} turn $r->{round}: message_start counts the prompt's "
+       . "$in tokens ($st->{input_tokens} evaluated, "
+       . "$st->{cache_read_input_tokens} from the cache), as llama-server's "
+       . "own /v1/messages") or diag explain $r;
 }
 for my $r (@again) {
     my $f = $first{$r->{id}};
