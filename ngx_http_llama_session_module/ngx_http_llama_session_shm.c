@@ -37,7 +37,7 @@ static void ngx_http_llama_session_granted_locked(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot,
     ngx_uint_t hit);
 static ngx_int_t ngx_http_llama_session_choose_locked(
-    ngx_http_llama_session_ctx_t *ctx);
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t spare);
 static ngx_uint_t ngx_http_llama_session_waited_locked(
     ngx_http_llama_session_sh_t *sh, u_char *key, size_t len);
 static ngx_int_t ngx_http_llama_session_slot_of_locked(
@@ -414,7 +414,8 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
         }
 
         if ((w->key_len == ctx->key_len
-             && ngx_memcmp(w->key, ctx->key, ctx->key_len) == 0)
+             && ngx_memcmp(w->key, ctx->key, ctx->key_len) == 0
+             && !ctx->default_session)
             || (s == NGX_ERROR
                 && ngx_http_llama_session_slot_of_locked(sh, w->key,
                                                          w->key_len)
@@ -428,8 +429,27 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
     if (s != NGX_ERROR) {
         e = sh->slots[s].busy ? NGX_ERROR : s;
 
+        if (e == NGX_ERROR && ctx->default_session) {
+            /*
+             * requests without an id that look alike run at once, as
+             * llama-server alone runs them: a second one takes a slot
+             * that is empty or holds no saved session
+             */
+
+            e = ngx_http_llama_session_choose_locked(ctx, 1);
+
+            if (e != NGX_ERROR) {
+                /* another slot of "default" is one, as good as the first */
+                s = (sh->slots[e].state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                     && sh->slots[e].key_len == ctx->key_len
+                     && ngx_memcmp(sh->slots[e].key, ctx->key, ctx->key_len)
+                        == 0)
+                    ? e : NGX_ERROR;
+            }
+        }
+
     } else {
-        e = ngx_http_llama_session_choose_locked(ctx);
+        e = ngx_http_llama_session_choose_locked(ctx, 0);
     }
 
     if (e == NGX_ERROR) {
@@ -460,11 +480,13 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
  * session is saved first).  Among equals, a slot that starts with the
  * request's system prompt (a warm start without a restore), then the least
  * recently used.  A request without an id ("default") takes a slot of a
- * named session only when there is no other.  NGX_ERROR: none now.
+ * named session only when there is no other.  "spare": not a slot whose
+ * session changed since its last save.  NGX_ERROR: none now.
  */
 
 static ngx_int_t
-ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx)
+ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t spare)
 {
     ngx_int_t                       best;
     ngx_uint_t                      i, rank, best_rank, same, usable;
@@ -486,6 +508,13 @@ ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx)
         if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
             rank = 0;
 
+        } else if (spare && slot->key_len == ctx->key_len
+                   && ngx_memcmp(slot->key, ctx->key, ctx->key_len) == 0)
+        {
+            /* "default" in another slot: the requests waiting for it are
+               this one and others like it */
+            rank = 0;
+
         } else if (ngx_http_llama_session_waited_locked(sh, slot->key,
                                                         slot->key_len))
         {
@@ -493,6 +522,10 @@ ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx)
 
         } else if (!slot->saveable) {
             rank = 1;
+
+        } else if (spare && slot->dirty) {
+            /* a spare slot never costs a conversation its last turns */
+            continue;
 
         } else {
             /*

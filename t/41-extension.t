@@ -94,6 +94,29 @@ sub ask {
     return \%out;
 }
 
+# requests with no id and no system prompt (llama.cpp's own
+# test_completion_parallel_slots): "default", run at once on two slots as
+# llama-server alone runs them (on a fresh backend, as that test runs)
+{
+    my @prompts = ('Write a very long book.', 'Write another a poem.',
+                   'What is LLM?', 'The sky is blue and I love it.');
+    my @h = map {
+        $t->async_post('/completion', { prompt => $_ x 40, n_predict => 48,
+                                        seed => 42, temperature => 1.0 })
+    } @prompts;
+    my @r = map { $t->async_wait($_) } @h;
+    is(scalar(grep { $_->{status} == 200 } @r), 4,
+       'four requests without an id at once: all answered');
+    is(scalar(grep { ($_->{headers}{'x-s-id'} // '') eq 'default' } @r), 4,
+       'all of them "default"');
+    my %slots = map { ($_->{headers}{'x-s-slot'} // '') => 1 } @r;
+    is(scalar keys %slots, 2, 'on both slots');
+    my ($a, $b) = grep { $_->{headers}{'x-s-slot'} ne $r[0]{headers}{'x-s-slot'} }
+                  @r;
+    ok($a && $r[0]{start} < $a->{end} && $a->{start} < $r[0]{end},
+       'two of them at once');
+}
+
 my @q = map { conversation("Q$_", @opening) } 1 .. 3;
 
 # first turns: one family, three conversations
