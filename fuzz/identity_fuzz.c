@@ -128,9 +128,16 @@ ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
 
 ngx_int_t
 ngx_http_llama_session_extension(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
+    ngx_http_llama_session_ctx_t *ctx)
 {
     return NGX_OK;
+}
+
+
+void
+ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx)
+{
+    fuzz_unexpected("ngx_http_llama_session_ext_record");
 }
 
 

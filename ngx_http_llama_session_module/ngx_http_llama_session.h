@@ -792,6 +792,8 @@ struct ngx_http_llama_session_ctx_s {
     u_char                          head[NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t                          sys_len;    /* 0: none */
 
+    uint64_t                        ext_chain;  /* its messages (ext.c) */
+
     /* SHA-256(namespace \0 model \0 id): what the API finds an id by */
     u_char                          nsk[NGX_HTTP_LLAMA_SESSION_DIGEST];
                                                 /* its namespace's digest */

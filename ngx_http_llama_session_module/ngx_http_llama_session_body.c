@@ -488,7 +488,22 @@ fallback:
 
     /* no id: the conversation whose messages this request extends */
 
-    return ngx_http_llama_session_extension(r, ctx, &ns);
+    rc = ngx_http_llama_session_extension(r, ctx);
+
+    if (rc != NGX_DECLINED) {
+        return rc;
+    }
+
+    /* a new conversation of a family another has: a key of its own */
+
+    if (ngx_http_llama_session_make_key(r, ctx, &ns) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    ngx_http_llama_session_key_prefix(ctx);
+    ngx_http_llama_session_ext_record(ctx);
+
+    return NGX_OK;
 }
 
 

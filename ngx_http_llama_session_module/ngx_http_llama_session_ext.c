@@ -37,7 +37,6 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_shm.h"
 
@@ -54,6 +53,8 @@ typedef struct {
 } ngx_http_llama_session_ext_t;
 
 
+static void ngx_http_llama_session_ext_init(
+    ngx_http_llama_session_zone_t *zone);
 static uint64_t ngx_http_llama_session_ext_mix(uint64_t x);
 static uint64_t ngx_http_llama_session_ext_seed(u_char *ns, u_char *sys,
     u_char *model, size_t model_len);
@@ -70,26 +71,38 @@ static void ngx_http_llama_session_ext_free(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_ext_t *e);
 
 
-void
-ngx_http_llama_session_ext_init(ngx_http_llama_session_sh_t *sh, size_t size)
+/* with the zone locked: the tree, made at its first use */
+
+static void
+ngx_http_llama_session_ext_init(ngx_http_llama_session_zone_t *zone)
 {
+    ngx_http_llama_session_sh_t  *sh;
+
+    sh = zone->sh;
+
+    if (sh->ext_max) {
+        return;
+    }
+
     ngx_rbtree_init(&sh->ext_tree, &sh->ext_sentinel,
                     ngx_http_llama_session_ext_insert_value);
     ngx_queue_init(&sh->ext_lru);
 
     sh->ext_n = 0;
-    sh->ext_max = ngx_max(size / 8 / 256, 64);
+    sh->ext_max = ngx_max(zone->shm_zone->shm.size / 8 / 256, 64);
 }
 
 
 /*
  * The request's conversation, after its key was made from "sys-…": that
- * key, another conversation's it extends, or a key of its own
+ * key (NGX_OK), another conversation's it extends (NGX_OK, ctx->key set),
+ * or a key of its own: NGX_DECLINED, ctx->id extended, for the caller to
+ * make the key of and record (ngx_http_llama_session_ext_record())
  */
 
 ngx_int_t
 ngx_http_llama_session_extension(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns)
+    ngx_http_llama_session_ctx_t *ctx)
 {
     u_char                         *p, *last;
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
@@ -123,7 +136,11 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
                                                    &ctx->msgs[i]);
     }
 
+    ctx->ext_chain = chain[ctx->nmsgs - 1];
+
     ngx_shmtx_lock(&zone->shpool->mutex);
+
+    ngx_http_llama_session_ext_init(zone);
 
     /* the longest request of a conversation that this one extends */
 
@@ -158,9 +175,8 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
                 }
             }
 
-            ngx_http_llama_session_ext_add(zone, chain[ctx->nmsgs - 1],
-                                           chain[i], 0, ctx->key,
-                                           ctx->key_len);
+            ngx_http_llama_session_ext_add(zone, ctx->ext_chain, chain[i], 0,
+                                           ctx->key, ctx->key_len);
         }
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -206,7 +222,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     if (!taken) {
         ngx_http_llama_session_ext_add(zone, family, 0, 1, ctx->key,
                                        ctx->key_len);
-        ngx_http_llama_session_ext_add(zone, chain[ctx->nmsgs - 1], 0, 0,
+        ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0, 0,
                                        ctx->key, ctx->key_len);
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -222,29 +238,35 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     }
 
     last = ngx_cpymem(p, ctx->id.data, ctx->id.len);
-    last = ngx_sprintf(last, "-%016uxL", chain[ctx->nmsgs - 1]);
+    last = ngx_sprintf(last, "-%016uxL", ctx->ext_chain);
 
     ctx->id.data = p;
     ctx->id.len = last - p;
-
-    if (ngx_http_llama_session_make_key(r, ctx, ns) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    if (!ctx->bind) {
-        ngx_http_llama_session_key_prefix(ctx);
-    }
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-    ngx_http_llama_session_ext_add(zone, chain[ctx->nmsgs - 1], 0, 0,
-                                   ctx->key, ctx->key_len);
-    ngx_shmtx_unlock(&zone->shpool->mutex);
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: a new conversation of its family: \"%V\""
                    ", %ui messages", &ctx->id, ctx->nmsgs);
 
-    return NGX_OK;
+    return NGX_DECLINED;
+}
+
+
+/* the key of a new conversation, made for the id extension() gave it */
+
+void
+ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    ngx_http_llama_session_ext_init(zone);
+    ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0, 0, ctx->key,
+                                   ctx->key_len);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
 }
 
 
@@ -301,6 +323,8 @@ ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     if (chain == 0 || len > NGX_HTTP_LLAMA_SESSION_KEY_MAX) {
         return;
     }
+
+    ngx_http_llama_session_ext_init(zone);
 
     if (ngx_http_llama_session_ext_find(zone->sh, chain) == NULL) {
         ngx_http_llama_session_ext_add(zone, chain, 0, 0, key, len);

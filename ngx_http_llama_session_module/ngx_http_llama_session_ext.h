@@ -14,10 +14,9 @@
 #include "ngx_http_llama_session.h"
 
 
-void ngx_http_llama_session_ext_init(ngx_http_llama_session_sh_t *sh,
-    size_t size);
 ngx_int_t ngx_http_llama_session_extension(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx);
 uint64_t ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys,
     u_char *model, size_t model_len, u_char *msgs, size_t len);
 void ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,

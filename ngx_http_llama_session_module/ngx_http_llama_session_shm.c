@@ -9,7 +9,6 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_shm.h"
 
 
@@ -163,7 +162,6 @@ ngx_http_llama_session_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     ngx_queue_init(&sh->nofile);
     ngx_rbtree_init(&sh->rbtree, &sh->sentinel,
                     ngx_http_llama_session_rbtree_insert);
-    ngx_http_llama_session_ext_init(sh, shm_zone->shm.size);
 
     /*
      * waiting requests have storage of their own, reserved now: records
