@@ -1407,10 +1407,13 @@ def replay_turn(port, path, headers, body):
         raise RuntimeError('replay failed: %d %s' % (r.status, r.read()[:300]))
     ttft = None
     cached = None
+    text = []
     for data in sse_data(r):
         if ttft is None and b'delta' in data:
             ttft = time.perf_counter() - t0
         d = json.loads(data)
+        for ch in d.get('choices') or []:
+            text.append((ch.get('delta') or {}).get('content') or '')
         u = d.get('usage') or (d.get('response') or {}).get('usage') or {}
         if 'cache_read_input_tokens' in u:
             cached = u['cache_read_input_tokens']
@@ -1421,7 +1424,8 @@ def replay_turn(port, path, headers, body):
         if 'timings' in d and cached is None:
             cached = d['timings'].get('cache_n')
     c.close()
-    return (ttft if ttft is not None else time.perf_counter() - t0), cached
+    return ((ttft if ttft is not None else time.perf_counter() - t0), cached,
+            ''.join(text))
 
 
 def client_convs():
@@ -1520,6 +1524,58 @@ def client_convs():
         return (req[0], req[1], body)
 
     out['chat'] = (chat, chat_more)
+
+    # Qwen Code (no id at all): every conversation's first user message is
+    # the same but for its last part, the prompt; each turn moves the date
+    # reminder from the previous last user message to the new one, and
+    # echoes the reply it got
+    qw = recorded('qwen-code-exchange.jsonl')
+    qw_a, qw_b = qw[0], qw[2]
+
+    def qwen(n):
+        req = qw_a if n == 0 else qw_b
+        body = small(req['body'], 'max_tokens')
+        if n > 1:
+            body['messages'][1]['content'][-1]['text'] = (
+                'say conversation-%d' % n)
+        return (req['path'], dict(req['headers']), body)
+
+    def qwen_more(req, i, reply='Hi.'):
+        body = json.loads(json.dumps(req[2]))
+        last = body['messages'][-1]['content']
+        reminder = [p for p in last if 'The current date is' in
+                    p.get('text', '')]
+        body['messages'][-1]['content'] = [
+            p for p in last if p not in reminder]
+        body['messages'] += [
+            {'role': 'assistant', 'content': reply},
+            {'role': 'user', 'content': reminder + [
+                {'type': 'text', 'text': 'and more, %d' % i}]}]
+        return (req[0], req[1], body)
+
+    out['qwen-code'] = (qwen, qwen_more)
+
+    # pi (no id by default): its turns extend the previous ones
+    pi = recorded('pi-exchange.jsonl')
+    pi_a, pi_b = pi[0], pi[1]
+
+    def pi_conv(n):
+        req = pi_a if n == 0 else pi_b
+        body = small(req['body'], 'max_completion_tokens')
+        if n > 1:
+            body['messages'][1]['content'][-1]['text'] = (
+                'say conversation-%d' % n)
+        return (req['path'], dict(req['headers']), body)
+
+    def pi_more(req, i, reply='Hi.'):
+        body = json.loads(json.dumps(req[2]))
+        body['messages'] += [
+            {'role': 'assistant', 'content': reply},
+            {'role': 'user', 'content': [{'type': 'text',
+                                          'text': 'and more, %d' % i}]}]
+        return (req[0], req[1], body)
+
+    out['pi'] = (pi_conv, pi_more)
     return out
 
 
@@ -1550,19 +1606,23 @@ def bench_clients(work, quick):
                  ('module_history', hport)]
         rec = {side: [] for side, _ in sides}
         last = {}
+        said = {}
         kinds = []
 
         for i, n in enumerate(CLIENT_SCHEDULE):
-            if n in last:
-                req = more(last[n], i)
-                kind = 'returning'
-            else:
-                req = conv(n)
-                kind = 'first' if n == 0 else 'new'
-            last[n] = req
+            kind = ('returning' if (n, sides[0][0]) in last
+                    else 'first' if n == 0 else 'new')
             kinds.append(kind)
             for side, port in sides:
-                ttft, cached = replay_turn(port, *req)
+                # each side's conversation goes on from the reply it got
+                if kind == 'returning':
+                    req = (more(last[n, side], i, said[n, side])
+                           if client in ('qwen-code', 'pi')
+                           else more(last[n, side], i))
+                else:
+                    req = conv(n)
+                last[n, side] = req
+                ttft, cached, said[n, side] = replay_turn(port, *req)
                 rec[side].append({'ttft': ttft, 'cached': cached})
                 if os.environ.get('BENCH_DEBUG'):
                     print('  %s %s %s %d: %.3f s, %s cached'

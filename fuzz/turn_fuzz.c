@@ -42,6 +42,14 @@ ngx_http_llama_session_restores_off(ngx_http_llama_session_zone_t *zone,
 
 
 void
+ngx_http_llama_session_ext_reply(ngx_http_llama_session_ctx_t *ctx,
+    cJSON *message)
+{
+    fuzz_unexpected("ngx_http_llama_session_ext_reply");
+}
+
+
+void
 ngx_shmtx_lock(ngx_shmtx_t *mtx)
 {
 }

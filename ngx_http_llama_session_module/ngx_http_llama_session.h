@@ -792,7 +792,10 @@ struct ngx_http_llama_session_ctx_s {
     u_char                          head[NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t                          sys_len;    /* 0: none */
 
-    uint64_t                        ext_chain;  /* its messages (ext.c) */
+    /* ext.c's: its messages, their start, its last assistant message */
+    uint64_t                        ext_chain;
+    uint64_t                        ext_seed;
+    ngx_http_llama_session_span_t   ext_reply;
 
     /* SHA-256(namespace \0 model \0 id): what the API finds an id by */
     u_char                          nsk[NGX_HTTP_LLAMA_SESSION_DIGEST];

@@ -38,6 +38,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_ext.h"
+#include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_shm.h"
 
 
@@ -48,9 +49,16 @@ typedef struct {
     uint64_t                        parent;     /* the chain it extended,
                                                    0: none */
     u_char                          key_len;
-    u_char                          family;     /* a family's marker */
+    u_char                          kind;       /* EXT_REQUEST, ... */
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
 } ngx_http_llama_session_ext_t;
+
+
+#define NGX_HTTP_LLAMA_SESSION_EXT_REQUEST   0   /* a request's messages */
+#define NGX_HTTP_LLAMA_SESSION_EXT_FAMILY    1   /* a family's first key */
+#define NGX_HTTP_LLAMA_SESSION_EXT_REPLY     2   /* a reply it was given */
+
+#define NGX_HTTP_LLAMA_SESSION_EXT_ECHO      (1024 * 1024)
 
 
 static void ngx_http_llama_session_ext_init(
@@ -65,8 +73,11 @@ static void ngx_http_llama_session_ext_insert_value(ngx_rbtree_node_t *temp,
 static ngx_http_llama_session_ext_t *ngx_http_llama_session_ext_find(
     ngx_http_llama_session_sh_t *sh, uint64_t chain);
 static void ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
-    uint64_t chain, uint64_t parent, ngx_uint_t family, u_char *key,
+    uint64_t chain, uint64_t parent, ngx_uint_t kind, u_char *key,
     size_t len);
+static uint64_t ngx_http_llama_session_ext_echo(
+    ngx_http_llama_session_ctx_t *ctx);
+static uint64_t ngx_http_llama_session_ext_said(uint64_t seed, cJSON *msg);
 static void ngx_http_llama_session_ext_free(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_ext_t *e);
 
@@ -107,7 +118,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     u_char                         *p, *last;
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t                          n;
-    uint64_t                        seed, family, *chain;
+    uint64_t                        seed, family, said, *chain;
     ngx_int_t                       i;
     ngx_uint_t                      taken;
     ngx_http_llama_session_ext_t   *e, *g;
@@ -137,6 +148,11 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     }
 
     ctx->ext_chain = chain[ctx->nmsgs - 1];
+    ctx->ext_seed = seed;
+
+    /* the last reply it echoes, if it has one (outside the lock) */
+
+    said = ngx_http_llama_session_ext_echo(ctx);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -148,7 +164,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
     for (i = ctx->nmsgs - 1; i >= 0; i--) {
         e = ngx_http_llama_session_ext_find(zone->sh, chain[i]);
-        if (e && !e->family) {
+        if (e && e->kind == NGX_HTTP_LLAMA_SESSION_EXT_REQUEST) {
             break;
         }
 
@@ -168,14 +184,15 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
             if (e->parent) {
                 g = ngx_http_llama_session_ext_find(zone->sh, e->parent);
 
-                if (g && !g->family && g->key_len == e->key_len
+                if (g && g->kind == NGX_HTTP_LLAMA_SESSION_EXT_REQUEST && g->key_len == e->key_len
                     && ngx_memcmp(g->key, e->key, e->key_len) == 0)
                 {
                     ngx_http_llama_session_ext_free(zone, g);
                 }
             }
 
-            ngx_http_llama_session_ext_add(zone, ctx->ext_chain, chain[i], 0,
+            ngx_http_llama_session_ext_add(zone, ctx->ext_chain, chain[i],
+                                           NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
                                            ctx->key, ctx->key_len);
         }
 
@@ -185,6 +202,31 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
                        "llama_session: %ui messages extend %ui of \"%*s\"",
                        ctx->nmsgs, (ngx_uint_t) i + 1, ctx->key_len,
                        ctx->key);
+
+        return NGX_OK;
+    }
+
+    /*
+     * a client that rewrote its history (a reminder moved from an earlier
+     * message to the last, a trimmed tool result) still echoes the reply
+     * it was given last: the conversation that was given it
+     */
+
+    e = said ? ngx_http_llama_session_ext_find(zone->sh, said) : NULL;
+
+    if (e && e->kind == NGX_HTTP_LLAMA_SESSION_EXT_REPLY && e->key_len) {
+        ctx->key_len = e->key_len;
+        ngx_memcpy(ctx->key, e->key, e->key_len);
+
+        ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
+                                       NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
+                                       ctx->key, ctx->key_len);
+
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+
+        ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: a rewritten history echoes a reply "
+                       "of \"%*s\"", ctx->key_len, ctx->key);
 
         return NGX_OK;
     }
@@ -220,9 +262,11 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     }
 
     if (!taken) {
-        ngx_http_llama_session_ext_add(zone, family, 0, 1, ctx->key,
-                                       ctx->key_len);
-        ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0, 0,
+        ngx_http_llama_session_ext_add(zone, family, 0,
+                                       NGX_HTTP_LLAMA_SESSION_EXT_FAMILY,
+                                       ctx->key, ctx->key_len);
+        ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
+                                       NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
                                        ctx->key, ctx->key_len);
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -263,10 +307,160 @@ ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx)
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     ngx_http_llama_session_ext_init(zone);
-    ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0, 0, ctx->key,
-                                   ctx->key_len);
+    ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
+                                   NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
+                                   ctx->key, ctx->key_len);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/*
+ * The turn is over (turn.c): the reply the conversation was given, as its
+ * client will echo it in its next request
+ */
+
+void
+ngx_http_llama_session_ext_reply(ngx_http_llama_session_ctx_t *ctx,
+    cJSON *message)
+{
+    uint64_t                        said;
+    ngx_http_llama_session_ext_t   *e;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+
+    if (!ctx->ext_fallback || zone == NULL || ctx->ext_seed == 0) {
+        return;
+    }
+
+    said = ngx_http_llama_session_ext_said(ctx->ext_seed, message);
+    if (said == 0) {
+        return;
+    }
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    ngx_http_llama_session_ext_init(zone);
+
+    e = ngx_http_llama_session_ext_find(zone->sh, said);
+
+    if (e && e->kind == NGX_HTTP_LLAMA_SESSION_EXT_REPLY
+        && (e->key_len != ctx->key_len
+            || ngx_memcmp(e->key, ctx->key, ctx->key_len) != 0))
+    {
+        /*
+         * another conversation was given the same reply ("Done."): it
+         * names neither of them, for as long as the zone keeps it
+         */
+
+        e->key_len = 0;
+        ngx_queue_remove(&e->lru);
+        ngx_queue_insert_tail(&zone->sh->ext_lru, &e->lru);
+
+    } else {
+        ngx_http_llama_session_ext_add(zone, said, 0,
+                                       NGX_HTTP_LLAMA_SESSION_EXT_REPLY,
+                                       ctx->key, ctx->key_len);
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/* the request's last assistant message, as its reply's digest; 0: none */
+
+static uint64_t
+ngx_http_llama_session_ext_echo(ngx_http_llama_session_ctx_t *ctx)
+{
+    cJSON     *msg;
+    uint64_t   said;
+
+    if (ctx->ext_reply.start == NULL
+        || *ctx->ext_reply.start != '{'
+        || ctx->ext_reply.end - ctx->ext_reply.start
+           > NGX_HTTP_LLAMA_SESSION_EXT_ECHO)
+    {
+        return 0;
+    }
+
+    msg = ngx_http_llama_session_json_tree(ctx->ext_reply.start,
+                                     ctx->ext_reply.end - ctx->ext_reply.start);
+    if (msg == NULL) {
+        return 0;
+    }
+
+    said = ngx_http_llama_session_ext_said(ctx->ext_seed, msg);
+
+    cJSON_Delete(msg);
+
+    return said;
+}
+
+
+/*
+ * What an assistant's message said: its text (a string, or the text of
+ * its parts) without white space, which clients trim, and its tool calls'
+ * ids, which llama-server makes at random; 0: nothing
+ */
+
+static uint64_t
+ngx_http_llama_session_ext_said(uint64_t seed, cJSON *msg)
+{
+    char      *s;
+    cJSON     *content, *part, *call, *id;
+    uint32_t   crc;
+    uint64_t   len;
+
+    len = 0;
+    ngx_crc32_init(crc);
+
+    content = cJSON_GetObjectItemCaseSensitive(msg, "content");
+
+    if (cJSON_IsString(content)) {
+        for (s = content->valuestring; *s; s++) {
+            if (*s != ' ' && *s != '\t' && *s != '\n' && *s != '\r') {
+                ngx_crc32_update(&crc, (u_char *) s, 1);
+                len++;
+            }
+        }
+
+    } else if (cJSON_IsArray(content)) {
+        cJSON_ArrayForEach(part, content) {
+            s = cJSON_GetStringValue(
+                    cJSON_GetObjectItemCaseSensitive(part, "text"));
+
+            for ( /* void */ ; s && *s; s++) {
+                if (*s != ' ' && *s != '\t' && *s != '\n' && *s != '\r') {
+                    ngx_crc32_update(&crc, (u_char *) s, 1);
+                    len++;
+                }
+            }
+        }
+    }
+
+    cJSON_ArrayForEach(call,
+                       cJSON_GetObjectItemCaseSensitive(msg, "tool_calls"))
+    {
+        id = cJSON_GetObjectItemCaseSensitive(call, "id");
+
+        if (cJSON_IsString(id) && id->valuestring[0]) {
+            ngx_crc32_update(&crc, (u_char *) "\0", 1);
+            ngx_crc32_update(&crc, (u_char *) id->valuestring,
+                             ngx_strlen(id->valuestring));
+            len += 1 + ngx_strlen(id->valuestring);
+        }
+    }
+
+    if (len == 0) {
+        return 0;
+    }
+
+    ngx_crc32_final(crc);
+
+    return ngx_http_llama_session_ext_mix(seed
+               ^ ngx_http_llama_session_ext_mix(((uint64_t) crc << 32)
+                                                ^ len ^ 0x7265706c79ULL));
 }
 
 
@@ -327,7 +521,9 @@ ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_ext_init(zone);
 
     if (ngx_http_llama_session_ext_find(zone->sh, chain) == NULL) {
-        ngx_http_llama_session_ext_add(zone, chain, 0, 0, key, len);
+        ngx_http_llama_session_ext_add(zone, chain, 0,
+                                       NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
+                                       key, len);
     }
 }
 
@@ -443,7 +639,7 @@ ngx_http_llama_session_ext_find(ngx_http_llama_session_sh_t *sh,
 
 static void
 ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
-    uint64_t chain, uint64_t parent, ngx_uint_t family, u_char *key,
+    uint64_t chain, uint64_t parent, ngx_uint_t kind, u_char *key,
     size_t len)
 {
     ngx_queue_t                   *q;
@@ -489,7 +685,7 @@ ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
     ngx_queue_insert_tail(&sh->ext_lru, &e->lru);
 
     e->parent = parent;
-    e->family = (u_char) family;
+    e->kind = (u_char) kind;
     e->key_len = (u_char) ngx_min(len, NGX_HTTP_LLAMA_SESSION_KEY_MAX);
     ngx_memcpy(e->key, key, e->key_len);
 }

@@ -13,10 +13,14 @@
 
 #include "ngx_http_llama_session.h"
 
+#include <cjson/cJSON.h>
+
 
 ngx_int_t ngx_http_llama_session_extension(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_ext_reply(ngx_http_llama_session_ctx_t *ctx,
+    cJSON *message);
 uint64_t ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys,
     u_char *model, size_t model_len, u_char *msgs, size_t len);
 void ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,

@@ -93,6 +93,11 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
 
             ngx_http_llama_session_msg(&m[n++], &elt, &fields[0],
                                        &fields[1]);
+
+            if (m[n - 1].role == 'a') {
+                /* the reply the client echoes: what ext.c knows it by */
+                ctx->ext_reply = elt;
+            }
         }
     }
 

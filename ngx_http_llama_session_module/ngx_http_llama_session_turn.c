@@ -25,6 +25,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
+#include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_turn.h"
@@ -491,6 +492,9 @@ ngx_http_llama_session_turn_end(ngx_http_request_t *r,
     if (message == NULL) {
         return;
     }
+
+    /* a conversation without an id: known again by this reply (ext.c) */
+    ngx_http_llama_session_ext_reply(ctx, message);
 
     zone = ctx->zone;
     sh = zone->sh;

@@ -76,7 +76,8 @@ sub ask {
     my ($c) = @_;
     my $r = $t->post('/v1/chat/completions',
                      { model => 'qwen3-coder', messages => $c->{messages},
-                       max_tokens => 4, temperature => 0, seed => 1 });
+                       max_tokens => $c->{max} // 4, temperature => 0,
+                       seed => 1 });
     die "turn of $c->{name}: $r->{status} $r->{content}\n"
         unless $r->{status} == 200;
 
@@ -117,7 +118,9 @@ sub ask {
        'two of them at once');
 }
 
-my @q = map { conversation("Q$_", @opening) } 1 .. 3;
+# (replies of their own: the random model says the same words to every
+# prompt, their number tells them apart)
+my @q = map { { %{ conversation("Q$_", @opening) }, max => 3 + $_ } } 1 .. 3;
 
 # first turns: one family, three conversations
 my @first = map { turn($_) } @q;
@@ -167,13 +170,85 @@ is(scalar(grep { $on_disk{$_} } keys %keys), 3,
            "and most of its history cached ($r->{cached})");
 }
 
-# a client that trims its history: a conversation of its own
+# Qwen Code's own shape (0.24.4, recorded in t/data): the opening and a
+# date reminder are text parts of the first user message, and on the next
+# turn the reminder moves to the last user message: the first message is
+# rewritten, so the request extends no earlier one; it still echoes the
+# reply it was given, and that reply names its conversation
 {
+    my $opening = join ' ', map { "Skill $_: how to use tool $_ well." }
+                            1 .. 80;
+    my $reminder = '<system-reminder>Today is Wednesday.</system-reminder>';
+    my %c;
+    for my $who (qw(R S)) {
+        my $c = $c{$who} = conversation($who);
+        push @{ $c->{messages} },
+            { role => 'user', content => [
+                { type => 'text', text => $opening },
+                { type => 'text', text => $reminder },
+                { type => 'text', text => "$who: what is in the folder?" } ] };
+        my $r = $t->post('/v1/chat/completions',
+                         { model => 'qwen3-coder', messages => $c->{messages},
+                           max_tokens => $who eq 'R' ? 8 : 7,
+                           temperature => 0 });
+        die "$who: $r->{status} $r->{content}\n" unless $r->{status} == 200;
+        $c->{reply} = $r->{json}{choices}[0]{message}{content};
+        $c->{key} = $r->{headers}{'x-s-key'};
+        $c->{prompt} = $r->{json}{usage}{prompt_tokens};
+    }
+    isnt($c{R}{key}, $c{S}{key}, 'two conversations that open alike');
+    isnt($c{R}{reply}, $c{S}{reply}, 'with replies of their own');
+
+    # R's next turn, as Qwen Code sends it: the reminder moved
+    my $c = $c{R};
+    $c->{messages}[1]{content} = [ @{ $c->{messages}[1]{content} }[0, 2] ];
+    push @{ $c->{messages} },
+        { role => 'assistant', content => $c->{reply} },
+        { role => 'user', content => [
+            { type => 'text', text => $reminder },
+            { type => 'text', text => 'R: and the Makefile?' } ] };
+    my $r = ask($c);
+    is($r->{key}, $c{R}{key},
+       'a rewritten first message: the reply it echoes names its '
+       . 'conversation');
+    cmp_ok($r->{cached}, '>=', 0.9 * $c{R}{prompt},
+           "and its own cache: $r->{cached} of its previous "
+           . "$c{R}{prompt} tokens ($r->{action})");
+}
+
+# a client that trims its history but echoes its last reply: its
+# conversation; one that compacts it into a summary: a conversation of its
+# own
+{
+    my $u = { %{ conversation('U', @opening) }, max => 9 };
+    turn($u) for 1 .. 3;
     my $c = conversation('T', @opening);
     push @{ $c->{messages} },
-        @{ $q[1]{messages} }[5 .. $#{ $q[1]{messages} }];
+        @{ $u->{messages} }[5 .. $#{ $u->{messages} }];
+    push @{ $c->{messages} }, { role => 'user', content => 'U: go on.' };
     my $r = ask($c);
-    ok(!$keys{ $r->{key} }, 'a trimmed history is a new conversation');
+    is($r->{key}, $u->{last}{key},
+       'a trimmed history that echoes its last reply: its conversation');
+
+    # two conversations given the same reply: an echo of it names neither
+    my %same = map { $_ => conversation($_, @opening) } qw(D E);
+    my %was = map { $_ => turn($same{$_}, "$_: what now?")->{key} } qw(D E);
+    is($same{D}{messages}[-1]{content}, $same{E}{messages}[-1]{content},
+       'two conversations given the same reply');
+    $c = $same{D};
+    $c->{messages}[3]{content} = 'D: what now? (rewritten)';
+    push @{ $c->{messages} }, { role => 'user', content => 'D: go on.' };
+    $r = ask($c);
+    ok($r->{key} ne $was{D} && $r->{key} ne $was{E},
+       'an echo of a reply two were given names neither');
+
+    $c = conversation('C', @opening);
+    push @{ $c->{messages} },
+        { role => 'user', content => 'Summary of our work so far: U '
+                                     . 'read the files and planned.' },
+        { role => 'user', content => 'U: go on.' };
+    $r = ask($c);
+    ok(!$keys{ $r->{key} }, 'a compacted history is a new conversation');
     like($r->{id}, qr/^\Q$family\E-/, 'of the same family');
 }
 
