@@ -89,6 +89,7 @@ build() {
                      $mod/ngx_http_llama_session_json.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     turn)     files="$here/fuzz/turn_fuzz.c $here/fuzz/fuzz_ngx.c
+                     $mod/ngx_http_llama_session_file.c
                      $here/fuzz/conv_stubs.c $(ngx_string_c)"
               libs="-lcjson -lcrypto" ;;
     differential)
