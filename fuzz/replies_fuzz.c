@@ -107,6 +107,16 @@ ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
 
 
 
+ngx_int_t
+ngx_http_llama_session_store_room(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_uint_t failed)
+{
+    fuzz_unexpected("ngx_http_llama_session_store_room");
+    return NGX_OK;
+}
+
+
 void
 ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
