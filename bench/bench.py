@@ -1532,9 +1532,13 @@ def client_convs():
     qw = recorded('qwen-code-exchange.jsonl')
     qw_a, qw_b = qw[0], qw[2]
 
+    # (the rig's random model says the same words to every prompt: a
+    # length of its own per conversation gives each its own replies, as a
+    # real model's words do, which Qwen Code's turns are known by)
     def qwen(n):
         req = qw_a if n == 0 else qw_b
         body = small(req['body'], 'max_tokens')
+        body['max_tokens'] = 3 + n
         if n > 1:
             body['messages'][1]['content'][-1]['text'] = (
                 'say conversation-%d' % n)
@@ -1562,6 +1566,7 @@ def client_convs():
     def pi_conv(n):
         req = pi_a if n == 0 else pi_b
         body = small(req['body'], 'max_completion_tokens')
+        body['max_completion_tokens'] = 3 + n
         if n > 1:
             body['messages'][1]['content'][-1]['text'] = (
                 'say conversation-%d' % n)
