@@ -795,6 +795,7 @@ struct ngx_http_llama_session_ctx_s {
     /* ext.c's: its messages, their start, its last assistant message */
     uint64_t                        ext_chain;
     uint64_t                        ext_seed;
+    uint64_t                        ext_birth;
     ngx_http_llama_session_span_t   ext_reply;
 
     /* SHA-256(namespace \0 model \0 id): what the API finds an id by */

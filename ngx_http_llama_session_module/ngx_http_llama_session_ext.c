@@ -48,6 +48,9 @@ typedef struct {
     uint64_t                        chain;
     uint64_t                        parent;     /* the chain it extended,
                                                    0: none */
+    uint64_t                        birth;      /* its id's suffix, 0: the
+                                                   family's own id */
+    u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          key_len;
     u_char                          kind;       /* EXT_REQUEST, ... */
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
@@ -73,8 +76,12 @@ static void ngx_http_llama_session_ext_insert_value(ngx_rbtree_node_t *temp,
 static ngx_http_llama_session_ext_t *ngx_http_llama_session_ext_find(
     ngx_http_llama_session_sh_t *sh, uint64_t chain);
 static void ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
-    uint64_t chain, uint64_t parent, ngx_uint_t kind, u_char *key,
-    size_t len);
+    uint64_t chain, uint64_t parent, ngx_uint_t kind,
+    ngx_http_llama_session_ext_t *who);
+static ngx_int_t ngx_http_llama_session_ext_named(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_ext_t *e);
+static void ngx_http_llama_session_ext_who(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_ext_t *who);
 static uint64_t ngx_http_llama_session_ext_echo(
     ngx_http_llama_session_ctx_t *ctx);
 static uint64_t ngx_http_llama_session_ext_said(uint64_t seed, cJSON *msg);
@@ -121,7 +128,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     uint64_t                        seed, family, said, *chain;
     ngx_int_t                       i;
     ngx_uint_t                      taken;
-    ngx_http_llama_session_ext_t   *e, *g;
+    ngx_http_llama_session_ext_t   *e, *g, who;
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
@@ -172,8 +179,11 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     }
 
     if (e) {
-        ctx->key_len = e->key_len;
-        ngx_memcpy(ctx->key, e->key, e->key_len);
+        ngx_http_llama_session_ext_who(ctx, &who);
+        who.key_len = e->key_len;
+        ngx_memcpy(who.key, e->key, e->key_len);
+        who.birth = e->birth;
+        ngx_memcpy(who.idk, e->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
 
         ngx_queue_remove(&e->lru);
         ngx_queue_insert_tail(&zone->sh->ext_lru, &e->lru);
@@ -193,17 +203,16 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
             ngx_http_llama_session_ext_add(zone, ctx->ext_chain, chain[i],
                                            NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
-                                           ctx->key, ctx->key_len);
+                                           &who);
         }
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
 
-        ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                       "llama_session: %ui messages extend %ui of \"%*s\"",
-                       ctx->nmsgs, (ngx_uint_t) i + 1, ctx->key_len,
-                       ctx->key);
+        ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: %ui messages extend %ui of a kept "
+                       "conversation's", ctx->nmsgs, (ngx_uint_t) i + 1);
 
-        return NGX_OK;
+        return ngx_http_llama_session_ext_named(r, ctx, &who);
     }
 
     /*
@@ -215,20 +224,23 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     e = said ? ngx_http_llama_session_ext_find(zone->sh, said) : NULL;
 
     if (e && e->kind == NGX_HTTP_LLAMA_SESSION_EXT_REPLY && e->key_len) {
-        ctx->key_len = e->key_len;
-        ngx_memcpy(ctx->key, e->key, e->key_len);
+        ngx_http_llama_session_ext_who(ctx, &who);
+        who.key_len = e->key_len;
+        ngx_memcpy(who.key, e->key, e->key_len);
+        who.birth = e->birth;
+        ngx_memcpy(who.idk, e->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
 
         ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
                                        NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
-                                       ctx->key, ctx->key_len);
+                                       &who);
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
 
-        ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                       "llama_session: a rewritten history echoes a reply "
-                       "of \"%*s\"", ctx->key_len, ctx->key);
+        ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: a rewritten history echoes a kept "
+                       "conversation's reply");
 
-        return NGX_OK;
+        return ngx_http_llama_session_ext_named(r, ctx, &who);
     }
 
     /*
@@ -262,12 +274,14 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     }
 
     if (!taken) {
+        ctx->ext_birth = 0;
+        ngx_http_llama_session_ext_who(ctx, &who);
         ngx_http_llama_session_ext_add(zone, family, 0,
                                        NGX_HTTP_LLAMA_SESSION_EXT_FAMILY,
-                                       ctx->key, ctx->key_len);
+                                       &who);
         ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
                                        NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
-                                       ctx->key, ctx->key_len);
+                                       &who);
 
         ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -286,6 +300,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
     ctx->id.data = p;
     ctx->id.len = last - p;
+    ctx->ext_birth = ctx->ext_chain;
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: a new conversation of its family: \"%V\""
@@ -300,16 +315,19 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 void
 ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_http_llama_session_ext_t    who;
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
+
+    ngx_http_llama_session_ext_who(ctx, &who);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     ngx_http_llama_session_ext_init(zone);
     ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
                                    NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
-                                   ctx->key, ctx->key_len);
+                                   &who);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 }
@@ -325,7 +343,7 @@ ngx_http_llama_session_ext_reply(ngx_http_llama_session_ctx_t *ctx,
     cJSON *message)
 {
     uint64_t                        said;
-    ngx_http_llama_session_ext_t   *e;
+    ngx_http_llama_session_ext_t   *e, who;
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
@@ -359,9 +377,10 @@ ngx_http_llama_session_ext_reply(ngx_http_llama_session_ctx_t *ctx,
         ngx_queue_insert_tail(&zone->sh->ext_lru, &e->lru);
 
     } else {
+        ngx_http_llama_session_ext_who(ctx, &who);
         ngx_http_llama_session_ext_add(zone, said, 0,
                                        NGX_HTTP_LLAMA_SESSION_EXT_REPLY,
-                                       ctx->key, ctx->key_len);
+                                       &who);
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -508,14 +527,48 @@ ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys, u_char *model,
 }
 
 
-/* the zone's index at start: a saved conversation's last request */
+/*
+ * The zone's index at start, the zone locked: a saved conversation's last
+ * request; its id ("sys-<16 hex>", or with "-<16 hex>" of its own) and its
+ * digest as its .json says
+ */
 
 void
 ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
-    uint64_t chain, u_char *key, size_t len)
+    uint64_t chain, u_char *key, size_t len, u_char *id, size_t id_len,
+    u_char *idk)
 {
+    u_char                        *p;
+    ngx_int_t                      n;
+    ngx_http_llama_session_ext_t   who;
+
     if (chain == 0 || len > NGX_HTTP_LLAMA_SESSION_KEY_MAX) {
         return;
+    }
+
+    ngx_memzero(&who, sizeof(ngx_http_llama_session_ext_t));
+    who.key_len = (u_char) len;
+    ngx_memcpy(who.key, key, len);
+    ngx_memcpy(who.idk, idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    /* "sys-" 16 hex digits, then "-" 16 of its own */
+
+    if (id_len == 4 + 16 + 1 + 16 && id[4 + 16] == '-') {
+        p = id + 4 + 16 + 1;
+
+        n = ngx_hextoi(p, 8);
+        if (n == NGX_ERROR) {
+            return;
+        }
+
+        who.birth = (uint64_t) n << 32;
+
+        n = ngx_hextoi(p + 8, 8);
+        if (n == NGX_ERROR) {
+            return;
+        }
+
+        who.birth |= (uint64_t) n;
     }
 
     ngx_http_llama_session_ext_init(zone);
@@ -523,8 +576,58 @@ ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     if (ngx_http_llama_session_ext_find(zone->sh, chain) == NULL) {
         ngx_http_llama_session_ext_add(zone, chain, 0,
                                        NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
-                                       key, len);
+                                       &who);
     }
+}
+
+
+/* what a kept entry names: the request's conversation */
+
+static void
+ngx_http_llama_session_ext_who(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_ext_t *who)
+{
+    who->key_len = (u_char) ngx_min(ctx->key_len,
+                                    NGX_HTTP_LLAMA_SESSION_KEY_MAX);
+    ngx_memcpy(who->key, ctx->key, who->key_len);
+    who->birth = ctx->ext_birth;
+    ngx_memcpy(who->idk, ctx->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+}
+
+
+/*
+ * The request is the kept conversation "who": its key, and its id (the
+ * family's, or with its own suffix) and the id's digest, as the API and
+ * $llama_session_id show it
+ */
+
+static ngx_int_t
+ngx_http_llama_session_ext_named(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_ext_t *who)
+{
+    u_char  *p, *last;
+
+    ctx->key_len = who->key_len;
+    ngx_memcpy(ctx->key, who->key, who->key_len);
+    ctx->ext_birth = who->birth;
+    ngx_memcpy(ctx->idk, who->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    if (who->birth == 0) {
+        return NGX_OK;
+    }
+
+    p = ngx_pnalloc(r->pool, ctx->id.len + 1 + 16);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    last = ngx_cpymem(p, ctx->id.data, ctx->id.len);
+    last = ngx_sprintf(last, "-%016uxL", who->birth);
+
+    ctx->id.data = p;
+    ctx->id.len = last - p;
+
+    return NGX_OK;
 }
 
 
@@ -639,8 +742,8 @@ ngx_http_llama_session_ext_find(ngx_http_llama_session_sh_t *sh,
 
 static void
 ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
-    uint64_t chain, uint64_t parent, ngx_uint_t kind, u_char *key,
-    size_t len)
+    uint64_t chain, uint64_t parent, ngx_uint_t kind,
+    ngx_http_llama_session_ext_t *who)
 {
     ngx_queue_t                   *q;
     ngx_http_llama_session_sh_t   *sh;
@@ -686,8 +789,10 @@ ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
 
     e->parent = parent;
     e->kind = (u_char) kind;
-    e->key_len = (u_char) ngx_min(len, NGX_HTTP_LLAMA_SESSION_KEY_MAX);
-    ngx_memcpy(e->key, key, e->key_len);
+    e->birth = who->birth;
+    ngx_memcpy(e->idk, who->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    e->key_len = who->key_len;
+    ngx_memcpy(e->key, who->key, who->key_len);
 }
 
 

@@ -881,9 +881,12 @@ static void
 ngx_http_llama_session_store_chain(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_found_t *f)
 {
-    if (f->chain && f->len > 1 + NGX_HTTP_LLAMA_SESSION_FP_LEN) {
+    if (f->chain && f->has_idk
+        && f->len > 1 + NGX_HTTP_LLAMA_SESSION_FP_LEN)
+    {
         ngx_http_llama_session_ext_index(zone, f->chain, f->name,
-                                 f->len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN);
+                                 f->len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN,
+                                 f->id, f->id_len, f->idk);
     }
 }
 

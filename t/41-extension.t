@@ -142,6 +142,8 @@ for my $round (2 .. 4) {
         my $r = turn($c);
         is($r->{key}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{key},
            "$c->{name} turn $round: its own key");
+        is($r->{id}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{id},
+           "$c->{name} turn $round: its own id");
         cmp_ok($r->{cached}, '>=', 0.9 * $prev,
                "$c->{name} turn $round: $r->{cached} of its previous "
                . "$prev tokens cached ($r->{action})");
@@ -304,6 +306,8 @@ is(scalar(grep { $on_disk{$_} } keys %keys), 3,
         my $r = turn($c);
         is($r->{key}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{key},
            "$c->{name} after a restart: its own key");
+        is($r->{id}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{id},
+           "$c->{name} after a restart: its own id");
         cmp_ok($r->{cached}, '>=', 0.9 * $prev,
                "$c->{name} after a restart: $r->{cached} of $prev cached "
                . "($r->{action})");
