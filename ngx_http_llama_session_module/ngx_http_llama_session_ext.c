@@ -179,11 +179,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     }
 
     if (e) {
-        ngx_http_llama_session_ext_who(ctx, &who);
-        who.key_len = e->key_len;
-        ngx_memcpy(who.key, e->key, e->key_len);
-        who.birth = e->birth;
-        ngx_memcpy(who.idk, e->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+        who = *e;
 
         ngx_queue_remove(&e->lru);
         ngx_queue_insert_tail(&zone->sh->ext_lru, &e->lru);
@@ -194,7 +190,8 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
             if (e->parent) {
                 g = ngx_http_llama_session_ext_find(zone->sh, e->parent);
 
-                if (g && g->kind == NGX_HTTP_LLAMA_SESSION_EXT_REQUEST && g->key_len == e->key_len
+                if (g && g->kind == NGX_HTTP_LLAMA_SESSION_EXT_REQUEST
+                    && g->key_len == e->key_len
                     && ngx_memcmp(g->key, e->key, e->key_len) == 0)
                 {
                     ngx_http_llama_session_ext_free(zone, g);
@@ -224,11 +221,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     e = said ? ngx_http_llama_session_ext_find(zone->sh, said) : NULL;
 
     if (e && e->kind == NGX_HTTP_LLAMA_SESSION_EXT_REPLY && e->key_len) {
-        ngx_http_llama_session_ext_who(ctx, &who);
-        who.key_len = e->key_len;
-        ngx_memcpy(who.key, e->key, e->key_len);
-        who.birth = e->birth;
-        ngx_memcpy(who.idk, e->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+        who = *e;
 
         ngx_http_llama_session_ext_add(zone, ctx->ext_chain, 0,
                                        NGX_HTTP_LLAMA_SESSION_EXT_REQUEST,
