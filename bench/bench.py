@@ -1535,14 +1535,20 @@ def client_convs():
     # (the rig's random model says the same words to every prompt: a
     # length of its own per conversation gives each its own replies, as a
     # real model's words do, which Qwen Code's turns are known by)
-    def qwen(n):
-        req = qw_a if n == 0 else qw_b
-        body = small(req['body'], 'max_tokens')
-        body['max_tokens'] = 3 + n
-        if n > 1:
-            body['messages'][1]['content'][-1]['text'] = (
-                'say conversation-%d' % n)
-        return (req['path'], dict(req['headers']), body)
+    def first_turns(first, second, key):
+        """conversation n of a client without an id: its own prompt, the
+        last text part of its first user message"""
+        def conv(n):
+            req = first if n == 0 else second
+            body = small(req['body'], key)
+            body[key] = 3 + n
+            if n > 1:
+                body['messages'][1]['content'][-1]['text'] = (
+                    'say conversation-%d' % n)
+            return (req['path'], dict(req['headers']), body)
+        return conv
+
+    qwen = first_turns(qw_a, qw_b, 'max_tokens')
 
     def qwen_more(req, i, reply='Hi.'):
         body = json.loads(json.dumps(req[2]))
@@ -1563,14 +1569,7 @@ def client_convs():
     pi = recorded('pi-exchange.jsonl')
     pi_a, pi_b = pi[0], pi[1]
 
-    def pi_conv(n):
-        req = pi_a if n == 0 else pi_b
-        body = small(req['body'], 'max_completion_tokens')
-        body['max_completion_tokens'] = 3 + n
-        if n > 1:
-            body['messages'][1]['content'][-1]['text'] = (
-                'say conversation-%d' % n)
-        return (req['path'], dict(req['headers']), body)
+    pi_conv = first_turns(pi_a, pi_b, 'max_completion_tokens')
 
     def pi_more(req, i, reply='Hi.'):
         body = json.loads(json.dumps(req[2]))

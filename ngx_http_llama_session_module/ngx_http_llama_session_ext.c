@@ -82,6 +82,8 @@ static ngx_int_t ngx_http_llama_session_ext_named(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_ext_t *e);
 static void ngx_http_llama_session_ext_who(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_ext_t *who);
+static ngx_int_t ngx_http_llama_session_ext_suffix(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, uint64_t birth);
 static uint64_t ngx_http_llama_session_ext_echo(
     ngx_http_llama_session_ctx_t *ctx);
 static uint64_t ngx_http_llama_session_ext_said(uint64_t seed, cJSON *msg);
@@ -122,7 +124,6 @@ ngx_int_t
 ngx_http_llama_session_extension(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    u_char                         *p, *last;
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t                          n;
     uint64_t                        seed, family, said, *chain;
@@ -283,17 +284,9 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
-    p = ngx_pnalloc(r->pool, ctx->id.len + 1 + 16);
-    if (p == NULL) {
+    if (ngx_http_llama_session_ext_suffix(r, ctx, ctx->ext_chain) != NGX_OK) {
         return NGX_ERROR;
     }
-
-    last = ngx_cpymem(p, ctx->id.data, ctx->id.len);
-    last = ngx_sprintf(last, "-%016uxL", ctx->ext_chain);
-
-    ctx->id.data = p;
-    ctx->id.len = last - p;
-    ctx->ext_birth = ctx->ext_chain;
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: a new conversation of its family: \"%V\""
@@ -598,8 +591,6 @@ static ngx_int_t
 ngx_http_llama_session_ext_named(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_ext_t *who)
 {
-    u_char  *p, *last;
-
     ctx->key_len = who->key_len;
     ngx_memcpy(ctx->key, who->key, who->key_len);
     ctx->ext_birth = who->birth;
@@ -609,16 +600,29 @@ ngx_http_llama_session_ext_named(ngx_http_request_t *r,
         return NGX_OK;
     }
 
+    return ngx_http_llama_session_ext_suffix(r, ctx, who->birth);
+}
+
+
+/* "sys-<16 hex>" and "-<16 hex>" of the conversation's own */
+
+static ngx_int_t
+ngx_http_llama_session_ext_suffix(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, uint64_t birth)
+{
+    u_char  *p, *last;
+
     p = ngx_pnalloc(r->pool, ctx->id.len + 1 + 16);
     if (p == NULL) {
         return NGX_ERROR;
     }
 
     last = ngx_cpymem(p, ctx->id.data, ctx->id.len);
-    last = ngx_sprintf(last, "-%016uxL", who->birth);
+    last = ngx_sprintf(last, "-%016uxL", birth);
 
     ctx->id.data = p;
     ctx->id.len = last - p;
+    ctx->ext_birth = birth;
 
     return NGX_OK;
 }
