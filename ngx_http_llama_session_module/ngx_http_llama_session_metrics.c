@@ -53,6 +53,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_SLOTS_BUSY,
     NGX_HTTP_LLAMA_SESSION_M_SLOT_BUSY,
     NGX_HTTP_LLAMA_SESSION_M_SESSIONS,
+    NGX_HTTP_LLAMA_SESSION_M_CHAINS,
     NGX_HTTP_LLAMA_SESSION_M_FILES,
     NGX_HTTP_LLAMA_SESSION_M_BYTES,
     NGX_HTTP_LLAMA_SESSION_M_BASE_FILES,
@@ -125,6 +126,8 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "1 while a request holds the slot." },
     { "sessions", "gauge",
       "Sessions the zone knows." },
+    { "id_chains", "gauge",
+      "Requests and replies kept to know conversations without an id by." },
     { "store_files", "gauge",
       "Session files in the store folder." },
     { "store_bytes", "gauge",
@@ -634,6 +637,9 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
 
     case NGX_HTTP_LLAMA_SESSION_M_SESSIONS:
         return ngx_http_llama_session_sample("sessions", "", sh->nsessions);
+
+    case NGX_HTTP_LLAMA_SESSION_M_CHAINS:
+        return ngx_http_llama_session_sample("id_chains", "", sh->ext_n);
 
     case NGX_HTTP_LLAMA_SESSION_M_FILES:
         return ngx_http_llama_session_sample("store_files", "", sh->files);

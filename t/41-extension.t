@@ -38,7 +38,8 @@ my $site = $t->site(
         add_header X-S-Key $llama_session_key always;
         add_header X-S-Action $llama_session_action always;
         add_header X-S-Slot $llama_session_slot always;
-    });
+    },
+    extra => 'location = /metrics { llama_session_metrics llama; }');
 $t->nginx($site);
 
 my $system = join ' ', map { "Rule $_: you are Qwen Code, an interactive "
@@ -149,6 +150,12 @@ for my $round (2 .. 4) {
                . "$prev tokens cached ($r->{action})");
     }
 }
+
+# what the zone keeps to know them by, in its metrics
+my ($chains) = $t->get('/metrics')->{content}
+               =~ /^nginx_llama_session_id_chains\{zone="llama"\} (\d+)$/m;
+cmp_ok($chains // 0, '>=', 6,
+       "nginx_llama_session_id_chains: $chains (requests and replies)");
 
 my @bins = glob($t->dir . '/slots/*.bin');
 my %on_disk = map { my ($k) = m{/([^/]+)\.[^.]+\.bin$}; ($k // '') => 1 }
