@@ -431,7 +431,8 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_ctx_t *ctx)
             /*
              * requests without an id that look alike run at once, as
              * llama-server alone runs them: a second one takes a slot
-             * that is empty or holds no saved session
+             * that is empty, holds "default", or holds a session saved
+             * and unchanged since
              */
 
             e = ngx_http_llama_session_choose_locked(ctx, 1);
@@ -509,8 +510,11 @@ ngx_http_llama_session_choose_locked(ngx_http_llama_session_ctx_t *ctx,
         } else if (spare && slot->key_len == ctx->key_len
                    && ngx_memcmp(slot->key, ctx->key, ctx->key_len) == 0)
         {
-            /* "default" in another slot: the requests waiting for it are
-               this one and others like it */
+            /*
+             * "default" in another slot: the requests waiting for it are
+             * this one and others like it
+             */
+
             rank = 0;
 
         } else if (ngx_http_llama_session_waited_locked(sh, slot->key,
