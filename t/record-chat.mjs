@@ -14,14 +14,7 @@
 //   GET .../models[?...]              {"object":"list","data":[{"id":"tiny",...}]}
 //   anything else                     404 with an OpenAI error body
 
-import { TEXT, hex, json, serve } from './lib/record.mjs';
-
-function notFound(res, method, path) {
-    json(res, 404, { error: {
-        message: `${method} ${path} not found`,
-        type: 'invalid_request_error', param: null, code: 'not_found',
-    } }, 'x-request-id');
-}
+import { TEXT, hex, json, notFound, serve } from './lib/record.mjs';
 
 const model = (body) =>
     (body && typeof body === 'object' && typeof body.model === 'string')

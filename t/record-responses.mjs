@@ -12,14 +12,7 @@
 //   anything else              404 with an OpenAI error body (a WebSocket
 //                              upgrade too, so clients fall back to HTTP)
 
-import { TEXT, hex, json, serve } from './lib/record.mjs';
-
-function notFound(res, method, path) {
-    json(res, 404, { error: {
-        message: `${method} ${path} not found`,
-        type: 'invalid_request_error', param: null, code: 'not_found',
-    } }, 'x-request-id');
-}
+import { TEXT, hex, json, notFound, serve } from './lib/record.mjs';
 
 const str = (body, key, dflt) =>
     (body && typeof body === 'object' && typeof body[key] === 'string') ? body[key] : dflt;

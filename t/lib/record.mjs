@@ -37,6 +37,15 @@ export function json(res, status, obj, idHeader) {
     res.end(s);
 }
 
+// OpenAI's 404, with its error body (a WebSocket upgrade gets it too, so
+// clients fall back to HTTP)
+export function notFound(res, method, path) {
+    json(res, 404, { error: {
+        message: `${method} ${path} not found`,
+        type: 'invalid_request_error', param: null, code: 'not_found',
+    } }, 'x-request-id');
+}
+
 // serve(name, route, idHeader): route(req, res, path, body) answers
 export function serve(name, route, idHeader) {
     const [port, file] = process.argv.slice(2);
