@@ -94,6 +94,14 @@ static ngx_http_complex_value_t  fuzz_namespace;
 /* the request's path (the differential target sets others) */
 static ngx_str_t  fuzz_uri = ngx_string("/v1/chat/completions");
 
+/* its dialect (dialect.c's row of chat completions, as identify reads it) */
+static ngx_http_llama_session_dialect_t  fuzz_dialect = {
+    ngx_string("/chat/completions"), 0, 0,
+    ngx_string("system"), ngx_string("messages"),
+    "/v1/chat/completions", NGX_HTTP_LLAMA_SESSION_PRIME_CHAT,
+    NULL, NULL, NULL, NULL, 0, 0, 1, 0, 0
+};
+
 
 /*
  * The rest of the module that identify() calls (router mode's zone choice
@@ -131,6 +139,15 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     return NGX_OK;
+}
+
+
+ngx_uint_t
+ngx_http_llama_session_dialect_endpoint(ngx_http_request_t *r,
+    ngx_array_t *endpoints)
+{
+    fuzz_unexpected("ngx_http_llama_session_dialect_endpoint");
+    return 0;
 }
 
 
@@ -353,6 +370,7 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
 
     ngx_memzero(ctx, sizeof(ngx_http_llama_session_ctx_t));
     ctx->request = &r;
+    ctx->dialect = &fuzz_dialect;
     ctx->job.slot_tokens = -1;
     ctx->job.slot_task = -1;
 

@@ -150,16 +150,6 @@ typedef struct {
 } ngx_http_llama_session_memory_t;
 
 
-/* Ollama's requests (ollama.c) */
-
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT      1
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE  2
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED     3
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_TAGS      4
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_PS        5
-#define NGX_HTTP_LLAMA_SESSION_OLLAMA_SHOW      6
-
-
 /* what GET /slots said of a slot (job.c) */
 
 typedef enum {
@@ -766,13 +756,65 @@ typedef struct {
 } ngx_http_llama_session_route_t;
 
 
-/* a request */
-
 typedef struct ngx_http_llama_session_ctx_s  ngx_http_llama_session_ctx_t;
+
+
+/*
+ * An API dialect (dialect.c's table): chosen once, when the request starts;
+ * what the core asks of the protocol a request speaks
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_GATE_ANTHROPIC   1  /* llama_session_anthropic */
+#define NGX_HTTP_LLAMA_SESSION_GATE_OLLAMA      2  /* llama_session_ollama */
+
+#define NGX_HTTP_LLAMA_SESSION_PRIME_CHAT       1
+#define NGX_HTTP_LLAMA_SESSION_PRIME_ANTHROPIC  2
+#define NGX_HTTP_LLAMA_SESSION_PRIME_RESPONSES  3
+
+typedef struct {
+    ngx_str_t                       suffix;     /* the path's end */
+    ngx_uint_t                      gate;       /* the location's switch */
+    ngx_uint_t                      kind;       /* its own file's kind */
+
+    /* the body's members of the system prompt and the conversation */
+    ngx_str_t                       system;
+    ngx_str_t                       messages;
+
+    /* the warm start's prime: its path and shape, NULL: no prime */
+    char                           *prime;
+    ngx_uint_t                      prime_shape;
+
+    /* it becomes a chat request (before the slot) */
+    ngx_int_t                     (*request)(ngx_http_request_t *r,
+                                      ngx_http_llama_session_ctx_t *ctx);
+    /* the prime, translated as the request was */
+    ngx_buf_t                    *(*prime_filter)(ngx_http_request_t *r,
+                                      ngx_buf_t *b, ngx_uint_t slot);
+    /* its own error reply; or the error types, in Anthropic's envelope */
+    ngx_int_t                     (*error)(ngx_http_request_t *r,
+                                      ngx_http_llama_session_ctx_t *ctx,
+                                      ngx_uint_t status, char *message);
+    char                         *(*error_type)(ngx_uint_t status);
+
+    unsigned                        no_session:1; /* uses a slot, carries
+                                                   no conversation */
+    unsigned                        unpinned:1; /* llama-server drops
+                                                   "id_slot" */
+    unsigned                        turn:1;     /* its replies are kept for
+                                                   the re-prime (turn.c) */
+    unsigned                        canon:1;    /* Anthropic's system
+                                                   (canon.c) */
+    unsigned                        max_tokens:1; /* its limit is max_tokens
+                                                   alone */
+} ngx_http_llama_session_dialect_t;
+
+
+/* a request */
 
 struct ngx_http_llama_session_ctx_s {
     ngx_http_request_t             *request;
     ngx_http_llama_session_zone_t  *zone;
+    ngx_http_llama_session_dialect_t *dialect;  /* the API it speaks */
     ngx_http_llama_session_job_t    job;        /* its slot job */
     ngx_http_llama_session_warm_t   warm;       /* warm.c's */
 
@@ -806,8 +848,8 @@ struct ngx_http_llama_session_ctx_s {
     size_t                          base_len;   /* 0: no base */
     u_char                          base_id[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_http_llama_session_span_t   p_model;
-    ngx_http_llama_session_span_t   p_system;   /* Anthropic's system,
-                                                   Responses' instructions */
+    ngx_http_llama_session_span_t   p_system;   /* the dialect's system
+                                                   member */
     ngx_http_llama_session_span_t   p_leading;  /* system messages or
                                                    Responses' input items */
     ngx_http_llama_session_span_t   p_tools;
@@ -846,9 +888,6 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        learn_slots:1; /* slots=auto */
     unsigned                        identity:1; /* llama_session identity */
     unsigned                        probe:1;
-    unsigned                        anthropic:1; /* /v1/messages */
-    unsigned                        messages:1;  /* translated, anthropic.c */
-    unsigned                        responses:1; /* a Responses API prime */
     unsigned                        bind:1;     /* models=: not bound yet */
     unsigned                        media:1;    /* an image in messages */
 
@@ -877,9 +916,6 @@ struct ngx_http_llama_session_ctx_s {
     ngx_http_llama_session_msg_t   *prev;
     ngx_uint_t                      nprev;
     ngx_uint_t                      prev_tokens;
-
-    /* Ollama's API (ollama.c): the kind of request */
-    ngx_uint_t                      ollama;
 
     /* the reply's translation for Ollama's or Anthropic's API (convert.c) */
     void                           *conv;

@@ -1289,7 +1289,7 @@ ngx_http_llama_session_anthropic_error(ngx_uint_t status, cJSON *reply)
     cJSON_AddStringToObject(out, "type", "error");
     err = cJSON_AddObjectToObject(out, "error");
     cJSON_AddStringToObject(err, "type",
-                            ngx_http_llama_session_error_anthropic(status));
+                            ngx_http_llama_session_anthropic_error_type(status));
     cJSON_AddStringToObject(err, "message",
                             message ? message
                             : (reply == NULL && status == NGX_HTTP_OK)
@@ -1426,4 +1426,39 @@ ngx_http_llama_session_anthropic_names(ngx_http_llama_session_anthropic_t *a,
     *ngx_snprintf(a->id, sizeof(a->id) - 1, "msg_%s", id ? id : "") = '\0';
     *ngx_snprintf(a->model, sizeof(a->model) - 1, "%s",
                   model ? model : "") = '\0';
+}
+
+
+/* Anthropic's error type of an HTTP status */
+
+char *
+ngx_http_llama_session_anthropic_error_type(ngx_uint_t status)
+{
+    switch (status) {
+
+    case NGX_HTTP_BAD_REQUEST:
+    case NGX_HTTP_NOT_IMPLEMENTED:
+        return "invalid_request_error";
+
+    case NGX_HTTP_UNAUTHORIZED:
+        return "authentication_error";
+
+    case NGX_HTTP_FORBIDDEN:
+        return "permission_error";
+
+    case NGX_HTTP_NOT_FOUND:
+        return "not_found_error";
+
+    case NGX_HTTP_REQUEST_ENTITY_TOO_LARGE:
+        return "request_too_large";
+
+    case NGX_HTTP_TOO_MANY_REQUESTS:
+        return "rate_limit_error";
+
+    case NGX_HTTP_SERVICE_UNAVAILABLE:
+        return "overloaded_error";
+
+    default:
+        return "api_error";
+    }
 }

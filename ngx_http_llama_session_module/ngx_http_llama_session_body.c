@@ -19,6 +19,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_canon.h"
+#include "ngx_http_llama_session_dialect.h"
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
@@ -50,8 +51,8 @@ static void ngx_http_llama_session_body_span_list(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t **sp);
 static ngx_int_t ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static ngx_uint_t ngx_http_llama_session_probe(ngx_http_request_t *r,
-    ngx_http_llama_session_span_t *spans);
+static ngx_uint_t ngx_http_llama_session_probe(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *span, ngx_str_t *s);
 static ngx_int_t ngx_http_llama_session_sha256(ngx_http_request_t *r,
@@ -66,8 +67,6 @@ static void ngx_http_llama_session_base_name(
     ngx_http_llama_session_ctx_t *ctx, u_char *hash);
 static ngx_int_t ngx_http_llama_session_json_str(ngx_http_request_t *r,
     cJSON *item, ngx_str_t *s);
-static ngx_uint_t ngx_http_llama_session_suffix(ngx_str_t *uri,
-    ngx_str_t *suffix);
 
 
 static EVP_MD      *ngx_http_llama_session_sha256_md;
@@ -85,20 +84,12 @@ static u_char   ngx_http_llama_session_last_base[
 
 static ngx_str_t  ngx_http_llama_session_model_name =
     ngx_string("model");
-static ngx_str_t  ngx_http_llama_session_system_name =
-    ngx_string("system");
-static ngx_str_t  ngx_http_llama_session_messages_name =
-    ngx_string("messages");
 static ngx_str_t  ngx_http_llama_session_tools_name =
     ngx_string("tools");
 static ngx_str_t  ngx_http_llama_session_tool_choice_name =
     ngx_string("tool_choice");
 static ngx_str_t  ngx_http_llama_session_kwargs_name =
     ngx_string("chat_template_kwargs");
-static ngx_str_t  ngx_http_llama_session_instructions_name =
-    ngx_string("instructions");
-static ngx_str_t  ngx_http_llama_session_input_name =
-    ngx_string("input");
 static ngx_str_t  ngx_http_llama_session_reasoning_name =
     ngx_string("reasoning");
 static ngx_str_t  ngx_http_llama_session_max_tokens_name =
@@ -128,19 +119,6 @@ static ngx_str_t  ngx_http_llama_session_n_predict_name =
 #define NGX_HTTP_LLAMA_SESSION_HEAD            256
 
 
-/* llama-server's endpoints that use a slot but carry no conversation */
-
-static ngx_str_t  ngx_http_llama_session_no_session[] = {
-    ngx_string("/embedding"),
-    ngx_string("/embeddings"),
-    ngx_string("/rerank"),
-    ngx_string("/reranking"),
-    ngx_string("/api/embed"),
-    ngx_string("/audio/transcriptions"),
-    ngx_null_string
-};
-
-
 /*
  * Which requests take the slot: POSTs to the inference endpoints of
  * llama_session_endpoints (an allow-list: anything else passes by).
@@ -161,8 +139,7 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     u_char                             *p, *last, *c;
-    ngx_str_t                           uri, arg, *s;
-    ngx_uint_t                          i;
+    ngx_str_t                           uri, arg;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     uri = r->uri;
@@ -211,15 +188,9 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    s = llcf->endpoints->elts;
-
-    for (i = 0; i < llcf->endpoints->nelts; i++) {
-        if (ngx_http_llama_session_suffix(&uri, &s[i])) {
-            break;
-        }
-    }
-
-    if (i == llcf->endpoints->nelts || r->method != NGX_HTTP_POST) {
+    if (!ngx_http_llama_session_dialect_endpoint(r, llcf->endpoints)
+        || r->method != NGX_HTTP_POST)
+    {
 
         if ((llcf->zones
              || (llcf->zone && ngx_http_llama_session_by_router(llcf->zone)))
@@ -235,48 +206,10 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
         return 0;
     }
 
-    for (s = ngx_http_llama_session_no_session; s->len; s++) {
-        if (ngx_http_llama_session_suffix(&uri, s)) {
-            ctx->use_default = 1;
-            break;
-        }
-    }
+    /* embeddings, rerank: they use the slot but carry no conversation */
+    ctx->use_default = ctx->dialect->no_session;
 
     return 1;
-}
-
-
-/* does the request's path end with suffix, trailing slashes aside? */
-
-ngx_uint_t
-ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
-{
-    ngx_str_t  uri, s;
-
-    uri = r->uri;
-
-    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
-        uri.len--;
-    }
-
-    s.data = (u_char *) suffix;
-    s.len = ngx_strlen(suffix);
-
-    return ngx_http_llama_session_suffix(&uri, &s);
-}
-
-
-/* does the path end with suffix ("/chat/completions") at a "/"? */
-
-static ngx_uint_t
-ngx_http_llama_session_suffix(ngx_str_t *uri, ngx_str_t *suffix)
-{
-    if (uri->len < suffix->len) {
-        return 0;
-    }
-
-    return ngx_strncmp(uri->data + uri->len - suffix->len, suffix->data,
-                       suffix->len) == 0;
 }
 
 
@@ -288,7 +221,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_int_t                           rc;
     ngx_str_t                           body, ns, *field;
     ngx_str_t                           names[NGX_HTTP_LLAMA_SESSION_SP_ALL];
-    ngx_uint_t                          i, n, responses;
+    ngx_uint_t                          i, n;
     ngx_http_llama_session_span_t       spans[NGX_HTTP_LLAMA_SESSION_SP_ALL];
     ngx_http_llama_session_loc_conf_t  *llcf;
 
@@ -336,15 +269,9 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
      * them
      */
 
-    responses = ngx_http_llama_session_uri_ends(r, "/responses");
-
     names[NGX_HTTP_LLAMA_SESSION_SP_MODEL] = ngx_http_llama_session_model_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM] =
-                          responses ? ngx_http_llama_session_instructions_name
-                                    : ngx_http_llama_session_system_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES] =
-                          responses ? ngx_http_llama_session_input_name
-                                    : ngx_http_llama_session_messages_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM] = ctx->dialect->system;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES] = ctx->dialect->messages;
     names[NGX_HTTP_LLAMA_SESSION_SP_REASONING] =
                                       ngx_http_llama_session_reasoning_name;
     names[NGX_HTTP_LLAMA_SESSION_SP_TOOLS] = ngx_http_llama_session_tools_name;
@@ -384,8 +311,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
      * Claude Code's first system block, before anything reads the body
      */
 
-    if (llcf->canonical
-        && ngx_http_llama_session_uri_ends(r, "/messages")
+    if (llcf->canonical && ctx->dialect->canon
         && ngx_http_llama_session_canon(r, &body,
                                &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM])
            != NGX_OK)
@@ -395,7 +321,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
 
     /* "reasoning" is the Responses API's; elsewhere llama-server ignores it */
 
-    if (!responses) {
+    if (ctx->dialect->prime_shape != NGX_HTTP_LLAMA_SESSION_PRIME_RESPONSES) {
         spans[NGX_HTTP_LLAMA_SESSION_SP_REASONING].start = NULL;
     }
 
@@ -428,7 +354,7 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    if (ngx_http_llama_session_probe(r, spans)) {
+    if (ngx_http_llama_session_probe(ctx, spans)) {
         /*
          * a probe (max_tokens 0 or 1: a model or key check, a token
          * count): it runs as "default", so it never takes the place of a
@@ -1169,7 +1095,7 @@ ngx_http_llama_session_digest_end(ngx_http_request_t *r, u_char *out)
  */
 
 static ngx_uint_t
-ngx_http_llama_session_probe(ngx_http_request_t *r,
+ngx_http_llama_session_probe(ngx_http_llama_session_ctx_t *ctx,
     ngx_http_llama_session_span_t *spans)
 {
     u_char                          buf[64];
@@ -1191,7 +1117,7 @@ ngx_http_llama_session_probe(ngx_http_request_t *r,
      * /v1/messages passes on max_tokens alone
      */
 
-    i = ngx_http_llama_session_uri_ends(r, "/messages") ? 2 : 0;
+    i = ctx->dialect->max_tokens ? 2 : 0;
 
     for ( /* void */ ; i < 3; i++) {
         sp = &spans[order[i]];

@@ -19,8 +19,6 @@ ngx_int_t ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
     ngx_str_t *body);
 ngx_uint_t ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
-    char *suffix);
 ngx_int_t ngx_http_llama_session_ns_digest(ngx_http_request_t *r,
     ngx_str_t *ns, u_char *out);
 void ngx_http_llama_session_body_release(ngx_http_request_t *r,

@@ -156,10 +156,8 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
     c = &ngx_http_llama_session_calls[call];
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
-        p = ngx_sprintf(uri.data, ctx->anthropic ? "%V/v1/messages"
-                                  : ctx->responses ? "%V/v1/responses"
-                                  : "%V/v1/chat/completions",
-                        &llcf->slots_uri);
+        p = ngx_sprintf(uri.data, "%V%s", &llcf->slots_uri,
+                        ctx->dialect->prime);
 
     } else if (c->path.len) {
         p = ngx_sprintf(uri.data, "%V%V", &llcf->slots_uri, &c->path);

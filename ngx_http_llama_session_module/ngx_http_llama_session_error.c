@@ -11,7 +11,6 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
-#include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_shm.h"
 
 
@@ -115,12 +114,9 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
     ctx->status = NGX_DONE;
     ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    if (ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
-        || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE
-        || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED)
-    {
-        /* an Ollama client reads {"error": "..."} */
-        return ngx_http_llama_session_ollama_error(r, ctx, status, message);
+    if (ctx->dialect && ctx->dialect->error) {
+        /* the dialect's own: an Ollama client reads {"error": "..."} */
+        return ctx->dialect->error(r, ctx, status, message);
     }
 
     ngx_http_finalize_request(r, ngx_http_llama_session_send_error(r, status,
@@ -133,7 +129,8 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
 /*
  * The one error body of the module, for requests and the API alike:
  * {"error":{"code":N,"message":"...","type":"..."}}, with Retry-After
- * when asked; to Anthropic's Messages API (anthropic.c) its own shape,
+ * when asked; to a dialect with error types of its own (Anthropic's,
+ * anthropic.c) its shape,
  * {"type":"error","error":{...}} with its error types.  Returns for
  * finalizing, as send_json().
  */
@@ -144,17 +141,18 @@ ngx_http_llama_session_send_error(ngx_http_request_t *r, ngx_uint_t status,
 {
     size_t                         len, mlen, tlen;
     ngx_buf_t                     *b;
-    ngx_uint_t                     anthropic;
     ngx_table_elt_t               *h;
     ngx_http_llama_session_ctx_t  *ctx;
 
-    /* an Anthropic client's request: {"type":"error",...} of its types */
+    /* a dialect's error types: {"type":"error",...}, Anthropic's shape */
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-    anthropic = (ctx && ctx->messages);
 
-    if (anthropic) {
-        type = ngx_http_llama_session_error_anthropic(status);
+    if (ctx && ctx->dialect && ctx->dialect->error_type) {
+        type = ctx->dialect->error_type(status);
+
+    } else {
+        ctx = NULL;             /* OpenAI's shape */
     }
 
     mlen = ngx_strlen(message);
@@ -171,7 +169,7 @@ ngx_http_llama_session_send_error(ngx_http_request_t *r, ngx_uint_t status,
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    if (anthropic) {
+    if (ctx) {
         b->last = ngx_cpymem(b->last, "{\"type\":\"error\",",
                              sizeof("{\"type\":\"error\",") - 1);
 
@@ -235,39 +233,4 @@ ngx_http_llama_session_send_json(ngx_http_request_t *r, ngx_uint_t status,
     out.next = NULL;
 
     return ngx_http_output_filter(r, &out);
-}
-
-
-/* Anthropic's error type of an HTTP status */
-
-char *
-ngx_http_llama_session_error_anthropic(ngx_uint_t status)
-{
-    switch (status) {
-
-    case NGX_HTTP_BAD_REQUEST:
-    case NGX_HTTP_NOT_IMPLEMENTED:
-        return "invalid_request_error";
-
-    case NGX_HTTP_UNAUTHORIZED:
-        return "authentication_error";
-
-    case NGX_HTTP_FORBIDDEN:
-        return "permission_error";
-
-    case NGX_HTTP_NOT_FOUND:
-        return "not_found_error";
-
-    case NGX_HTTP_REQUEST_ENTITY_TOO_LARGE:
-        return "request_too_large";
-
-    case NGX_HTTP_TOO_MANY_REQUESTS:
-        return "rate_limit_error";
-
-    case NGX_HTTP_SERVICE_UNAVAILABLE:
-        return "overloaded_error";
-
-    default:
-        return "api_error";
-    }
 }

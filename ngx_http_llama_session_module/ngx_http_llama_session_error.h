@@ -22,7 +22,6 @@ ngx_int_t ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 ngx_int_t ngx_http_llama_session_error(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t status, char *type,
     char *message, time_t retry_after);
-char *ngx_http_llama_session_error_anthropic(ngx_uint_t status);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_ERROR_H_INCLUDED_ */

@@ -16,10 +16,10 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_cost.h"
+#include "ngx_http_llama_session_dialect.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
@@ -393,11 +393,9 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
-    /* Anthropic's Messages API: translated into a chat completion */
+    /* the API it speaks, once: the core asks its row from here on */
 
-    ctx->messages = (llcf->anthropic && llcf->zone
-                     && r->method == NGX_HTTP_POST
-                     && ngx_http_llama_session_uri_ends(r, "/v1/messages"));
+    ctx->dialect = ngx_http_llama_session_dialect(r, llcf);
 
     if (llcf->ollama == 1) {
         /*
@@ -560,18 +558,13 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
                NGX_HTTP_LLAMA_SESSION_ST_DONE);
             ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
 
-        } else if (((ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
-                     || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE
-                     || ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED)
-                    && (rc = ngx_http_llama_session_ollama_request(r, ctx))
-                       != NGX_OK)
-                   || (ctx->messages
-                       && (rc = ngx_http_llama_session_anthropic_request(r,
-                                                                      ctx))
-                          != NGX_OK))
+        } else if (ctx->dialect->request
+                   && (rc = ctx->dialect->request(r, ctx)) != NGX_OK)
         {
+            /* the dialect's translation into a chat request failed */
+
             if (rc == NGX_DONE) {
-                /* an Ollama or Anthropic error was sent */
+                /* its error was sent */
                 return;
             }
 
@@ -639,10 +632,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                                            NULL, 0);
     }
 
-    if (!ctx->queued && ctx->zone->sh->nslots > 1
-        && ((ngx_http_llama_session_uri_ends(r, "/messages")
-             && !ctx->messages)
-            || ngx_http_llama_session_uri_ends(r, "/audio/transcriptions")))
+    if (!ctx->queued && ctx->zone->sh->nslots > 1 && ctx->dialect->unpinned)
     {
         /*
          * llama-server's Anthropic and transcription conversions drop

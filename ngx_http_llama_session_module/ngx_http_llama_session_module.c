@@ -15,6 +15,7 @@
 #include "ngx_http_llama_session_idle.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_convert.h"
+#include "ngx_http_llama_session_dialect.h"
 #include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_reply.h"
@@ -228,30 +229,6 @@ static ngx_str_t  ngx_http_llama_session_default_headers[] = {
 };
 
 
-/*
- * llama-server's inference endpoints (and Ollama's, that older builds
- * aliased): a POST whose path ends with one of them takes the slot
- */
-
-static ngx_str_t  ngx_http_llama_session_default_endpoints[] = {
-    ngx_string("/completion"),
-    ngx_string("/completions"),
-    ngx_string("/chat/completions"),
-    ngx_string("/v1/messages"),
-    ngx_string("/responses"),
-    ngx_string("/infill"),
-    ngx_string("/embedding"),
-    ngx_string("/embeddings"),
-    ngx_string("/rerank"),
-    ngx_string("/reranking"),
-    ngx_string("/api/chat"),
-    ngx_string("/api/generate"),
-    ngx_string("/api/embed"),
-    ngx_string("/audio/transcriptions"),
-    ngx_null_string
-};
-
-
 static ngx_str_t  ngx_http_llama_session_default_fields[] = {
     ngx_string("session_id"),
     ngx_string("conversation_id"),
@@ -402,8 +379,9 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
     if (conf->endpoints == NGX_CONF_UNSET_PTR) {
         if (prev->endpoints == NGX_CONF_UNSET_PTR) {
+            /* the dialects' paths (dialect.c) */
             prev->endpoints = ngx_http_llama_session_default_list(cf,
-                                     ngx_http_llama_session_default_endpoints);
+                                   ngx_http_llama_session_dialect_endpoints());
             if (prev->endpoints == NULL) {
                 return NGX_CONF_ERROR;
             }

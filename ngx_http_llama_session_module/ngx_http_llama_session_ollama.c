@@ -83,7 +83,8 @@ static void ngx_http_llama_session_ollama_cleanup(void *data);
 
 /*
  * A request in a location with llama_session_ollama: NGX_DECLINED for the
- * inference paths (the session's way, ctx->ollama set), else answered.
+ * inference paths (the session's way: their dialect's rows), else
+ * answered.
  */
 
 ngx_int_t
@@ -115,37 +116,21 @@ ngx_http_llama_session_ollama_start(ngx_http_request_t *r,
         return NGX_DONE;
     }
 
-    if (r->method == NGX_HTTP_POST) {
-        if (ngx_http_llama_session_uri_ends(r, "/api/chat")) {
-            ctx->ollama = NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT;
-            return NGX_DECLINED;
-        }
-
-        if (ngx_http_llama_session_uri_ends(r, "/api/generate")) {
-            ctx->ollama = NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE;
-            return NGX_DECLINED;
-        }
-
-        if (ngx_http_llama_session_uri_ends(r, "/api/embed")) {
-            ctx->ollama = NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED;
-            return NGX_DECLINED;
-        }
+    if (ctx->dialect->request == ngx_http_llama_session_ollama_request) {
+        /* /api/chat, /api/generate, /api/embed: the session's way */
+        return NGX_DECLINED;
     }
 
     if ((ngx_http_llama_session_uri_ends(r, "/api/tags")
          || ngx_http_llama_session_uri_ends(r, "/api/ps"))
         && (r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD)))
     {
-        ctx->ollama = ngx_http_llama_session_uri_ends(r, "/api/ps")
-                      ? NGX_HTTP_LLAMA_SESSION_OLLAMA_PS
-                      : NGX_HTTP_LLAMA_SESSION_OLLAMA_TAGS;
         return NGX_AGAIN;
     }
 
     if (ngx_http_llama_session_uri_ends(r, "/api/show")
         && r->method == NGX_HTTP_POST)
     {
-        ctx->ollama = NGX_HTTP_LLAMA_SESSION_OLLAMA_SHOW;
         return NGX_AGAIN;
     }
 
@@ -272,7 +257,7 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    o->kind = ctx->ollama;
+    o->kind = ctx->dialect->kind;
     o->model.len = ngx_strlen(model->valuestring);
     o->model.data = ngx_pnalloc(r->pool, o->model.len);
     if (o->model.data == NULL) {
@@ -294,7 +279,7 @@ ngx_http_llama_session_ollama_request(ngx_http_request_t *r,
                       "llama-server's context is its -c");
     }
 
-    switch (ctx->ollama) {
+    switch (o->kind) {
 
     case NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED:
         uri = "/v1/embeddings";
@@ -1236,7 +1221,7 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    list = (ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_SHOW)
+    list = ngx_http_llama_session_uri_ends(r, "/api/show")
            ? NULL : cJSON_AddArrayToObject(out, "models");
 
     cJSON_ArrayForEach(item, data) {
@@ -1283,7 +1268,7 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
                                 cJSON_IsString(ftype) ? ftype->valuestring
                                                       : "");
 
-        if (ctx->ollama == NGX_HTTP_LLAMA_SESSION_OLLAMA_PS) {
+        if (ngx_http_llama_session_uri_ends(r, "/api/ps")) {
             cJSON_AddStringToObject(m, "expires_at", "2999-01-01T00:00:00Z");
             cJSON_AddNumberToObject(m, "size_vram", cJSON_IsNumber(sz)
                                                     ? sz->valuedouble : 0);

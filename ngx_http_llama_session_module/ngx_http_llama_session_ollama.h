@@ -13,6 +13,13 @@
 #include "ngx_http_llama_session.h"
 
 
+/* its requests: the dialect rows' kinds (dialect.c) */
+
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT      1
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_GENERATE  2
+#define NGX_HTTP_LLAMA_SESSION_OLLAMA_EMBED     3
+
+
 ngx_int_t ngx_http_llama_session_ollama_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_ollama_request(ngx_http_request_t *r,

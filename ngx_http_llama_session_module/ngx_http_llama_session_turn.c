@@ -15,11 +15,12 @@
  * turn, a restore, a warm start, a re-prime) clears it (job_state()), so a
  * file whose N the slot does not have is never used.  The re-prime that
  * reads it deletes it: the store keeps a conversation's text only from
- * the end of its turn to its slot's next save or turn.  Only chat requests
- * of a session (Anthropic's too, translated into chat completions), not
- * probes, nor the default session, nor Anthropic's passed to llama-server
- * as they came (llama_session_anthropic off: its /v1/messages has no
- * template endpoint of its own).
+ * the end of its turn to its slot's next save or turn.  Only the requests
+ * of a session in a dialect whose row keeps turns (chat completions,
+ * Ollama's chat and Anthropic's translated into them), not probes, nor
+ * the default session, nor Anthropic's passed to llama-server as they came
+ * (llama_session_anthropic off: its /v1/messages has no template endpoint
+ * of its own).
  */
 
 
@@ -231,11 +232,9 @@ ngx_http_llama_session_turn_start(ngx_http_request_t *r,
 
     if (!ctx->zone->reprime || ctx->zone->store.len == 0 || ctx->probe
         || ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
-        || ctx->default_session || (ctx->anthropic && !ctx->messages)
+        || ctx->default_session || !ctx->dialect->turn
         || ctx->key_len == 0
-        || r->request_body == NULL || r->request_body->bufs == NULL
-        || (ctx->ollama != NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT
-            && !ngx_http_llama_session_uri_ends(r, "/chat/completions")))
+        || r->request_body == NULL || r->request_body->bufs == NULL)
     {
         return;
     }

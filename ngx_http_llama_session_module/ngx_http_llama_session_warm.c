@@ -32,7 +32,6 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_anthropic.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_error.h"
@@ -86,33 +85,39 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    /* the endpoints a prime can be made for */
+    /*
+     * the dialects a prime can be made for, with their system prompt:
+     * Anthropic's "system" (a translated request is primed as the chat
+     * completion it became), the Responses API's instructions, leading
+     * input items or tools, the chat's system messages or tools
+     */
 
-    if (ctx->messages || ngx_http_llama_session_uri_ends(r, "/messages")) {
+    switch (ctx->dialect->prime_shape) {
+
+    case NGX_HTTP_LLAMA_SESSION_PRIME_ANTHROPIC:
         if (ctx->p_system.start == NULL) {
             return NGX_DECLINED;
         }
 
-        /*
-         * llama-server's own /v1/messages (llama_session_anthropic off);
-         * a translated one is primed as the chat completion it became
-         */
-        ctx->anthropic = !ctx->messages;
+        break;
 
-    } else if (ngx_http_llama_session_uri_ends(r, "/responses")) {
-        /* the Responses API: instructions, leading input items, tools */
-
+    case NGX_HTTP_LLAMA_SESSION_PRIME_RESPONSES:
         if (ctx->p_system.start == NULL && ctx->p_leading.start == NULL
             && ctx->p_tools.start == NULL)
         {
             return NGX_DECLINED;
         }
 
-        ctx->responses = 1;
+        break;
 
-    } else if (!ngx_http_llama_session_uri_ends(r, "/chat/completions")
-               || (ctx->p_leading.start == NULL && ctx->p_tools.start == NULL))
-    {
+    case NGX_HTTP_LLAMA_SESSION_PRIME_CHAT:
+        if (ctx->p_leading.start == NULL && ctx->p_tools.start == NULL) {
+            return NGX_DECLINED;
+        }
+
+        break;
+
+    default:
         return NGX_DECLINED;
     }
 
@@ -193,7 +198,8 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
 
         kind = ngx_http_llama_session_memory_kind(ctx->zone, ctx->job.fp);
 
-        ctx->warm.prefix = (!ctx->anthropic && !ctx->responses
+        ctx->warm.prefix = (ctx->dialect->prime_shape
+                                == NGX_HTTP_LLAMA_SESSION_PRIME_CHAT
                             && (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_HYBRID
                                 || kind
                                    == NGX_HTTP_LLAMA_SESSION_MEMORY_RECURRENT));
@@ -450,7 +456,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     size_t                          len;
     ngx_str_t                       body;
     ngx_buf_t                      *b;
-    ngx_uint_t                      i, anthropic, system;
+    ngx_uint_t                      i, anthropic, responses, system;
     ngx_http_llama_session_span_t  *sp;
 
     static struct {
@@ -476,10 +482,13 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     len = sizeof("{\"messages\":[],\"max_tokens\":1,\"temperature\":0,"
                  "\"stream\":false,\"id_slot\":}") - 1 + NGX_INT_T_LEN;
 
-    anthropic = (ctx->anthropic || ctx->messages);
+    anthropic = (ctx->dialect->prime_shape
+                 == NGX_HTTP_LLAMA_SESSION_PRIME_ANTHROPIC);
+    responses = (ctx->dialect->prime_shape
+                 == NGX_HTTP_LLAMA_SESSION_PRIME_RESPONSES);
 
     /* the Responses API's system prompt is "instructions", as "system" */
-    system = (anthropic || ctx->responses);
+    system = (anthropic || responses);
 
     if (!anthropic && ctx->p_leading.start) {
         len += ctx->p_leading.end - ctx->p_leading.start;
@@ -499,7 +508,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    b->last = ctx->responses
+    b->last = responses
               ? ngx_cpymem(b->last, "{\"input\":[", sizeof("{\"input\":[") - 1)
               : ngx_cpymem(b->last, "{\"messages\":[",
                            sizeof("{\"messages\":[") - 1);
@@ -516,7 +525,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
                                                 + members[i].off);
         if (sp->start && (i != 1 || system)) {
             b->last = ngx_sprintf(b->last, ",\"%s\":",
-                                  (i == 1 && ctx->responses) ? "instructions"
+                                  (i == 1 && responses) ? "instructions"
                                                              : members[i].name);
             b->last = ngx_cpymem(b->last, sp->start, sp->end - sp->start);
         }
@@ -538,9 +547,9 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     b->last_buf = 1;
     b->last_in_chain = 1;
 
-    if (ctx->messages) {
-        /* Anthropic's shape, translated as the request was (anthropic.c) */
-        b = ngx_http_llama_session_anthropic_prime(r, b, ctx->job.slot);
+    if (ctx->dialect->prime_filter) {
+        /* translated as the request was (Anthropic's: anthropic.c) */
+        b = ctx->dialect->prime_filter(r, b, ctx->job.slot);
         if (b == NULL) {
             return NGX_ERROR;
         }
