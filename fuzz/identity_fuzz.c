@@ -125,8 +125,9 @@ ngx_murmur_hash2(u_char *data, size_t len)
 
 
 void
-ngx_http_llama_session_slot_msgs(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t prompt_tokens)
+ngx_http_llama_session_slot_msgs(ngx_http_llama_session_zone_t *zone,
+    ngx_uint_t n, u_char *key, size_t len, ngx_http_llama_session_msg_t *msgs,
+    ngx_uint_t nmsgs, ngx_uint_t prompt_tokens)
 {
     fuzz_unexpected("ngx_http_llama_session_slot_msgs");
 }

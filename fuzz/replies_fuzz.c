@@ -47,12 +47,12 @@ static char  fuzz_props[] =
     "\"build_info\":\"b6550-80fb11ac\",\"is_sleeping\":false}";
 
 
-/* shm.c and handler.c: of them, only the fingerprint is on these paths */
+/* sched.c, index.c: of them, only the fingerprint is on these paths */
 
 void
-ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
-    u_char *fp, ngx_uint_t n_ctx, ngx_uint_t total_slots,
-    ngx_str_t *model_path)
+ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job, u_char *fp, ngx_uint_t n_ctx,
+    ngx_uint_t total_slots, ngx_str_t *model_path)
 {
     u_char      c;
     ngx_uint_t  i;
@@ -77,7 +77,7 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
         fuzz_sink ^= model_path->data[i];
     }
 
-    ngx_memcpy(ctx->job.fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    ngx_memcpy(job->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     fuzz_fingerprints++;
 }
@@ -88,17 +88,16 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_ctx_t *ctx,
 
 
 void
-ngx_http_llama_session_file_saved(ngx_http_llama_session_ctx_t *ctx,
-    u_char *key, size_t len, ngx_uint_t saved, ngx_uint_t tokens,
-    off_t bytes)
+ngx_http_llama_session_file_saved(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job, u_char *key, size_t len,
+    ngx_uint_t is_base, ngx_uint_t saved, ngx_uint_t tokens, off_t bytes)
 {
     fuzz_unexpected("ngx_http_llama_session_file_saved");
 }
 
 
 void
-ngx_http_llama_session_stat(ngx_http_llama_session_ctx_t *ctx,
-    ngx_atomic_uint_t *counter)
+ngx_http_llama_session_stat(ngx_atomic_uint_t *counter)
 {
     fuzz_unexpected("ngx_http_llama_session_stat");
 }
@@ -126,8 +125,8 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
 
 
 void
-ngx_http_llama_session_release(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t state)
+ngx_http_llama_session_release(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job, ngx_uint_t state)
 {
     fuzz_unexpected("ngx_http_llama_session_release");
 }

@@ -636,8 +636,14 @@ typedef struct {
 typedef struct {
     ngx_uint_t                      state;      /* ngx_http_llama_session_
                                                    state_e */
+    ngx_log_t                      *log;
+
+    /* its place in the scheduler (sched.c) */
     ngx_uint_t                      slot;
     ngx_atomic_uint_t               ticket;
+    ngx_http_llama_session_waiter_t *waiter;   /* its place in the zone */
+    ngx_event_t                     wait_ev;
+    ngx_queue_t                     local;      /* this worker's waiters */
 
     /* the backend's configuration: part of every file name */
     u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
@@ -678,6 +684,7 @@ typedef struct {
     uint64_t                        props_n_embd; /* /v1/models, 0: none */
 
     /* what the slot holds: the zone's word, then GET /slots's */
+    u_char                          slot_base[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_int_t                       slot_tokens; /* -1: unknown */
     ngx_int_t                       slot_task;   /* -1: none */
     ngx_uint_t                      slot_state;
@@ -693,8 +700,12 @@ typedef struct {
     unsigned                        own:1;      /* the module's own request
                                                    (an idle save), no
                                                    client's */
+    unsigned                        client:1;   /* a client's: the slot's
+                                                   last use */
+    unsigned                        queued:1;
     unsigned                        acquired:1;
     unsigned                        released:1;
+    unsigned                        slot_has_base:1;
     unsigned                        call_done:1;
     unsigned                        call_timed_out:1; /* proxy_read_timeout */
     unsigned                        call_inflight:1;
@@ -727,10 +738,6 @@ typedef struct {
     off_t                           base_bytes;
     double                          base_ms;
 
-    /* what the slot held when the request took it */
-    u_char                          slot_base[NGX_HTTP_LLAMA_SESSION_DIGEST];
-
-    unsigned                        slot_has_base:1;
     unsigned                        trimmed:1;
     unsigned                        history:1;
     unsigned                        base_built:1;
@@ -867,9 +874,6 @@ struct ngx_http_llama_session_ctx_s {
     ngx_msec_t                      swap_ms;
     ngx_msec_t                      delay;
 
-    ngx_event_t                     wait_ev;
-    ngx_queue_t                     local;      /* this worker's waiters */
-    ngx_http_llama_session_waiter_t *waiter;   /* its place in the zone */
 
     /* a refusal to send, from the states before the slot */
     ngx_uint_t                      fail_status;
@@ -880,7 +884,6 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        ext_fallback:1; /* "sys-…": ext.c */
     unsigned                        use_default:1;
     unsigned                        refuse:1;
-    unsigned                        queued:1;
     unsigned                        waiting:1;
     unsigned                        swapped:1;
     unsigned                        has_head:1;

@@ -26,6 +26,8 @@
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_reprime.h"
+#include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
@@ -1191,7 +1193,9 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
         ctx->job.slot = api->slot;
 
         if (!ctx->job.acquired || ctx->job.released) {
-            if (ngx_http_llama_session_try_slot(ctx) != NGX_OK) {
+            if (ngx_http_llama_session_try_slot(ctx->zone, &ctx->job)
+                != NGX_OK)
+            {
 
                 if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
                     /* a request or an idle save has it: try again soon */
@@ -1216,8 +1220,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                                                           api->slot, api->ns))
             {
                 /* a tenant saves and clears its own sessions only */
-                ngx_http_llama_session_release(ctx,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 api->slot++;
                 continue;
             }
@@ -1228,14 +1231,13 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
                 && !ctx->job.save_pending)
             {
-                ngx_http_llama_session_release(ctx,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 api->slot++;
                 continue;
             }
 
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                && !ngx_http_llama_session_fingerprint(ctx))
+                && !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job.fp))
             {
                 ngx_http_llama_session_job_state(ctx,
                    NGX_HTTP_LLAMA_SESSION_ST_PROPS);
@@ -1275,8 +1277,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 api->failed = 1;
                 ngx_http_llama_session_job_state(ctx,
                    NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-                ngx_http_llama_session_release(ctx,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 break;
             }
 
@@ -1357,7 +1358,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
 again:
 
-    ngx_add_timer(&ctx->wait_ev, 20);
+    ngx_add_timer(&ctx->job.wait_ev, 20);
 
 wait:
 
@@ -1400,8 +1401,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         api->failed = 1;
         ngx_http_llama_session_job_state(ctx,
            NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx,
-                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
         api->slot++;
         return NGX_DECLINED;
     }
@@ -1417,8 +1417,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         /* llama-server runs the slot, or may start a request on it */
         ngx_http_llama_session_job_state(ctx,
            NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx,
-                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
 
         if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
             return NGX_BUSY;
@@ -1438,7 +1437,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         if (!ngx_http_llama_session_may_save(ctx)) {
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ngx_http_llama_session_release(ctx, ctx->job.restarted
+            ngx_http_llama_session_release(ctx->zone, &ctx->job, ctx->job.restarted
                                           ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
                                           : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             api->slot++;
@@ -1518,7 +1517,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     {
         state = NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY;
 
-        ngx_http_llama_session_slot_set(ctx,
+        ngx_http_llama_session_job_slot_set(ctx,
                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
                                         NULL, 0, 0);
 
@@ -1549,7 +1548,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
     ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    ngx_http_llama_session_release(ctx, state);
+    ngx_http_llama_session_release(ctx->zone, &ctx->job, state);
     ngx_http_llama_session_wake_local();
 
     api->slot++;
@@ -1590,7 +1589,7 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
     if (ctx == NULL || ctx->api == NULL
         || (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
             && !ctx->job.call_done)
-        || ctx->wait_ev.timer_set)
+        || ctx->job.wait_ev.timer_set)
     {
         return;
     }

@@ -13,7 +13,8 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
-#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_store.h"
 
 
@@ -790,9 +791,9 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
 
         if (ctx->zone->store.len == 0) {
             /* llama-server writes over the session's file itself */
-            ngx_http_llama_session_file_saved(ctx, ctx->job.out_key,
-                                              ctx->job.out_len,
-                                              0, 0, 0);
+            ngx_http_llama_session_file_saved(ctx->zone, &ctx->job,
+                                              ctx->job.out_key,
+                                              ctx->job.out_len, 0, 0, 0, 0);
 
         } else {
             ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
@@ -821,8 +822,9 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
 
         if (ctx->warm.warm_step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
             if (ctx->zone->store.len == 0) {
-                ngx_http_llama_session_file_saved(ctx, ctx->base_key,
-                                                  ctx->base_len, 0, 0, 0);
+                ngx_http_llama_session_file_saved(ctx->zone, &ctx->job,
+                                                  ctx->base_key,
+                                                  ctx->base_len, 1, 0, 0, 0);
 
             } else {
                 ngx_http_llama_session_store_drop_tmp(r->connection->log,
@@ -884,6 +886,6 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
                       ctx->job.load_file ? "restore" : "erase", ctx->job.slot);
     }
 
-    ngx_http_llama_session_release(ctx, state);
+    ngx_http_llama_session_release(ctx->zone, &ctx->job, state);
     ngx_http_llama_session_wake_local();
 }

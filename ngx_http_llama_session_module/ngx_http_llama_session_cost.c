@@ -28,7 +28,6 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_cost.h"
-#include "ngx_http_llama_session_shm.h"
 
 
 /* samples of each rate before the module trusts it, and the margin */

@@ -11,6 +11,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_error.h"
 #include "ngx_http_llama_session_job.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 
 
@@ -22,7 +23,7 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 {
     u_char  *message;
 
-    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
+    ngx_http_llama_session_stat(&ctx->zone->sh->stats.backend_errors);
 
     if (ctx->job.call_timed_out
         || ctx->job.call_status == NGX_HTTP_GATEWAY_TIME_OUT)
@@ -58,7 +59,7 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
     /* a failed call leaves a slot nobody can vouch for */
 
-    ngx_http_llama_session_release(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+    ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
     ngx_http_llama_session_wake_local();
 
     if (ctx->job.call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {

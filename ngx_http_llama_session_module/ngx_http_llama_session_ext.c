@@ -39,7 +39,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_json.h"
-#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_index.h"
 
 
 typedef struct {

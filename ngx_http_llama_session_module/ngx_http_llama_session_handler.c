@@ -28,6 +28,8 @@
 #include "ngx_http_llama_session_pin.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_router.h"
+#include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
@@ -107,14 +109,14 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return NGX_DONE;
 
     case NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE:
-        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
+        if (ctx->job.wait_ev.timer_set || ctx->job.wait_ev.posted) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_wait(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_ROUTER:
-        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted
+        if (ctx->job.wait_ev.timer_set || ctx->job.wait_ev.posted
             || (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
                 && !ctx->job.call_done))
         {
@@ -141,7 +143,7 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_checked(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_PAUSE:
-        if (ctx->wait_ev.timer_set || ctx->wait_ev.posted) {
+        if (ctx->job.wait_ev.timer_set || ctx->job.wait_ev.posted) {
             return NGX_AGAIN;
         }
 
@@ -266,7 +268,7 @@ ngx_http_llama_session_subrequest(ngx_http_request_t *r)
     }
 
     if (llcf->zone) {
-        ngx_http_llama_session_stat(&ctx, &llcf->zone->sh->stats.refused);
+        ngx_http_llama_session_stat(&llcf->zone->sh->stats.refused);
     }
 
     ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -360,6 +362,7 @@ ngx_http_llama_session_create_ctx(ngx_http_request_t *r,
     ctx->request = r;
     ctx->zone = zone;
     ctx->start = ngx_current_msec;
+    ctx->job.log = r->connection->log;
     ctx->job.slot_tokens = -1;
     ctx->job.slot_task = -1;
 
@@ -392,6 +395,9 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
     }
 
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
+
+    /* a client's: its use of a slot is the slot's last use */
+    ctx->job.client = 1;
 
     /* the API it speaks, once: the core asks its row from here on */
 
@@ -455,7 +461,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
                           "llama_session: refused a client's call to "
                           "\"%V\": %s", &r->uri, ctx->refuse_why);
 
-            ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+            ngx_http_llama_session_stat(&ctx->zone->sh->stats.refused);
 
             ngx_http_llama_session_job_state(ctx,
                 NGX_HTTP_LLAMA_SESSION_ST_DONE);
@@ -473,7 +479,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
 
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROXY);
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bypass);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.bypass);
         return NGX_DECLINED;
     }
 
@@ -580,8 +586,7 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
             ngx_http_llama_session_body_release(r, ctx);
 
             if (ctx->probe) {
-                ngx_http_llama_session_stat(ctx,
-                                            &ctx->zone->sh->stats.probes);
+                ngx_http_llama_session_stat(&ctx->zone->sh->stats.probes);
             }
 
             /* the wait is counted from here, after the body */
@@ -632,7 +637,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                                            NULL, 0);
     }
 
-    if (!ctx->queued && ctx->zone->sh->nslots > 1 && ctx->dialect->unpinned)
+    if (!ctx->job.queued && ctx->zone->sh->nslots > 1 && ctx->dialect->unpinned)
     {
         /*
          * llama-server's Anthropic and transcription conversions drop
@@ -658,7 +663,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                                   "Anthropic clients", 0);
     }
 
-    rc = ngx_http_llama_session_acquire(ctx);
+    rc = ngx_http_llama_session_job_acquire(ctx);
 
     now = ngx_current_msec;
 
@@ -669,7 +674,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ngx_http_llama_session_observe(&ctx->zone->sh->metrics.wait,
                                        (double) ctx->wait_ms);
 
-        ngx_http_llama_session_wait_end(ctx);
+        ngx_http_llama_session_wait_end(&ctx->job);
 
         return ngx_http_llama_session_plan(r, ctx);
     }
@@ -684,13 +689,13 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 
     if ((ngx_msec_int_t) (now - ctx->deadline) >= 0) {
 
-        ngx_http_llama_session_dequeue(ctx);
+        ngx_http_llama_session_dequeue(ctx->zone, &ctx->job);
 
-        ngx_http_llama_session_wait_end(ctx);
+        ngx_http_llama_session_wait_end(&ctx->job);
 
         ctx->wait_ms = now - ctx->start;
 
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.wait_timeouts);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.wait_timeouts);
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: session \"%*s\" waited %M ms for slot "
@@ -711,7 +716,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ctx->waiting = 1;
         ctx->delay = NGX_HTTP_LLAMA_SESSION_POLL_MIN;
 
-        ngx_http_llama_session_wait_local(ctx);
+        ngx_http_llama_session_wait_local(&ctx->job);
 
         ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: session \"%*s\" waits, ticket %uA",
@@ -760,7 +765,7 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
      * have restarted with another one)
      */
 
-    if (!ngx_http_llama_session_fingerprint(ctx)
+    if (!ngx_http_llama_session_fingerprint(ctx->zone, ctx->job.fp)
         || ctx->job.slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
     {
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
@@ -816,8 +821,7 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
                       "of zone \"%V\", session \"%*s\" is not sent there",
                       ctx->job.slot, &ctx->zone->name, ctx->key_len, ctx->key);
 
-        ngx_http_llama_session_release(ctx,
-                                       NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+        ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
         ngx_http_llama_session_wake_local();
 
         return ngx_http_llama_session_error(r, ctx,
@@ -841,7 +845,7 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     ngx_uint_t  tokens;
 
     if (!ctx->default_session) {
-        ngx_http_llama_session_remember(ctx, ctx->key, ctx->key_len,
+        ngx_http_llama_session_job_remember(ctx, ctx->key, ctx->key_len,
                                         &ctx->id);
         ctx->job.load_file = ngx_http_llama_session_store_has_file(r, ctx,
                                                       ctx->key, ctx->key_len);
@@ -854,7 +858,7 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     }
 
     if (ctx->job.load_file
-        && ngx_http_llama_session_file_size(ctx, ctx->key, ctx->key_len,
+        && ngx_http_llama_session_file_size(ctx->zone, ctx->job.fp, ctx->key, ctx->key_len,
                                             &bytes, &tokens) == NGX_OK
         && ngx_http_llama_session_cost_reprefill(ctx, bytes, tokens,
                                                  &ctx->job.est_restore_ms,
@@ -863,7 +867,7 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         /* its file would take longer to read than its prompt to prefill */
         ctx->job.load_file = 0;
         ctx->job.reprefill = 1;
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.reprefills);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.reprefills);
     }
 
     if (ctx->job.restarted) {
@@ -972,8 +976,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
          */
 
         if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) >= 0) {
-            ngx_http_llama_session_release(ctx,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
             ngx_http_llama_session_wake_local();
 
             return ngx_http_llama_session_error(r, ctx,
@@ -1119,8 +1122,7 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
         {
             ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE;
 
-            ngx_http_llama_session_stat(ctx,
-                                        &ctx->zone->sh->stats.restores);
+            ngx_http_llama_session_stat(&ctx->zone->sh->stats.restores);
 
             /* the session's last prompt, to explain a miss (miss.c) */
             (void) ngx_http_llama_session_store_prev(r, ctx);
@@ -1165,19 +1167,19 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     /* whatever runs now leaves the slot holding this session's tokens */
 
-    ngx_http_llama_session_slot_set(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
+    ngx_http_llama_session_job_slot_set(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
                                     ctx->key, ctx->key_len, 1);
 
     ctx->swap_ms = ngx_current_msec - ctx->swap_start;
 
-    ngx_http_llama_session_stat(ctx, &sh->stats.swaps);
+    ngx_http_llama_session_stat(&sh->stats.swaps);
     ngx_http_llama_session_observe(&sh->metrics.swap, (double) ctx->swap_ms);
 
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_FRESH) {
-        ngx_http_llama_session_stat(ctx, &sh->stats.fresh);
+        ngx_http_llama_session_stat(&sh->stats.fresh);
 
     } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_WARM) {
-        ngx_http_llama_session_stat(ctx, &sh->stats.warm);
+        ngx_http_llama_session_stat(&sh->stats.warm);
     }
 
     p = out;
@@ -1334,17 +1336,17 @@ ngx_http_llama_session_cleanup(void *data)
 
     r = ctx->request;
 
-    if (ctx->wait_ev.timer_set) {
-        ngx_del_timer(&ctx->wait_ev);
+    if (ctx->job.wait_ev.timer_set) {
+        ngx_del_timer(&ctx->job.wait_ev);
     }
 
-    if (ctx->wait_ev.posted) {
-        ngx_delete_posted_event(&ctx->wait_ev);
+    if (ctx->job.wait_ev.posted) {
+        ngx_delete_posted_event(&ctx->job.wait_ev);
     }
 
-    ngx_http_llama_session_wait_end(ctx);
+    ngx_http_llama_session_wait_end(&ctx->job);
 
-    ngx_http_llama_session_dequeue(ctx);
+    ngx_http_llama_session_dequeue(ctx->zone, &ctx->job);
 
     ngx_http_llama_session_route_end(ctx);
     ngx_http_llama_session_job_finish(ctx);

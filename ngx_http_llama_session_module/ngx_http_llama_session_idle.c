@@ -24,6 +24,7 @@
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_reprime.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
 
@@ -220,11 +221,12 @@ ngx_http_llama_session_idle_scan(ngx_http_llama_session_zone_t *zone,
         ngx_memzero(&probe, sizeof(ngx_http_llama_session_ctx_t));
 
         probe.zone = zone;
+        probe.job.log = log;
         probe.job.slot = n;
         probe.job.slot_tokens = -1;
         probe.job.slot_task = -1;
 
-        if (ngx_http_llama_session_try_idle(&probe, save_idle) != NGX_OK) {
+        if (ngx_http_llama_session_try_idle(zone, &probe.job, save_idle) != NGX_OK) {
             continue;
         }
 
@@ -235,7 +237,7 @@ ngx_http_llama_session_idle_scan(ngx_http_llama_session_zone_t *zone,
         if (ngx_http_llama_session_idle_start(zone, &probe, stopping, log)
             != NGX_OK)
         {
-            ngx_http_llama_session_release(&probe,
+            ngx_http_llama_session_release(zone, &probe.job,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             ngx_http_llama_session_wake_local();
 
@@ -571,7 +573,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
     {
         idle->failed = 0;
 
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.idle_saves);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.idle_saves);
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: %s of \"%*s\" from slot %ui of "
@@ -608,13 +610,13 @@ ngx_http_llama_session_idle_end(void *data)
     }
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
-    ngx_http_llama_session_release(ctx, idle->state);
+    ngx_http_llama_session_release(ctx->zone, &ctx->job, idle->state);
 
     if (idle->model_gone) {
         /* its slots are empty: the model is loaded again when needed */
-        (void) ngx_http_llama_session_model_reset(zone, NULL,
+        (void) ngx_http_llama_session_model_reset(zone, NULL, -1,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
-        ngx_http_llama_session_stat(ctx, &zone->sh->stats.model_lost);
+        ngx_http_llama_session_stat(&zone->sh->stats.model_lost);
     }
 
     ngx_http_llama_session_wake_local();

@@ -57,6 +57,8 @@
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_metrics.h"
+#include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
@@ -168,7 +170,9 @@ ngx_http_llama_session_slots_verdict(ngx_log_t *log,
         return NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY;
     }
 
-    if (ngx_http_llama_session_slot_task(ctx, ctx->job.slot_task)) {
+    if (ngx_http_llama_session_slot_task(ctx->zone, &ctx->job,
+                                         ctx->job.slot_task))
+    {
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: llama-server restarted (slot %ui shows "
                       "task %i), the slot no longer holds \"%*s\" (zone "
@@ -286,7 +290,8 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
 
     if (ctx->zone->store.len == 0 && ctx->job.call_status == NGX_HTTP_OK) {
         /* llama-server wrote over the file itself: it cannot be trusted */
-        ngx_http_llama_session_file_saved(ctx, key, len, 0, 0, 0);
+        ngx_http_llama_session_file_saved(ctx->zone, &ctx->job, key, len, 0,
+                                          0, 0, 0);
     }
 
     ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
@@ -296,7 +301,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.save_errors);
+    ngx_http_llama_session_stat(&ctx->zone->sh->stats.save_errors);
     ngx_http_llama_session_save_stat(ctx->zone, reason, 0, 0, 0);
 
     ngx_log_error(NGX_LOG_ERR, log, 0,
@@ -422,15 +427,15 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
         return NGX_OK;
     }
 
-    ngx_http_llama_session_file_saved(ctx, key, len, 0, 0, 0);
+    ngx_http_llama_session_file_saved(ctx->zone, &ctx->job, key, len, 0, 0,
+                                      0, 0);
 
     /* a 400 for a file the zone never knew is no error: it may not exist */
 
     if (ctx->job.call_status != NGX_HTTP_BAD_REQUEST
-        || ngx_http_llama_session_file_known(ctx, key, len) != -1)
+        || ngx_http_llama_session_file_known(ctx->zone, ctx->job.fp, key, len) != -1)
     {
-        ngx_http_llama_session_stat(ctx,
-                                    &ctx->zone->sh->stats.restore_errors);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.restore_errors);
     }
 
     level = ctx->zone->store.len ? NGX_LOG_WARN : NGX_LOG_INFO;
@@ -836,7 +841,7 @@ ngx_http_llama_session_sleep(ngx_http_request_t *r,
     r->read_event_handler = ngx_http_test_reading;
     r->write_event_handler = ngx_http_core_run_phases;
 
-    ngx_add_timer(&ctx->wait_ev, delay ? delay : 1);
+    ngx_add_timer(&ctx->job.wait_ev, delay ? delay : 1);
 
     return NGX_AGAIN;
 }
@@ -847,9 +852,9 @@ ngx_http_llama_session_sleep(ngx_http_request_t *r,
 void
 ngx_http_llama_session_job_timer(ngx_http_llama_session_ctx_t *ctx)
 {
-    ctx->wait_ev.handler = ngx_http_llama_session_job_wake;
-    ctx->wait_ev.data = ctx->request;
-    ctx->wait_ev.log = ctx->request->connection->log;
+    ctx->job.wait_ev.handler = ngx_http_llama_session_job_wake;
+    ctx->job.wait_ev.data = ctx->request;
+    ctx->job.wait_ev.log = ctx->request->connection->log;
 }
 
 
@@ -875,4 +880,85 @@ ngx_http_llama_session_job_wake(ngx_event_t *ev)
     r->write_event_handler(r);
 
     ngx_http_run_posted_requests(c);
+}
+
+
+/*
+ * The scheduler and the file index take keys and values, never the
+ * request (sched.c, index.c): what the request's job asks of them
+ */
+
+static void
+ngx_http_llama_session_job_ask(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_ask_t *ask)
+{
+    ngx_memzero(ask, sizeof(ngx_http_llama_session_ask_t));
+
+    ask->key = ctx->key;
+    ask->key_len = ctx->key_len;
+    ask->base = ctx->base_len ? ctx->base_id : NULL;
+    ask->ns = ctx->has_nsk ? ctx->nsk : NULL;
+    ask->pool = ctx->job.client ? ctx->request->pool : NULL;
+    ask->action = ctx->action;
+    ask->unnamed = ctx->default_session;
+    ask->media = ctx->media;
+    ask->base_file = ctx->warm.base_file;
+}
+
+
+/* takes the slot or waits: sched.c's acquire(), and a hit's verdict */
+
+ngx_int_t
+ngx_http_llama_session_job_acquire(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                     rc;
+    ngx_http_llama_session_ask_t  ask;
+
+    ngx_http_llama_session_job_ask(ctx, &ask);
+
+    rc = ngx_http_llama_session_acquire(ctx->zone, &ctx->job, &ask);
+
+    if (rc == NGX_OK && ask.action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
+        ctx->action = ask.action;
+        ctx->verify = ask.verify;
+        ctx->hit_dirty = ask.hit_dirty;
+        ctx->prev = ask.prev;
+        ctx->nprev = ask.nprev;
+        ctx->prev_tokens = ask.prev_tokens;
+    }
+
+    return rc;
+}
+
+
+/* what the slot holds now, with the request's tenant and system prompt */
+
+void
+ngx_http_llama_session_job_slot_set(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state, u_char *key, size_t len, ngx_uint_t dirty)
+{
+    ngx_http_llama_session_ask_t  ask;
+
+    ngx_http_llama_session_job_ask(ctx, &ask);
+
+    ngx_http_llama_session_slot_set(ctx->zone, &ctx->job, &ask, state, key,
+                                    len, dirty);
+}
+
+
+/* records the request's session, or its base, for the API (index.c) */
+
+void
+ngx_http_llama_session_job_remember(ngx_http_llama_session_ctx_t *ctx,
+    u_char *key, size_t len, ngx_str_t *id)
+{
+    ngx_http_llama_session_record_t  rec;
+
+    rec.id = id;
+    rec.model = &ctx->model;
+    rec.sys = ctx->sys_len ? ctx->sys : NULL;
+    rec.idk = (key == ctx->key) ? ctx->idk : NULL;
+    rec.ns = ctx->has_nsk ? ctx->nsk : NULL;
+
+    ngx_http_llama_session_remember(ctx->zone, ctx->job.fp, key, len, &rec);
 }

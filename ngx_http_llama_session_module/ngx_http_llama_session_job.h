@@ -36,6 +36,12 @@ ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
     size_t len);
 ngx_int_t ngx_http_llama_session_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+ngx_int_t ngx_http_llama_session_job_acquire(
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_job_slot_set(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t state, u_char *key, size_t len, ngx_uint_t dirty);
+void ngx_http_llama_session_job_remember(ngx_http_llama_session_ctx_t *ctx,
+    u_char *key, size_t len, ngx_str_t *id);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_JOB_H_INCLUDED_ */

@@ -21,7 +21,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
-#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_sched.h"
 
 
 static void ngx_http_llama_session_msg(ngx_http_llama_session_msg_t *m,
@@ -252,7 +252,9 @@ ngx_http_llama_session_miss(ngx_http_request_t *r,
     }
 
     if (ctx->msgs && total && !ctx->default_session) {
-        ngx_http_llama_session_slot_msgs(ctx, total);
+        ngx_http_llama_session_slot_msgs(ctx->zone, ctx->job.slot, ctx->key,
+                                         ctx->key_len, ctx->msgs, ctx->nmsgs,
+                                         total);
     }
 
     return changed;

@@ -19,6 +19,7 @@
 #include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_reply.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
 #include "ngx_http_llama_session_turn.h"

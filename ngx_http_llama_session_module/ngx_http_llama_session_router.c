@@ -47,6 +47,7 @@
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_router.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 
@@ -66,6 +67,14 @@
 
 static ngx_int_t ngx_http_llama_session_router_models(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_switch_take(
+    ngx_http_llama_session_ctx_t *ctx);
+static void ngx_http_llama_session_victim_end(
+    ngx_http_llama_session_ctx_t *ctx);
+static void ngx_http_llama_session_switch_end(
+    ngx_http_llama_session_ctx_t *ctx);
+static ngx_uint_t ngx_http_llama_session_victim_clean(
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_zone_t *zone);
 static ngx_int_t ngx_http_llama_session_router_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_router_switch(ngx_http_request_t *r,
@@ -158,7 +167,7 @@ ngx_http_llama_session_router_listed(ngx_http_request_t *r,
                       "\"%V\" (zone \"%V\"): refused", &ctx->model,
                       &lead->models_name);
 
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.refused);
 
         return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
                                             "invalid_request_error",
@@ -179,7 +188,7 @@ ngx_http_llama_session_router_listed(ngx_http_request_t *r,
                       "a zone of its own with model=)", &lead->models_name,
                       ngx_http_llama_session_models_size(lead), &ctx->model);
 
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.refused);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.refused);
 
         return ngx_http_llama_session_error(r, ctx,
                                             NGX_HTTP_SERVICE_UNAVAILABLE,
@@ -255,7 +264,7 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
         }
 
         (void) ngx_http_llama_session_model_reset(ctx->route.victim, NULL,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
+                                     -1, NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
 
         ngx_atomic_fetch_add(&ctx->route.victim->sh->stats.unloads, 1);
 
@@ -556,7 +565,7 @@ ngx_http_llama_session_router_poll(ngx_http_request_t *r,
         }
 
         ngx_http_llama_session_route_end(ctx);
-        ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.wait_timeouts);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.wait_timeouts);
 
         return ngx_http_llama_session_error(r, ctx,
                                   NGX_HTTP_SERVICE_UNAVAILABLE,
@@ -598,7 +607,7 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
 
         ctx->job.slot_state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
         ctx->job.slot_tokens = 0;
-        ctx->warm.slot_has_base = 0;
+        ctx->job.slot_has_base = 0;
     }
 
     /* the handler goes on with its plan */
@@ -616,7 +625,7 @@ ngx_http_llama_session_router_fail(ngx_http_request_t *r,
         return ngx_http_llama_session_backend_error(r, ctx, what);
     }
 
-    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.backend_errors);
+    ngx_http_llama_session_stat(&ctx->zone->sh->stats.backend_errors);
 
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
                                         "server_error",
@@ -639,7 +648,9 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
 
     ctx->route.model_reset = 1;
 
-    lost = ngx_http_llama_session_model_reset(ctx->zone, ctx, state);
+    lost = ngx_http_llama_session_model_reset(ctx->zone, &ctx->job,
+                           (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT)
+                           ? (ngx_int_t) ctx->hit_dirty : -1, state);
 
     if (lost) {
         ngx_atomic_fetch_add(&ctx->zone->sh->stats.model_lost, lost);
@@ -731,4 +742,160 @@ ngx_http_llama_session_group_zone(ngx_http_llama_session_zone_t *zone,
     }
 
     return NULL;
+}
+
+
+
+/*
+ * One model switch at a time in a router's group of zones: the turn is
+ * kept in the group's first zone.  NGX_OK: the request has it;
+ * NGX_AGAIN: another request's switch runs.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_switch_take(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                       rc;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *lead;
+
+    if (ctx->route.switching) {
+        return NGX_OK;
+    }
+
+    lead = ctx->zone->group;
+    sh = lead->sh;
+
+    ngx_shmtx_lock(&lead->shpool->mutex);
+
+    if (sh->switch_pid
+        && ngx_http_llama_session_alive(sh->switch_pid, sh->switch_start))
+    {
+        rc = NGX_AGAIN;
+
+    } else {
+        if (sh->switch_pid) {
+            ngx_log_error(NGX_LOG_ALERT, ctx->request->connection->log, 0,
+                          "llama_session: worker %P died switching the "
+                          "router's models", sh->switch_pid);
+        }
+
+        sh->switch_pid = ngx_pid;
+        sh->switch_start = ngx_http_llama_session_self();
+        sh->switch_seq = ++sh->switch_next;
+
+        ctx->route.switch_seq = sh->switch_seq;
+        ctx->route.switching = 1;
+
+        rc = NGX_OK;
+    }
+
+    ngx_shmtx_unlock(&lead->shpool->mutex);
+
+    return rc;
+}
+
+
+/* the victim of the switch is gone (or the switch ends): its zone goes on */
+
+static void
+ngx_http_llama_session_victim_end(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *victim;
+
+    victim = ctx->route.victim;
+
+    if (victim == NULL) {
+        return;
+    }
+
+    ctx->route.victim = NULL;
+    ctx->route.unload_sent = 0;
+    sh = victim->sh;
+
+    ngx_shmtx_lock(&victim->shpool->mutex);
+
+    if (sh->unloading == ngx_pid && sh->unloading_seq
+        == ctx->route.switch_seq) {
+        sh->unloading = 0;
+        sh->unloading_start = 0;
+    }
+
+    ngx_shmtx_unlock(&victim->shpool->mutex);
+}
+
+
+/* the switch ends: the group's turn and the victim's flag are given back */
+
+static void
+ngx_http_llama_session_switch_end(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *lead;
+
+    ngx_http_llama_session_victim_end(ctx);
+
+    if (!ctx->route.switching) {
+        return;
+    }
+
+    ctx->route.switching = 0;
+
+    lead = ctx->zone->group;
+    sh = lead->sh;
+
+    ngx_shmtx_lock(&lead->shpool->mutex);
+
+    if (sh->switch_pid == ngx_pid && sh->switch_seq == ctx->route.switch_seq) {
+        sh->switch_pid = 0;
+        sh->switch_start = 0;
+    }
+
+    ngx_shmtx_unlock(&lead->shpool->mutex);
+}
+
+
+/*
+ * The victim of a switch: flags it as unloading (its slots are granted to
+ * nobody, its idle saver saves what changed now), and tells whether it is
+ * ready to go: no slot held, nothing changed since its last save.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_victim_clean(ngx_http_llama_session_ctx_t *ctx,
+    ngx_http_llama_session_zone_t *zone)
+{
+    ngx_uint_t                      i, clean;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+
+    sh = zone->sh;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (!(sh->unloading == ngx_pid && sh->unloading_seq
+          == ctx->route.switch_seq)) {
+        sh->unloading = ngx_pid;
+        sh->unloading_start = ngx_http_llama_session_self();
+        sh->unloading_seq = ctx->route.switch_seq;
+    }
+
+    clean = 1;
+
+    for (i = 0; i < sh->nslots; i++) {
+        slot = &sh->slots[i];
+
+        if (slot->busy
+            || (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                && slot->dirty && slot->saveable))
+        {
+            clean = 0;
+            break;
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return clean;
 }

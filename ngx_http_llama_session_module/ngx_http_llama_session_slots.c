@@ -10,7 +10,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_json.h"
-#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_slots.h"
 
 #include <cjson/cJSON.h>
@@ -434,7 +434,8 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 
     ngx_hex_dump(fp, hash, NGX_HTTP_LLAMA_SESSION_FP_LEN / 2);
 
-    ngx_http_llama_session_set_fingerprint(ctx, fp, ctx->job.props_n_ctx,
+    ngx_http_llama_session_set_fingerprint(ctx->zone, &ctx->job, fp,
+                                           ctx->job.props_n_ctx,
                                            ctx->job.props_slots,
                                            &ctx->job.props_model);
 

@@ -15,6 +15,8 @@
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
 
@@ -1593,7 +1595,7 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     ngx_str_t        *store;
     ngx_file_info_t   fi;
 
-    rc = ngx_http_llama_session_file_known(ctx, key, len);
+    rc = ngx_http_llama_session_file_known(ctx->zone, ctx->job.fp, key, len);
 
     if (rc != -1) {
         return rc;
@@ -1635,8 +1637,9 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
     u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t  n;
 
-    ngx_http_llama_session_file_saved(ctx, key, len, 1, tokens, bytes);
-    ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.saves);
+    ngx_http_llama_session_file_saved(ctx->zone, &ctx->job, key, len,
+                                      key == ctx->base_key, 1, tokens, bytes);
+    ngx_http_llama_session_stat(&ctx->zone->sh->stats.saves);
 
     if (tokens) {
         /* the next save's size, ahead (store_room()) */

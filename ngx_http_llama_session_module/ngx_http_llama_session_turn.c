@@ -28,7 +28,7 @@
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_file.h"
-#include "ngx_http_llama_session_shm.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_turn.h"
 
 

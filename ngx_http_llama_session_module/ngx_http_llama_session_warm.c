@@ -39,6 +39,8 @@
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_reprime.h"
+#include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
 #include "ngx_http_llama_session_store.h"
@@ -123,10 +125,10 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* 1. the slot holds a session of the same base */
 
-    if (ctx->warm.slot_has_base && !ctx->job.restarted
+    if (ctx->job.slot_has_base && !ctx->job.restarted
         && ctx->job.slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
         && ctx->job.slot_tokens != 0
-        && ngx_memcmp(ctx->warm.slot_base, ctx->base_id,
+        && ngx_memcmp(ctx->job.slot_base, ctx->base_id,
                       NGX_HTTP_LLAMA_SESSION_DIGEST) == 0)
     {
         if (llcf->warm == NGX_HTTP_LLAMA_SESSION_WARM_HISTORY) {
@@ -237,7 +239,10 @@ ngx_http_llama_session_warm_used(ngx_http_request_t *r,
     u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t  n;
 
-    if (ngx_http_llama_session_base_used(ctx) == 0 && ctx->zone->store.len) {
+    if (ngx_http_llama_session_base_used(ctx->zone, ctx->job.fp,
+                                         ctx->base_key, ctx->base_len)
+        == 0 && ctx->zone->store.len)
+    {
         n = ngx_http_llama_session_file_name(name, ctx->base_key,
                                              ctx->base_len, ctx->job.fp);
         (void) ngx_http_llama_session_store_meta(r->connection->log,
@@ -286,7 +291,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
             == NGX_OK)
         {
             /* in use: the base goes to the front of the queue */
-            ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
+            ngx_http_llama_session_job_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
             ngx_http_llama_session_warm_used(r, ctx);
 
@@ -375,7 +380,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
         if (!ctx->warm.base_file
             && !ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
-            && ngx_http_llama_session_base_claim(ctx))
+            && ngx_http_llama_session_base_claim(ctx->zone, &ctx->job,
+                                                 ctx->base_id))
         {
             return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_SAVE);
@@ -395,9 +401,9 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
             == NGX_OK)
         {
             ctx->warm.base_built = 1;
-            ngx_http_llama_session_remember(ctx, ctx->base_key, ctx->base_len,
+            ngx_http_llama_session_job_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
-            ngx_http_llama_session_stat(ctx, &ctx->zone->sh->stats.bases);
+            ngx_http_llama_session_stat(&ctx->zone->sh->stats.bases);
 
             if (ctx->warm.trimmed) {
                 /* made from another session's slot: this one uses it */
