@@ -79,7 +79,7 @@ void
 ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state)
 {
-    ctx->job.state = state;
+    ctx->job->state = state;
 }
 
 

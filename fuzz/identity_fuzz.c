@@ -94,12 +94,19 @@ static ngx_http_complex_value_t  fuzz_namespace;
 /* the request's path (the differential target sets others) */
 static ngx_str_t  fuzz_uri = ngx_string("/v1/chat/completions");
 
-/* its dialect (dialect.c's row of chat completions, as identify reads it) */
-static ngx_http_llama_session_dialect_t  fuzz_dialect = {
-    ngx_string("/chat/completions"), 0, 0,
-    ngx_string("system"), ngx_string("messages"),
-    "/v1/chat/completions", NGX_HTTP_LLAMA_SESSION_PRIME_CHAT,
-    NULL, NULL, NULL, NULL, 0, 0, 1, 0, 0
+/*
+ * its dialect, as dialect.c's rows give it: chat completions, or
+ * Anthropic's /v1/messages (its "system", canonical, max_tokens alone)
+ */
+static ngx_http_llama_session_dialect_t  fuzz_dialects[] = {
+    { ngx_string("/chat/completions"), 0, 0,
+      ngx_string("system"), ngx_string("messages"),
+      "/v1/chat/completions", NGX_HTTP_LLAMA_SESSION_PRIME_CHAT,
+      NULL, NULL, NULL, NULL, 0, 0, 1, 0, 0 },
+    { ngx_string("/v1/messages"), 0, 0,
+      ngx_string("system"), ngx_string("messages"),
+      "/v1/messages", NGX_HTTP_LLAMA_SESSION_PRIME_ANTHROPIC,
+      NULL, NULL, NULL, NULL, 0, 1, 0, 1, 1 }
 };
 
 
@@ -371,9 +378,13 @@ fuzz_identify(fuzz_config_t *conf, u_char *data, size_t size,
 
     ngx_memzero(ctx, sizeof(ngx_http_llama_session_ctx_t));
     ctx->request = &r;
-    ctx->dialect = &fuzz_dialect;
-    ctx->job.slot_tokens = -1;
-    ctx->job.slot_task = -1;
+    ctx->dialect = &fuzz_dialects[fuzz_uri.len >= 9
+                                  && ngx_strncmp(fuzz_uri.data + fuzz_uri.len
+                                                 - 9, "/messages", 9) == 0];
+    ctx->job = ngx_pcalloc(fuzz_pool, sizeof(ngx_http_llama_session_job_t));
+    ctx->warm = ngx_pcalloc(fuzz_pool, sizeof(ngx_http_llama_session_warm_t));
+    ctx->job->slot_tokens = -1;
+    ctx->job->slot_task = -1;
 
     return ngx_http_llama_session_identify(&r, ctx);
 }

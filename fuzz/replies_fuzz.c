@@ -150,7 +150,7 @@ fuzz_props_reply(ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *b, u_char *p,
     b->end = b->last;
     b->temporary = 1;
 
-    ctx->job.call_reply = size ? b : NULL;
+    ctx->job->call_reply = size ? b : NULL;
 }
 
 
@@ -168,6 +168,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ngx_http_request_t               r, sr;
     ngx_http_upstream_t              u;
     ngx_http_llama_session_ctx_t     ctx;
+    ngx_http_llama_session_job_t     job;
     ngx_http_llama_session_zone_t    zone;
     ngx_http_post_subrequest_t       ps;
 
@@ -180,12 +181,14 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_request(&r, &c);
 
     ngx_memzero(&ctx, sizeof(ngx_http_llama_session_ctx_t));
+    ngx_memzero(&job, sizeof(ngx_http_llama_session_job_t));
     ctx.request = &r;
     ctx.zone = &zone;
-    ctx.job.slot_tokens = -1;
-    ctx.job.slot_task = -1;
-    ctx.job.call = NGX_HTTP_LLAMA_SESSION_CALL_GET;
-    ctx.job.call_inflight = 1;
+    ctx.job = &job;
+    ctx.job->slot_tokens = -1;
+    ctx.job->slot_task = -1;
+    ctx.job->call = NGX_HTTP_LLAMA_SESSION_CALL_GET;
+    ctx.job->call_inflight = 1;
 
     /* the reply as the capture filter collects it, in chunks */
 
@@ -198,6 +201,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     sr.pool = fuzz_pool;
     sr.connection = &c;
     sr.post_subrequest = &ps;
+
+    /* the call in flight is this subrequest (call.c's call_done() asks) */
+    ctx.job->call_sr = &sr;
 
     if (!ngx_http_llama_session_own_call(&sr)) {
         __builtin_trap();
@@ -221,11 +227,12 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     (void) ngx_http_llama_session_call_done(&sr, &ctx, NGX_OK);
 
-    if (size == 0 ? ctx.job.call_reply != NULL
-        : (ctx.job.call_reply == NULL
-           || (size_t) (ctx.job.call_reply->last - ctx.job.call_reply->pos) != size
-           || ngx_memcmp(ctx.job.call_reply->pos, data, size) != 0
-           || ctx.job.call_status != NGX_HTTP_OK || ctx.job.call_inflight))
+    if (size == 0 ? ctx.job->call_reply != NULL
+        : (ctx.job->call_reply == NULL
+           || (size_t) (ctx.job->call_reply->last - ctx.job->call_reply->pos)
+              != size
+           || ngx_memcmp(ctx.job->call_reply->pos, data, size) != 0
+           || ctx.job->call_status != NGX_HTTP_OK || ctx.job->call_inflight))
     {
         fprintf(stderr, "fuzz: the captured reply is not the reply\n");
         __builtin_trap();
@@ -237,9 +244,9 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_props_reply(&ctx, &reply, copy, size);
 
     for (i = 0; i < sizeof(slots) / sizeof(ngx_uint_t); i++) {
-        ctx.job.slot = slots[i];
-        ctx.job.slot_tokens = -1;
-        ctx.job.slot_task = -1;
+        ctx.job->slot = slots[i];
+        ctx.job->slot_tokens = -1;
+        ctx.job->slot_task = -1;
         processing = 2;
 
         rc = ngx_http_llama_session_parse_slots(fuzz_log, &ctx, &processing);
@@ -270,15 +277,15 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* GET /props, then GET /v1/models with it or with a real /props */
 
-    ctx.job.call_status = NGX_HTTP_OK;
-    ngx_str_null(&ctx.job.props_text);
+    ctx.job->call_status = NGX_HTTP_OK;
+    ngx_str_null(&ctx.job->props_text);
 
     rc = ngx_http_llama_session_parse_props(&r, &ctx);
 
     if (rc == NGX_OK) {
-        if (ctx.job.props_text.len == 0 || ctx.job.props_text.len > 1024
-            || ctx.job.props_model.len > NGX_HTTP_LLAMA_SESSION_PATH_SHOW
-            || ctx.job.props_slots < 1 || ctx.job.props_slots > 1000000)
+        if (ctx.job->props_text.len == 0 || ctx.job->props_text.len > 1024
+            || ctx.job->props_model.len > NGX_HTTP_LLAMA_SESSION_PATH_SHOW
+            || ctx.job->props_slots < 1 || ctx.job->props_slots > 1000000)
         {
             __builtin_trap();
         }
@@ -302,7 +309,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         __builtin_trap();
     }
 
-    ctx.job.call_status = NGX_HTTP_BAD_GATEWAY;
+    ctx.job->call_status = NGX_HTTP_BAD_GATEWAY;
 
     if (ngx_http_llama_session_parse_models(&r, &ctx) != NGX_OK
         || fuzz_fingerprints != 2)

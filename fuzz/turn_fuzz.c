@@ -71,6 +71,7 @@ fuzz_reply(const u_char *data, size_t size)
     ngx_connection_t                c;
     ngx_http_request_t              r;
     ngx_http_llama_session_ctx_t    ctx;
+    ngx_http_llama_session_job_t    job;
     ngx_http_llama_session_turn_t  *t;
 
     if (size < 2) {
@@ -79,6 +80,8 @@ fuzz_reply(const u_char *data, size_t size)
 
     fuzz_request(&r, &c);
     ngx_memzero(&ctx, sizeof(ngx_http_llama_session_ctx_t));
+    ngx_memzero(&job, sizeof(ngx_http_llama_session_job_t));
+    ctx.job = &job;
 
     t = ngx_pcalloc(r.pool, sizeof(ngx_http_llama_session_turn_t));
     if (t == NULL) {

@@ -822,8 +822,8 @@ struct ngx_http_llama_session_ctx_s {
     ngx_http_request_t             *request;
     ngx_http_llama_session_zone_t  *zone;
     ngx_http_llama_session_dialect_t *dialect;  /* the API it speaks */
-    ngx_http_llama_session_job_t    job;        /* its slot job */
-    ngx_http_llama_session_warm_t   warm;       /* warm.c's */
+    ngx_http_llama_session_job_t   *job;        /* its slot job (job.c) */
+    ngx_http_llama_session_warm_t  *warm;       /* warm.c's */
 
     ngx_str_t                       id;         /* as the client gave it */
     ngx_str_t                       source;     /* where it came from */
@@ -894,18 +894,8 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        bind:1;     /* models=: not bound yet */
     unsigned                        media:1;    /* an image in messages */
 
-    /* what the reply says of the prompt's cache, see reply.c */
-    u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];
-    size_t                          carry_len;
-    ngx_int_t                       r_cache_n;  /* -1: not seen */
-    ngx_int_t                       r_prompt_n;
-    ngx_int_t                       r_cached_tokens;
-    ngx_int_t                       r_prompt_tokens;
-    ngx_int_t                       r_cache_read;
-    ngx_int_t                       r_input_tokens;
-    double                          r_prompt_ms;
-    ngx_int_t                       r_predicted_n;
-    double                          r_predicted_ms;
+    /* what the reply says of the prompt's cache (reply.c's) */
+    void                           *reply;
     ngx_int_t                       cached;     /* the result, -1: unknown */
 
     /* the body in one piece, as identify read it (NULL data: none) */
@@ -923,10 +913,8 @@ struct ngx_http_llama_session_ctx_s {
     /* the reply's translation for Ollama's or Anthropic's API (convert.c) */
     void                           *conv;
 
-    ngx_http_llama_session_route_t  route;      /* router.c's */
+    ngx_http_llama_session_route_t *route;      /* router.c's */
     unsigned                        hit_dirty:1; /* before the hit took it */
-    unsigned                        reply_scan:1;
-    unsigned                        reply_done:1;
 
     void                           *turn;       /* the reply kept, turn.c */
     void                           *api;        /* the management API's */

@@ -1190,10 +1190,10 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             break;
         }
 
-        ctx->job.slot = api->slot;
+        ctx->job->slot = api->slot;
 
-        if (!ctx->job.acquired || ctx->job.released) {
-            if (ngx_http_llama_session_try_slot(ctx->zone, &ctx->job)
+        if (!ctx->job->acquired || ctx->job->released) {
+            if (ngx_http_llama_session_try_slot(ctx->zone, ctx->job)
                 != NGX_OK)
             {
 
@@ -1207,37 +1207,37 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                                   "later", NULL);
             }
 
-            ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ctx->job.slots_checked = 0;
-            ctx->job.restarted = 0;
-            ctx->job.slot_tokens = -1;
-            ctx->job.slot_task = -1;
+            ctx->job->slots_checked = 0;
+            ctx->job->restarted = 0;
+            ctx->job->slot_tokens = -1;
+            ctx->job->slot_task = -1;
 
             if (api->tenant
                 && !ngx_http_llama_session_slot_of_tenant(ctx->zone,
                                                           api->slot, api->ns))
             {
                 /* a tenant saves and clears its own sessions only */
-                ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 api->slot++;
                 continue;
             }
         }
 
-        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
 
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                && !ctx->job.save_pending)
+                && !ctx->job->save_pending)
             {
-                ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 api->slot++;
                 continue;
             }
 
             if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                && !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job.fp))
+                && !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp))
             {
                 ngx_http_llama_session_job_state(ctx,
                    NGX_HTTP_LLAMA_SESSION_ST_PROPS);
@@ -1260,12 +1260,12 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             goto wait;
         }
 
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             goto wait;
         }
 
-        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
-            || ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
+        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
+            || ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
         {
             rc = ngx_http_llama_session_learn(r, ctx);
 
@@ -1277,7 +1277,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 api->failed = 1;
                 ngx_http_llama_session_job_state(ctx,
                    NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-                ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+                ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
                 break;
             }
 
@@ -1285,7 +1285,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
                 return rc;
             }
 
-            ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
@@ -1299,7 +1299,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             goto wait;
         }
 
-        if (ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
+        if (ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
             rc = ngx_http_llama_session_reprime_next(r, ctx);
 
             if (rc == NGX_AGAIN) {
@@ -1309,7 +1309,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
             return rc;
         }
 
-        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
             rc = ngx_http_llama_session_api_checked(r, api);
 
             if (rc == NGX_AGAIN) {
@@ -1358,7 +1358,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
 again:
 
-    ngx_add_timer(&ctx->job.wait_ev, 20);
+    ngx_add_timer(&ctx->job->wait_ev, 20);
 
 wait:
 
@@ -1396,12 +1396,12 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API's GET /slots for slot %ui "
                       "failed (%i): nothing is done to it", api->slot,
-                      ctx->job.call_status);
+                      ctx->job->call_status);
 
         api->failed = 1;
         ngx_http_llama_session_job_state(ctx,
            NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
         api->slot++;
         return NGX_DECLINED;
     }
@@ -1412,12 +1412,12 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
     }
 
     if (verdict == NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY
-        || (ngx_msec_int_t) (ctx->job.quiet_until - ngx_current_msec) > 0)
+        || (ngx_msec_int_t) (ctx->job->quiet_until - ngx_current_msec) > 0)
     {
         /* llama-server runs the slot, or may start a request on it */
         ngx_http_llama_session_job_state(ctx,
            NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
 
         if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
             return NGX_BUSY;
@@ -1428,7 +1428,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
 
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API left slot %ui alone: "
-                      "llama-server kept running it", ctx->job.slot);
+                      "llama-server kept running it", ctx->job->slot);
         return NGX_DECLINED;
     }
 
@@ -1437,7 +1437,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         if (!ngx_http_llama_session_may_save(ctx)) {
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ngx_http_llama_session_release(ctx->zone, &ctx->job, ctx->job.restarted
+            ngx_http_llama_session_release(ctx->zone, ctx->job, ctx->job->restarted
                                           ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
                                           : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             api->slot++;
@@ -1449,7 +1449,7 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
 
     } else {
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);
-        ctx->job.load_file = 0;
+        ctx->job->load_file = 0;
         rc = ngx_http_llama_session_call(r, ctx,
                                          NGX_HTTP_LLAMA_SESSION_CALL_ERASE,
                                          NULL, 0);
@@ -1474,7 +1474,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
 
     if (cJSON_AddNumberToObject(item, "slot", api->slot) == NULL
-        || cJSON_AddNumberToObject(item, "status", ctx->job.call_status)
+        || cJSON_AddNumberToObject(item, "status", ctx->job->call_status)
             == NULL)
     {
         return NGX_ERROR;
@@ -1484,18 +1484,18 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 
         if (ngx_http_llama_session_save_done(r->connection->log, ctx,
                                              NGX_HTTP_LLAMA_SESSION_SAVE_API,
-                                             ctx->job.out_key,
-                                                 ctx->job.out_len)
+                                             ctx->job->out_key,
+                                                 ctx->job->out_len)
             == NGX_OK)
         {
-            if (ngx_http_llama_session_api_str(item, "key", ctx->job.out_key,
-                                               ctx->job.out_len) == NULL
+            if (ngx_http_llama_session_api_str(item, "key", ctx->job->out_key,
+                                               ctx->job->out_len) == NULL
                 || cJSON_AddNumberToObject(item, "tokens",
-                                           ctx->job.saved_tokens)
+                                           ctx->job->saved_tokens)
                    == NULL
-                || cJSON_AddNumberToObject(item, "bytes", ctx->job.saved_bytes)
+                || cJSON_AddNumberToObject(item, "bytes", ctx->job->saved_bytes)
                    == NULL
-                || cJSON_AddNumberToObject(item, "save_ms", ctx->job.save_ms)
+                || cJSON_AddNumberToObject(item, "save_ms", ctx->job->save_ms)
                    == NULL)
             {
                 return NGX_ERROR;
@@ -1504,12 +1504,12 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         } else {
             api->failed = 1;
 
-            if (ctx->job.call_status == 0) {
+            if (ctx->job->call_status == 0) {
                 state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
             }
         }
 
-    } else if (ctx->job.call_status == NGX_HTTP_OK
+    } else if (ctx->job->call_status == NGX_HTTP_OK
                && ngx_http_llama_session_parse_action(r->connection->log,
                                                       ctx, &tokens, &bytes,
                                                       &ms)
@@ -1542,13 +1542,13 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: the API's erase of slot %ui failed "
                       "(%i), its content is unknown now", api->slot,
-                      ctx->job.call_status);
+                      ctx->job->call_status);
     }
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
-    ngx_http_llama_session_release(ctx->zone, &ctx->job, state);
+    ngx_http_llama_session_release(ctx->zone, ctx->job, state);
     ngx_http_llama_session_wake_local();
 
     api->slot++;
@@ -1587,9 +1587,9 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
     if (ctx == NULL || ctx->api == NULL
-        || (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
-            && !ctx->job.call_done)
-        || ctx->job.wait_ev.timer_set)
+        || (ctx->job->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+            && !ctx->job->call_done)
+        || ctx->job->wait_ev.timer_set)
     {
         return;
     }

@@ -207,7 +207,7 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
     }
 
     /* embeddings, rerank: they use the slot but carry no conversation */
-    ctx->use_default = ctx->dialect->no_session;
+    ctx->use_default = (ctx->dialect && ctx->dialect->no_session);
 
     return 1;
 }

@@ -165,7 +165,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     } else {
         p = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
-                        ctx->job.slot);
+                        ctx->job->slot);
     }
 
     uri.len = p - uri.data;
@@ -181,14 +181,14 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
                ? &ctx->zone->model_arg : &c->router_query;
 
         if (call == NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD) {
-            model = &ctx->route.victim->model;
+            model = &ctx->route->victim->model;
         }
     }
 
-    ctx->job.call_uri = uri;
+    ctx->job->call_uri = uri;
 
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE && ctx->job.speculative
-        && !ctx->job.erased)
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE && ctx->job->speculative
+        && !ctx->job->erased)
     {
         /*
          * a draft model: llama-server restores the target's context
@@ -198,18 +198,18 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
          * (call_done())
          */
 
-        ctx->job.call_then = 1;
+        ctx->job->call_then = 1;
         c = &ngx_http_llama_session_calls[NGX_HTTP_LLAMA_SESSION_CALL_ERASE];
         uri.len = ngx_sprintf(uri.data, "%V/slots/%ui", &llcf->slots_uri,
-                              ctx->job.slot) - uri.data;
+                              ctx->job->slot) - uri.data;
         args = model ? &c->router_query : &c->query;
-        ctx->job.call_uri = uri;
+        ctx->job->call_uri = uri;
         call = NGX_HTTP_LLAMA_SESSION_CALL_ERASE;
     }
 
-    ctx->job.erased = 0;
+    ctx->job->erased = 0;
 
-    if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && !ctx->job.call_retried) {
+    if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && !ctx->job->call_retried) {
         /* the file it writes and min_free must fit on the store's disk */
         (void) ngx_http_llama_session_store_room(r->connection->log, ctx,
                                                  key, len, 0);
@@ -274,8 +274,8 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         }
 
         /* sent as it is again if the call is retried (call_retry()) */
-        ctx->job.call_sent = b;
-        ctx->job.call_sent_pos = b->pos;
+        ctx->job->call_sent = b;
+        ctx->job->call_sent_pos = b->pos;
 
         cl = ngx_alloc_chain_link(r->pool);
         if (cl == NULL) {
@@ -296,7 +296,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
         }
     }
 
-    if (ctx->job.own) {
+    if (ctx->job->own) {
         /* the module's own request: so it shows in llama-server's log */
 
         sr->headers_in.user_agent = ngx_http_llama_session_call_header(sr,
@@ -309,20 +309,20 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     /* the reply's buffer is kept from call to call */
 
-    if (ctx->job.capture) {
-        ctx->job.capture->pos = ctx->job.capture->start;
-        ctx->job.capture->last = ctx->job.capture->start;
+    if (ctx->job->capture) {
+        ctx->job->capture->pos = ctx->job->capture->start;
+        ctx->job->capture->last = ctx->job->capture->start;
     }
 
-    ctx->job.call = call;
-    ctx->job.call_key = key;
-    ctx->job.call_key_len = len;
-    ctx->job.call_sr = sr;
-    ctx->job.call_done = 0;
-    ctx->job.call_timed_out = 0;
-    ctx->job.call_inflight = 1;
-    ctx->job.call_status = 0;
-    ctx->job.call_reply = NULL;
+    ctx->job->call = call;
+    ctx->job->call_key = key;
+    ctx->job->call_key_len = len;
+    ctx->job->call_sr = sr;
+    ctx->job->call_done = 0;
+    ctx->job->call_timed_out = 0;
+    ctx->job->call_inflight = 1;
+    ctx->job->call_status = 0;
+    ctx->job->call_reply = NULL;
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: slot call %V?%V", &uri, args);
@@ -351,8 +351,8 @@ ngx_http_llama_session_call_body(ngx_http_request_t *r,
         || call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
         || call == NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE)
     {
-        b = ctx->job.call_body;
-        ctx->job.call_body = NULL;
+        b = ctx->job->call_body;
+        ctx->job->call_body = NULL;
 
         if (b) {
             b->last_buf = 1;
@@ -387,7 +387,7 @@ ngx_http_llama_session_call_body(ngx_http_request_t *r,
         b->last = ngx_sprintf(b->last, "{\"filename\":\"%*s.%*s.bin%s\"",
                               len, key,
                               (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                              ctx->job.fp,
+                              ctx->job->fp,
                               (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
                                && ctx->zone->store.len)
                               ? ".tmp" : "");
@@ -439,7 +439,7 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
 {
     ngx_http_llama_session_ctx_t *ctx = data;
 
-    if (ctx->job.call_done || sr != ctx->job.call_sr) {
+    if (ctx->job->call_done || sr != ctx->job->call_sr) {
         /* finalized again, or a call that was sent again (call_retry()) */
         return rc;
     }
@@ -450,13 +450,13 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
     }
 
     /* the next call may be sent again once */
-    ctx->job.call_retried = 0;
+    ctx->job->call_retried = 0;
 
-    if (ctx->job.call_then && !sr->connection->error) {
+    if (ctx->job->call_then && !sr->connection->error) {
         /* the erase before a restore on a draft model's slot: the restore */
 
-        ctx->job.call_then = 0;
-        ctx->job.erased = 1;
+        ctx->job->call_then = 0;
+        ctx->job->erased = 1;
 
         if (sr->upstream == NULL || sr->upstream->headers_in.status_n
                                     != NGX_HTTP_OK)
@@ -464,41 +464,41 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
             ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
                           "llama_session: the erase of slot %ui before a "
                           "restore failed, the restore is sent all the same",
-                          ctx->job.slot);
+                          ctx->job->slot);
         }
 
         if (ngx_http_llama_session_call(sr->parent, ctx,
                                         NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
-                                        ctx->job.call_key,
-                                        ctx->job.call_key_len)
+                                        ctx->job->call_key,
+                                        ctx->job->call_key_len)
             == NGX_AGAIN)
         {
             return NGX_OK;
         }
 
-        ctx->job.call_sr = sr;
+        ctx->job->call_sr = sr;
     }
 
-    ctx->job.call_then = 0;
-    ctx->job.call_done = 1;
-    ctx->job.call_inflight = 0;
+    ctx->job->call_then = 0;
+    ctx->job->call_done = 1;
+    ctx->job->call_inflight = 0;
 
-    ctx->job.call_reply = (ctx->job.capture && ctx->job.capture->last
-                           > ctx->job.capture->pos)
-                      ? ctx->job.capture : NULL;
+    ctx->job->call_reply = (ctx->job->capture && ctx->job->capture->last
+                           > ctx->job->capture->pos)
+                      ? ctx->job->capture : NULL;
 
     if (sr->upstream) {
         /* 0: no answer from the backend (refused, reset, timed out) */
-        ctx->job.call_status = sr->upstream->headers_in.status_n;
-        ctx->job.call_timed_out = (ctx->job.call_status == 0
+        ctx->job->call_status = sr->upstream->headers_in.status_n;
+        ctx->job->call_timed_out = (ctx->job->call_status == 0
                                && rc == NGX_HTTP_GATEWAY_TIME_OUT);
 
     } else {
         /* the location does not proxy: a misconfiguration */
-        ctx->job.call_status = sr->headers_out.status ? sr->headers_out.status
+        ctx->job->call_status = sr->headers_out.status ? sr->headers_out.status
                                                   : NGX_HTTP_NOT_FOUND;
-        if (ctx->job.call_status < NGX_HTTP_BAD_REQUEST) {
-            ctx->job.call_status = NGX_HTTP_NOT_FOUND;
+        if (ctx->job->call_status < NGX_HTTP_BAD_REQUEST) {
+            ctx->job->call_status = NGX_HTTP_NOT_FOUND;
         }
 
         ngx_log_error(NGX_LOG_ERR, sr->connection->log, 0,
@@ -509,7 +509,7 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, sr->connection->log, 0,
                    "llama_session: slot call done: %i, rc %i",
-                   ctx->job.call_status, rc);
+                   ctx->job->call_status, rc);
 
     return rc;
 }
@@ -541,10 +541,10 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
     ngx_http_upstream_t  *u;
 
     u = sr->upstream;
-    call = ctx->job.call;
+    call = ctx->job->call;
 
 
-    if (u == NULL || ctx->job.call_retried || sr->connection->error) {
+    if (u == NULL || ctx->job->call_retried || sr->connection->error) {
         return NGX_DECLINED;
     }
 
@@ -562,21 +562,21 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
     } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
                && u->headers_in.status_n >= NGX_HTTP_INTERNAL_SERVER_ERROR
                && ngx_http_llama_session_store_room(sr->connection->log, ctx,
-                                                    ctx->job.call_key,
-                                                    ctx->job.call_key_len, 1)
+                                                    ctx->job->call_key,
+                                                    ctx->job->call_key_len, 1)
                   == NGX_OK)
     {
         ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
                       "llama_session: the save of \"%*s\" failed on a full "
                       "disk (%i), sent again after the eviction",
-                      ctx->job.call_key_len, ctx->job.call_key,
+                      ctx->job->call_key_len, ctx->job->call_key,
                       u->headers_in.status_n);
 
     } else {
         return NGX_DECLINED;
     }
 
-    body = ctx->job.call_sent;
+    body = ctx->job->call_sent;
 
     if (body && (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME
                  || call == NGX_HTTP_LLAMA_SESSION_CALL_APPLY
@@ -584,15 +584,15 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
                  || call == NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE))
     {
         /* a body made for the call: the same bytes again */
-        body->pos = ctx->job.call_sent_pos;
-        ctx->job.call_body = body;
+        body->pos = ctx->job->call_sent_pos;
+        ctx->job->call_body = body;
     }
 
-    ctx->job.call_retried = 1;
+    ctx->job->call_retried = 1;
 
     retried = ngx_http_llama_session_call(sr->parent, ctx, call,
-                                          ctx->job.call_key,
-                                          ctx->job.call_key_len);
+                                          ctx->job->call_key,
+                                          ctx->job->call_key_len);
 
     if (retried != NGX_AGAIN) {
         ngx_log_error(NGX_LOG_ERR, sr->connection->log, 0,
@@ -600,9 +600,9 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
                       "again", ngx_http_llama_session_call_name(call));
 
         /* this call's failure stands */
-        ctx->job.call = call;
-        ctx->job.call_sr = sr;
-        ctx->job.call_inflight = 1;
+        ctx->job->call = call;
+        ctx->job->call_sr = sr;
+        ctx->job->call_inflight = 1;
         return NGX_DECLINED;
     }
 
@@ -631,8 +631,8 @@ ngx_http_llama_session_capture_filter(ngx_http_request_t *r, ngx_chain_t *in)
     if (r == r->main) {
         ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-        if (ctx && ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
-            && ctx->job.acquired && !ctx->job.released)
+        if (ctx && ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
+            && ctx->job->acquired && !ctx->job->released)
         {
             for (cl = in; cl; cl = cl->next) {
                 if (cl->buf->last_buf) {
@@ -714,11 +714,11 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
     size_t      want;
     ngx_buf_t  *b;
 
-    if (size == 0 || ctx->job.call_done) {
+    if (size == 0 || ctx->job->call_done) {
         return NGX_OK;
     }
 
-    b = ctx->job.capture;
+    b = ctx->job->capture;
 
     if (b == NULL || (size_t) (b->end - b->last) < size) {
 
@@ -741,13 +741,13 @@ ngx_http_llama_session_capture_append(ngx_http_request_t *r,
             return NGX_ERROR;
         }
 
-        if (ctx->job.capture) {
-            b->last = ngx_cpymem(b->last, ctx->job.capture->pos,
-                                 ctx->job.capture->last
-                                     - ctx->job.capture->pos);
+        if (ctx->job->capture) {
+            b->last = ngx_cpymem(b->last, ctx->job->capture->pos,
+                                 ctx->job->capture->last
+                                     - ctx->job->capture->pos);
         }
 
-        ctx->job.capture = b;
+        ctx->job->capture = b;
     }
 
     b->last = ngx_cpymem(b->last, data, size);
@@ -778,37 +778,37 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
     ngx_uint_t           state;
     ngx_http_request_t  *r;
 
-    if (!ctx->job.acquired || ctx->job.released) {
+    if (!ctx->job->acquired || ctx->job->released) {
         return;
     }
 
     r = ctx->request;
     state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
 
-    switch (ctx->job.state) {
+    switch (ctx->job->state) {
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
 
         if (ctx->zone->store.len == 0) {
             /* llama-server writes over the session's file itself */
-            ngx_http_llama_session_file_saved(ctx->zone, &ctx->job,
-                                              ctx->job.out_key,
-                                              ctx->job.out_len, 0, 0, 0, 0);
+            ngx_http_llama_session_file_saved(ctx->zone, ctx->job,
+                                              ctx->job->out_key,
+                                              ctx->job->out_len, 0, 0, 0, 0);
 
         } else {
             ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                                  ctx->job.out_key,
-                                                      ctx->job.out_len);
+                                                  ctx->job->out_key,
+                                                      ctx->job->out_len);
         }
 
         break;
 
     case NGX_HTTP_LLAMA_SESSION_ST_REPRIME:
 
-        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
-            && !ctx->job.call_done)
+        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE
+            && !ctx->job->call_done)
         {
-            ctx->job.quarantine = 1;
+            ctx->job->quarantine = 1;
         }
 
         break;
@@ -820,9 +820,9 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
     case NGX_HTTP_LLAMA_SESSION_ST_WARM:
         state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
 
-        if (ctx->warm.warm_step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
+        if (ctx->warm->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
             if (ctx->zone->store.len == 0) {
-                ngx_http_llama_session_file_saved(ctx->zone, &ctx->job,
+                ngx_http_llama_session_file_saved(ctx->zone, ctx->job,
                                                   ctx->base_key,
                                                   ctx->base_len, 1, 0, 0, 0);
 
@@ -832,9 +832,9 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
                                                       ctx->base_len);
             }
 
-        } else if (ctx->warm.warm_step == NGX_HTTP_LLAMA_SESSION_WARM_PRIME) {
+        } else if (ctx->warm->warm_step == NGX_HTTP_LLAMA_SESSION_WARM_PRIME) {
             /* llama-server may still run the prime, as any completion */
-            ctx->job.quarantine = 1;
+            ctx->job->quarantine = 1;
         }
 
         break;
@@ -854,7 +854,7 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
              * no reply yet: llama-server may run the request later, on
              * whatever the slot holds by then (another session's)
              */
-            ctx->job.quarantine = 1;
+            ctx->job->quarantine = 1;
         }
 
         break;
@@ -865,27 +865,27 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_log_debug5(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: session \"%*s\" releases slot %ui "
-                   "at stage %ui (%ui)", ctx->key_len, ctx->key, ctx->job.slot,
-                   ctx->job.state, state);
+                   "at stage %ui (%ui)", ctx->key_len, ctx->key, ctx->job->slot,
+                   ctx->job->state, state);
 
-    if (ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_WARM) {
+    if (ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_WARM) {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the request of session \"%*s\" ended "
                       "during the warm start's %V of slot %ui, whose content "
                       "is unknown now", ctx->key_len, ctx->key,
-                      ngx_http_llama_session_call_name(ctx->job.call),
-                      ctx->job.slot);
+                      ngx_http_llama_session_call_name(ctx->job->call),
+                      ctx->job->slot);
 
     } else if (state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
-               && ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
+               && ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_LOAD)
     {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the request of session \"%*s\" ended "
                       "during a %s of slot %ui, whose content is unknown now",
                       ctx->key_len, ctx->key,
-                      ctx->job.load_file ? "restore" : "erase", ctx->job.slot);
+                      ctx->job->load_file ? "restore" : "erase", ctx->job->slot);
     }
 
-    ngx_http_llama_session_release(ctx->zone, &ctx->job, state);
+    ngx_http_llama_session_release(ctx->zone, ctx->job, state);
     ngx_http_llama_session_wake_local();
 }

@@ -298,7 +298,7 @@ ngx_http_llama_session_conv_header(ngx_http_request_t *r)
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
     if (ctx == NULL || ctx->conv == NULL
-        || ctx->job.state != NGX_HTTP_LLAMA_SESSION_ST_PROXY)
+        || ctx->job->state != NGX_HTTP_LLAMA_SESSION_ST_PROXY)
     {
         return ngx_http_next_header_filter(r);
     }

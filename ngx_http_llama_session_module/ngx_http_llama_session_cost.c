@@ -194,7 +194,7 @@ ngx_http_llama_session_cost_reprefill(ngx_http_llama_session_ctx_t *ctx,
     cost = zone->sh->cost;
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
-    known = (ngx_memcmp(cost.fp, ctx->job.fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
+    known = (ngx_memcmp(cost.fp, ctx->job->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
              == 0
              && cost.prefill_samples >= NGX_HTTP_LLAMA_SESSION_COST_SAMPLES
              && cost.restore_samples >= NGX_HTTP_LLAMA_SESSION_COST_SAMPLES);
@@ -209,7 +209,7 @@ ngx_http_llama_session_cost_reprefill(ngx_http_llama_session_ctx_t *ctx,
     /* a draft model: the next turn generates without the draft's help */
 
     if (zone->sh->speculative
-        && ngx_memcmp(zone->sh->speculative_fp, ctx->job.fp,
+        && ngx_memcmp(zone->sh->speculative_fp, ctx->job->fp,
                       NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0
         && cost.gen_samples[0] >= NGX_HTTP_LLAMA_SESSION_COST_SAMPLES
         && cost.gen_samples[1] >= NGX_HTTP_LLAMA_SESSION_COST_SAMPLES

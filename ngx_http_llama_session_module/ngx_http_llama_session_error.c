@@ -25,8 +25,8 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
     ngx_http_llama_session_stat(&ctx->zone->sh->stats.backend_errors);
 
-    if (ctx->job.call_timed_out
-        || ctx->job.call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+    if (ctx->job->call_timed_out
+        || ctx->job->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
     {
         /* a prime, save or restore of a large state can take minutes */
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
@@ -34,35 +34,35 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
                       "timed out in the location of \"%V\": raise "
                       "proxy_read_timeout there (like the inference "
                       "location's)", what, ctx->key_len, ctx->key,
-                      &ctx->job.call_uri);
+                      &ctx->job->call_uri);
 
-    } else if (ctx->job.call_status == 0) {
+    } else if (ctx->job->call_status == 0) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: slot call \"%s\" for session \"%*s\" "
                       "got no answer from the backend through \"%V\"",
-                      what, ctx->key_len, ctx->key, &ctx->job.call_uri);
+                      what, ctx->key_len, ctx->key, &ctx->job->call_uri);
 
     } else {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: slot call \"%s\" for session \"%*s\" "
                       "through \"%V\" answered %i: \"%*s\"",
-                      what, ctx->key_len, ctx->key, &ctx->job.call_uri,
-                      ctx->job.call_status,
-                      ctx->job.call_reply
-                      ? ngx_min(ctx->job.call_reply->last
-                                - ctx->job.call_reply->pos,
+                      what, ctx->key_len, ctx->key, &ctx->job->call_uri,
+                      ctx->job->call_status,
+                      ctx->job->call_reply
+                      ? ngx_min(ctx->job->call_reply->last
+                                - ctx->job->call_reply->pos,
                                 200)
                       : 0,
-                      ctx->job.call_reply ? ctx->job.call_reply->pos
+                      ctx->job->call_reply ? ctx->job->call_reply->pos
                           : (u_char *) "");
     }
 
     /* a failed call leaves a slot nobody can vouch for */
 
-    ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+    ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
     ngx_http_llama_session_wake_local();
 
-    if (ctx->job.call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {
+    if (ctx->job->call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {
         /* llama-server starts ("Loading model") or sleeps: retry soon */
         return ngx_http_llama_session_error(r, ctx,
                                         NGX_HTTP_SERVICE_UNAVAILABLE,
@@ -71,7 +71,7 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
                                         "retry later", 1);
     }
 
-    if (ctx->job.faces_router) {
+    if (ctx->job->faces_router) {
         /* the configuration's fault, not the backend's: say the fix */
         return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
                                         "server_error",
@@ -92,8 +92,8 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
     ngx_sprintf(message, "the model server did not answer a slot call "
                 "(%s)%s%Z", what,
-                (ctx->job.call_timed_out
-                 || ctx->job.call_status == NGX_HTTP_GATEWAY_TIME_OUT)
+                (ctx->job->call_timed_out
+                 || ctx->job->call_status == NGX_HTTP_GATEWAY_TIME_OUT)
                 ? " in time" : "");
 
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_GATEWAY,
@@ -113,7 +113,7 @@ ngx_http_llama_session_error(ngx_http_request_t *r,
 {
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
     ctx->status = NGX_DONE;
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ctx->dialect && ctx->dialect->error) {
         /* the dialect's own: an Ollama client reads {"error": "..."} */

@@ -587,7 +587,7 @@ ngx_http_llama_session_memory_learn(ngx_http_request_t *r,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     if (sh->memory_known
-        && ngx_memcmp(sh->memory_fp, ctx->job.fp,
+        && ngx_memcmp(sh->memory_fp, ctx->job->fp,
                       NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
     {
         ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -596,36 +596,36 @@ ngx_http_llama_session_memory_learn(ngx_http_request_t *r,
 
     /* once: another worker that learns it too finds it known */
     sh->memory_known = 1;
-    ngx_memcpy(sh->memory_fp, ctx->job.fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    ngx_memcpy(sh->memory_fp, ctx->job->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
     ngx_memzero(&sh->memory, sizeof(ngx_http_llama_session_memory_t));
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
-    if (ctx->job.props_model.len == 0
-        || ctx->job.props_model.len >= NGX_HTTP_LLAMA_SESSION_PATH_SHOW)
+    if (ctx->job->props_model.len == 0
+        || ctx->job->props_model.len >= NGX_HTTP_LLAMA_SESSION_PATH_SHOW)
     {
         return;
     }
 
-    ngx_memcpy(path, ctx->job.props_model.data, ctx->job.props_model.len);
-    path[ctx->job.props_model.len] = '\0';
+    ngx_memcpy(path, ctx->job->props_model.data, ctx->job->props_model.len);
+    path[ctx->job->props_model.len] = '\0';
 
     if (ngx_http_llama_session_gguf_memory(log, path, &mem) != NGX_OK) {
         return;
     }
 
-    if (ctx->job.props_n_embd && mem.n_embd != ctx->job.props_n_embd) {
+    if (ctx->job->props_n_embd && mem.n_embd != ctx->job->props_n_embd) {
         ngx_log_error(NGX_LOG_INFO, log, 0,
                       "llama_session: \"%s\" here is not the model of zone "
                       "\"%V\" (embedding %uL, llama-server's %uL), its "
                       "memory is not known", path, &zone->name, mem.n_embd,
-                      ctx->job.props_n_embd);
+                      ctx->job->props_n_embd);
         return;
     }
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (ngx_memcmp(sh->memory_fp, ctx->job.fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
+    if (ngx_memcmp(sh->memory_fp, ctx->job->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
         == 0)
     {
         sh->memory = mem;

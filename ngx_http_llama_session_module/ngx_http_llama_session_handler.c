@@ -11,7 +11,7 @@
  *   -> give the slot back when the request's pool goes (any end).
  *
  * The handler is re-entered by ngx_http_core_run_phases() after the body,
- * after each timer and after each subrequest; ctx->job.state says where it is.
+ * after each timer and after each subrequest; ctx->job->state says where it is.
  */
 
 
@@ -103,22 +103,22 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_start(r, llcf);
     }
 
-    switch (ctx->job.state) {
+    switch (ctx->job->state) {
 
     case NGX_HTTP_LLAMA_SESSION_ST_BODY:
         return NGX_DONE;
 
     case NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE:
-        if (ctx->job.wait_ev.timer_set || ctx->job.wait_ev.posted) {
+        if (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_wait(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_ROUTER:
-        if (ctx->job.wait_ev.timer_set || ctx->job.wait_ev.posted
-            || (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
-                && !ctx->job.call_done))
+        if (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted
+            || (ctx->job->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+                && !ctx->job->call_done))
         {
             return NGX_AGAIN;
         }
@@ -129,21 +129,21 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return (rc == NGX_OK) ? ngx_http_llama_session_plan(r, ctx) : rc;
 
     case NGX_HTTP_LLAMA_SESSION_ST_PROPS:
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_props(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_CHECK:
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_checked(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_PAUSE:
-        if (ctx->job.wait_ev.timer_set || ctx->job.wait_ev.posted) {
+        if (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted) {
             return NGX_AGAIN;
         }
 
@@ -155,28 +155,28 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
                                            NULL, 0);
 
     case NGX_HTTP_LLAMA_SESSION_ST_REPRIME:
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_reprime_next(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_saved(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_LOAD:
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
         return ngx_http_llama_session_loaded(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_WARM:
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
@@ -202,14 +202,14 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_wait(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_OLLAMA:
-        if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
             /* the body is in */
             return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_MODELS,
                                            NULL, 0);
         }
 
-        if (!ctx->job.call_done) {
+        if (!ctx->job->call_done) {
             return NGX_AGAIN;
         }
 
@@ -359,12 +359,24 @@ ngx_http_llama_session_create_ctx(ngx_http_request_t *r,
         return NULL;
     }
 
+    /* the parts its files own: the slot job, the warm start, the route */
+
+    ctx->job = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_job_t));
+    ctx->warm = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_warm_t));
+    ctx->route = ngx_pcalloc(r->pool,
+                             sizeof(ngx_http_llama_session_route_t));
+
+    if (ctx->job == NULL || ctx->warm == NULL || ctx->route == NULL) {
+        return NULL;
+    }
+
     ctx->request = r;
     ctx->zone = zone;
     ctx->start = ngx_current_msec;
-    ctx->job.log = r->connection->log;
-    ctx->job.slot_tokens = -1;
-    ctx->job.slot_task = -1;
+    ctx->cached = -1;           /* until the reply's end (reply.c) */
+    ctx->job->log = r->connection->log;
+    ctx->job->slot_tokens = -1;
+    ctx->job->slot_task = -1;
 
     ngx_http_llama_session_job_timer(ctx);
 
@@ -397,7 +409,7 @@ ngx_http_llama_session_start(ngx_http_request_t *r,
     ngx_http_set_ctx(r, ctx, ngx_http_llama_session_module);
 
     /* a client's: its use of a slot is the slot's last use */
-    ctx->job.client = 1;
+    ctx->job->client = 1;
 
     /* the API it speaks, once: the core asks its row from here on */
 
@@ -496,7 +508,7 @@ ngx_http_llama_session_read(ngx_http_request_t *r,
 {
     ngx_int_t  rc;
 
-    ctx->job.state = state;
+    ctx->job->state = state;
 
     rc = ngx_http_read_client_request_body(r,
                                          ngx_http_llama_session_body_handler);
@@ -521,7 +533,7 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
+    if (ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_BODY) {
 
         rc = ngx_http_llama_session_identify(r, ctx);
 
@@ -637,7 +649,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                                            NULL, 0);
     }
 
-    if (!ctx->job.queued && ctx->zone->sh->nslots > 1 && ctx->dialect->unpinned)
+    if (!ctx->job->queued && ctx->zone->sh->nslots > 1 && ctx->dialect->unpinned)
     {
         /*
          * llama-server's Anthropic and transcription conversions drop
@@ -674,7 +686,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ngx_http_llama_session_observe(&ctx->zone->sh->metrics.wait,
                                        (double) ctx->wait_ms);
 
-        ngx_http_llama_session_wait_end(&ctx->job);
+        ngx_http_llama_session_wait_end(ctx->job);
 
         return ngx_http_llama_session_plan(r, ctx);
     }
@@ -689,9 +701,9 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 
     if ((ngx_msec_int_t) (now - ctx->deadline) >= 0) {
 
-        ngx_http_llama_session_dequeue(ctx->zone, &ctx->job);
+        ngx_http_llama_session_dequeue(ctx->zone, ctx->job);
 
-        ngx_http_llama_session_wait_end(&ctx->job);
+        ngx_http_llama_session_wait_end(ctx->job);
 
         ctx->wait_ms = now - ctx->start;
 
@@ -701,7 +713,7 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                       "llama_session: session \"%*s\" waited %M ms for slot "
                       "%ui of zone \"%V\" in vain", ctx->key_len, ctx->key,
                       ctx->wait_ms,
-                      ctx->job.slot, &ctx->zone->name);
+                      ctx->job->slot, &ctx->zone->name);
 
         return ngx_http_llama_session_error(r, ctx,
                                   NGX_HTTP_SERVICE_UNAVAILABLE,
@@ -716,11 +728,11 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
         ctx->waiting = 1;
         ctx->delay = NGX_HTTP_LLAMA_SESSION_POLL_MIN;
 
-        ngx_http_llama_session_wait_local(&ctx->job);
+        ngx_http_llama_session_wait_local(ctx->job);
 
         ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: session \"%*s\" waits, ticket %uA",
-                       ctx->key_len, ctx->key, ctx->job.ticket);
+                       ctx->key_len, ctx->key, ctx->job->ticket);
 
     } else if (ctx->delay < NGX_HTTP_LLAMA_SESSION_POLL_MAX) {
         ctx->delay *= 2;
@@ -738,7 +750,7 @@ static ngx_int_t
 ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->zone->model.len && !ctx->route.routed) {
+    if (ctx->zone->model.len && !ctx->route->routed) {
         /* router mode: the model is up first, see router.c */
         return ngx_http_llama_session_route(r, ctx);
     }
@@ -765,8 +777,8 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
      * have restarted with another one)
      */
 
-    if (!ngx_http_llama_session_fingerprint(ctx->zone, ctx->job.fp)
-        || ctx->job.slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
+    if (!ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp)
+        || ctx->job->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN)
     {
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
         return ngx_http_llama_session_call(r, ctx,
@@ -788,14 +800,14 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
 
     if (rc == NGX_ERROR) {
         return ngx_http_llama_session_backend_error(r, ctx,
-                (char *) ngx_http_llama_session_call_name(ctx->job.call)->data);
+                (char *) ngx_http_llama_session_call_name(ctx->job->call)->data);
     }
 
     if (rc != NGX_OK) {
         return rc;
     }
 
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ctx->learn_slots) {
         ctx->learn_slots = 0;
@@ -810,7 +822,7 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
         return ngx_http_llama_session_wait(r, ctx);
     }
 
-    if (ctx->job.slot >= ngx_http_llama_session_slots_usable(ctx->zone->sh)) {
+    if (ctx->job->slot >= ngx_http_llama_session_slots_usable(ctx->zone->sh)) {
         /*
          * llama-server came back with fewer slots than this request's:
          * it would run the request on another slot (it wraps the id)
@@ -819,9 +831,9 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: llama-server no longer has slot %ui "
                       "of zone \"%V\", session \"%*s\" is not sent there",
-                      ctx->job.slot, &ctx->zone->name, ctx->key_len, ctx->key);
+                      ctx->job->slot, &ctx->zone->name, ctx->key_len, ctx->key);
 
-        ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+        ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
         ngx_http_llama_session_wake_local();
 
         return ngx_http_llama_session_error(r, ctx,
@@ -847,36 +859,36 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     if (!ctx->default_session) {
         ngx_http_llama_session_job_remember(ctx, ctx->key, ctx->key_len,
                                         &ctx->id);
-        ctx->job.load_file = ngx_http_llama_session_store_has_file(r, ctx,
+        ctx->job->load_file = ngx_http_llama_session_store_has_file(r, ctx,
                                                       ctx->key, ctx->key_len);
     }
 
-    if (ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)) {
+    if (ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)) {
         /* restores bring nothing on this backend: neither save nor load */
-        ctx->job.load_file = 0;
-        ctx->job.save_pending = 0;
+        ctx->job->load_file = 0;
+        ctx->job->save_pending = 0;
     }
 
-    if (ctx->job.load_file
-        && ngx_http_llama_session_file_size(ctx->zone, ctx->job.fp, ctx->key, ctx->key_len,
+    if (ctx->job->load_file
+        && ngx_http_llama_session_file_size(ctx->zone, ctx->job->fp, ctx->key, ctx->key_len,
                                             &bytes, &tokens) == NGX_OK
         && ngx_http_llama_session_cost_reprefill(ctx, bytes, tokens,
-                                                 &ctx->job.est_restore_ms,
-                                                 &ctx->job.est_prefill_ms))
+                                                 &ctx->job->est_restore_ms,
+                                                 &ctx->job->est_prefill_ms))
     {
         /* its file would take longer to read than its prompt to prefill */
-        ctx->job.load_file = 0;
-        ctx->job.reprefill = 1;
+        ctx->job->load_file = 0;
+        ctx->job->reprefill = 1;
         ngx_http_llama_session_stat(&ctx->zone->sh->stats.reprefills);
     }
 
-    if (ctx->job.restarted) {
+    if (ctx->job->restarted) {
         /* the slot was checked already: llama-server restarted */
         return ngx_http_llama_session_load(r, ctx);
     }
 
-    if (!ctx->job.save_pending && !ctx->job.load_file
-        && ctx->job.slot_tokens == 0)
+    if (!ctx->job->save_pending && !ctx->job->load_file
+        && ctx->job->slot_tokens == 0)
     {
         /* a known empty slot and nothing of its own to bring in */
         return ngx_http_llama_session_load(r, ctx);
@@ -908,11 +920,11 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE:
 
-        if (!ctx->route.rerouted) {
+        if (!ctx->route->rerouted) {
             /* router mode: the model went since the router's look: again */
-            ctx->route.rerouted = 1;
-            ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ctx->route.routed = 0;
+            ctx->route->rerouted = 1;
+            ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+            ctx->route->routed = 0;
             return ngx_http_llama_session_route(r, ctx);
         }
 
@@ -929,16 +941,16 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
          * restarted llama-server's other state
          */
 
-        if (ctx->job.save_pending) {
+        if (ctx->job->save_pending) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                           "llama_session: GET /slots answered %i, the module "
                           "cannot check the slot and does not save "
                           "\"%*s\": start llama-server with --slots",
-                          ctx->job.call_status, ctx->job.out_len,
-                              ctx->job.out_key);
+                          ctx->job->call_status, ctx->job->out_len,
+                              ctx->job->out_key);
         }
 
-        ctx->job.save_pending = 0;
+        ctx->job->save_pending = 0;
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED:
@@ -947,7 +959,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         ngx_http_llama_session_slot_lost(ctx);
 
-        ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+        ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
 
         return ngx_http_llama_session_call(r, ctx,
@@ -962,7 +974,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         break;
     }
 
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ctx->verify && !processing) {
         /* the hit is one */
@@ -976,7 +988,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
          */
 
         if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) >= 0) {
-            ngx_http_llama_session_release(ctx->zone, &ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
             ngx_http_llama_session_wake_local();
 
             return ngx_http_llama_session_error(r, ctx,
@@ -986,8 +998,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                                   "retry later", 1);
         }
 
-        ctx->job.polls++;
-        ctx->delay = (ctx->job.polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
+        ctx->job->polls++;
+        ctx->delay = (ctx->job->polls == 1) ? NGX_HTTP_LLAMA_SESSION_BUSY_MIN
                      : ngx_min(ctx->delay * 2, NGX_HTTP_LLAMA_SESSION_BUSY_MAX);
 
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
@@ -998,7 +1010,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
                                                          - ngx_current_msec)));
     }
 
-    if ((ngx_msec_int_t) (ctx->job.quiet_until - ngx_current_msec) > 0) {
+    if ((ngx_msec_int_t) (ctx->job->quiet_until - ngx_current_msec) > 0) {
         /*
          * a request whose client left may still start in llama-server:
          * look again once it would have started or been cancelled
@@ -1006,10 +1018,10 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
 
         ngx_log_debug1(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: slot quiet for %M ms",
-                       ctx->job.quiet_until - ngx_current_msec);
+                       ctx->job->quiet_until - ngx_current_msec);
 
-        delay = ctx->job.quiet_until - ngx_current_msec;
-        ctx->job.quiet_until = 0;
+        delay = ctx->job->quiet_until - ngx_current_msec;
+        ctx->job->quiet_until = 0;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
 
         return ngx_http_llama_session_sleep(r, ctx, delay);
@@ -1020,7 +1032,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         return ngx_http_llama_session_save(r, ctx);
     }
 
-    ctx->job.save_pending = 0;
+    ctx->job->save_pending = 0;
 
     return ngx_http_llama_session_load(r, ctx);
 }
@@ -1030,22 +1042,22 @@ static ngx_int_t
 ngx_http_llama_session_saved(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->job.call_status == 0) {
+    if (ctx->job->call_status == 0) {
         /* llama-server may have died in the middle: its file stays whole */
         ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
-                                              ctx->job.out_key,
-                                              ctx->job.out_len);
+                                              ctx->job->out_key,
+                                              ctx->job->out_len);
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
     if (ngx_http_llama_session_save_done(r->connection->log, ctx,
                                          NGX_HTTP_LLAMA_SESSION_SAVE_SWAP,
-                                         ctx->job.out_key, ctx->job.out_len)
+                                         ctx->job->out_key, ctx->job->out_len)
         != NGX_OK)
     {
         /* the session's previous file, if any, stays as it was */
-        ctx->job.save_pending = 0;
-        ctx->job.save_failed = 1;
+        ctx->job->save_pending = 0;
+        ctx->job->save_failed = 1;
     }
 
     return ngx_http_llama_session_load(r, ctx);
@@ -1060,7 +1072,7 @@ ngx_http_llama_session_load(ngx_http_request_t *r,
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOAD);
 
-    if (ctx->job.load_file) {
+    if (ctx->job->load_file) {
         return ngx_http_llama_session_call(r, ctx,
                                           NGX_HTTP_LLAMA_SESSION_CALL_RESTORE,
                                           ctx->key, ctx->key_len);
@@ -1077,7 +1089,7 @@ ngx_http_llama_session_load(ngx_http_request_t *r,
         return rc;
     }
 
-    if (ctx->job.slot_tokens == 0) {
+    if (ctx->job->slot_tokens == 0) {
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
         return ngx_http_llama_session_proxy(r, ctx);
     }
@@ -1096,12 +1108,12 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
     double      ms;
     ngx_uint_t  tokens, call;
 
-    call = ctx->job.call;
+    call = ctx->job->call;
 
     /* 501: llama-server without --slot-save-path */
 
-    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
-        || ctx->job.call_status == NGX_HTTP_NOT_IMPLEMENTED)
+    if (ngx_http_llama_session_backend_failed(ctx->job->call_status)
+        || ctx->job->call_status == NGX_HTTP_NOT_IMPLEMENTED)
     {
         return ngx_http_llama_session_backend_error(r, ctx,
                           (char *) ngx_http_llama_session_call_name(call)->data);
@@ -1131,14 +1143,14 @@ ngx_http_llama_session_loaded(ngx_http_request_t *r,
         return ngx_http_llama_session_proxy(r, ctx);
     }
 
-    if (ctx->job.call_status != NGX_HTTP_OK
+    if (ctx->job->call_status != NGX_HTTP_OK
         || ngx_http_llama_session_parse_action(r->connection->log, ctx,
                                                &tokens, &bytes, &ms)
            != NGX_OK)
     {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: erasing slot %ui failed (%i), the "
-                      "request goes on", ctx->job.slot, ctx->job.call_status);
+                      "request goes on", ctx->job->slot, ctx->job->call_status);
     }
 
     return ngx_http_llama_session_proxy(r, ctx);
@@ -1158,7 +1170,7 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     sh = ctx->zone->sh;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROXY);
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (!ctx->swapped) {
         /* a hit: the zone marked the slot changed already */
@@ -1185,24 +1197,24 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     p = out;
     last = out + sizeof(out);
 
-    if (ctx->job.out_len == 0) {
+    if (ctx->job->out_len == 0) {
         p = ngx_slprintf(p, last, "nothing known");
 
-    } else if (ctx->job.save_pending) {
+    } else if (ctx->job->save_pending) {
         p = ngx_slprintf(p, last, "\"%*s\" saved %ui tokens, %O bytes in "
-                         "%.1f ms", ctx->job.out_len, ctx->job.out_key,
-                         ctx->job.saved_tokens, ctx->job.saved_bytes,
-                             ctx->job.save_ms);
+                         "%.1f ms", ctx->job->out_len, ctx->job->out_key,
+                         ctx->job->saved_tokens, ctx->job->saved_bytes,
+                             ctx->job->save_ms);
 
     } else {
         p = ngx_slprintf(p, last, "\"%*s\" not saved (%s)",
-                         ctx->job.out_len, ctx->job.out_key,
-                         ctx->job.media_refused
+                         ctx->job->out_len, ctx->job->out_key,
+                         ctx->job->media_refused
                          ? "llama-server cannot save its media"
-                         : ctx->job.save_failed ? "the save failed"
-                         : (ctx->job.out_len == sizeof("default") - 1
-                            && ngx_strncmp(ctx->job.out_key, "default",
-                                           ctx->job.out_len) == 0)
+                         : ctx->job->save_failed ? "the save failed"
+                         : (ctx->job->out_len == sizeof("default") - 1
+                            && ngx_strncmp(ctx->job->out_key, "default",
+                                           ctx->job->out_len) == 0)
                            ? "default" : "unchanged or empty");
     }
 
@@ -1215,47 +1227,47 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE) {
         p = ngx_slprintf(p, last, "restored %ui tokens, %O bytes in %.1f ms",
-                         ctx->job.loaded_tokens, ctx->job.loaded_bytes,
-                             ctx->job.load_ms);
+                         ctx->job->loaded_tokens, ctx->job->loaded_bytes,
+                             ctx->job->load_ms);
 
     } else if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_WARM) {
         p = ngx_slprintf(p, last, "fresh");
 
-        if (ctx->job.reprefill) {
+        if (ctx->job->reprefill) {
             p = ngx_slprintf(p, last, " (re-prefilled: its file would take "
                              "~%.0f ms to restore, its prompt ~%.0f ms to "
-                             "prefill)", ctx->job.est_restore_ms,
-                             ctx->job.est_prefill_ms);
+                             "prefill)", ctx->job->est_restore_ms,
+                             ctx->job->est_prefill_ms);
         }
 
-    } else if (ctx->warm.trimmed) {
+    } else if (ctx->warm->trimmed) {
         p = ngx_slprintf(p, last, "warm from the slot's system prompt "
                          "(base \"%*s\"), 0 bytes read",
                          ctx->base_len, ctx->base_key);
 
-    } else if (ctx->warm.history) {
+    } else if (ctx->warm->history) {
         p = ngx_slprintf(p, last, "warm from the slot, its history kept "
                          "(llama_session_warm history)");
 
     } else {
         p = ngx_slprintf(p, last, "warm from base \"%*s\", %ui tokens, %O "
                          "bytes read in %.1f ms", ctx->base_len, ctx->base_key,
-                         ctx->job.loaded_tokens, ctx->job.loaded_bytes,
-                             ctx->job.load_ms);
+                         ctx->job->loaded_tokens, ctx->job->loaded_bytes,
+                             ctx->job->load_ms);
     }
 
-    if (ctx->warm.base_built) {
+    if (ctx->warm->base_built) {
         p = ngx_slprintf(p, last, ", base \"%*s\" primed (%i tokens from "
                          "the slot's cache) and saved: %ui tokens, %O bytes "
                          "in %.1f ms", ctx->base_len, ctx->base_key,
-                         ctx->warm.base_cached, ctx->warm.base_tokens,
-                             ctx->warm.base_bytes,
-                         ctx->warm.base_ms);
+                         ctx->warm->base_cached, ctx->warm->base_tokens,
+                             ctx->warm->base_bytes,
+                         ctx->warm->base_ms);
     }
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: swap on slot %ui of zone \"%V\": out %*s, "
-                  "in %*s, %M ms in all", ctx->job.slot, &ctx->zone->name,
+                  "in %*s, %M ms in all", ctx->job->slot, &ctx->zone->name,
                   out_len, out, p - in, in, ctx->swap_ms);
 
     return ngx_http_llama_session_pinned(r, ctx);
@@ -1290,7 +1302,7 @@ ngx_http_llama_session_pinned(ngx_http_request_t *r,
 
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: the body is no JSON object, it cannot be "
-                  "pinned to slot %ui", ctx->job.slot);
+                  "pinned to slot %ui", ctx->job->slot);
 
     return ngx_http_llama_session_error(r, ctx, NGX_HTTP_BAD_REQUEST,
                                         "invalid_request_error",
@@ -1336,22 +1348,22 @@ ngx_http_llama_session_cleanup(void *data)
 
     r = ctx->request;
 
-    if (ctx->job.wait_ev.timer_set) {
-        ngx_del_timer(&ctx->job.wait_ev);
+    if (ctx->job->wait_ev.timer_set) {
+        ngx_del_timer(&ctx->job->wait_ev);
     }
 
-    if (ctx->job.wait_ev.posted) {
-        ngx_delete_posted_event(&ctx->job.wait_ev);
+    if (ctx->job->wait_ev.posted) {
+        ngx_delete_posted_event(&ctx->job->wait_ev);
     }
 
-    ngx_http_llama_session_wait_end(&ctx->job);
+    ngx_http_llama_session_wait_end(ctx->job);
 
-    ngx_http_llama_session_dequeue(ctx->zone, &ctx->job);
+    ngx_http_llama_session_dequeue(ctx->zone, ctx->job);
 
     ngx_http_llama_session_route_end(ctx);
     ngx_http_llama_session_job_finish(ctx);
 
-    if (ctx->job.old_len) {
+    if (ctx->job->old_len) {
         ngx_http_llama_session_store_drop_old(r->connection->log, ctx);
     }
 }

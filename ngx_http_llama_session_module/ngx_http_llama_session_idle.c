@@ -31,6 +31,9 @@
 
 typedef struct {
     ngx_http_llama_session_ctx_t    ctx;        /* first: the module ctx */
+    ngx_http_llama_session_job_t    job;        /* its parts */
+    ngx_http_llama_session_warm_t   warm;
+    ngx_http_llama_session_route_t  route;
     ngx_uint_t                      failed;     /* back off */
     ngx_uint_t                      state;      /* the slot's, at the end */
     unsigned                        model_gone:1;
@@ -209,6 +212,7 @@ ngx_http_llama_session_idle_scan(ngx_http_llama_session_zone_t *zone,
 {
     ngx_uint_t                     n, stopping;
     ngx_http_llama_session_ctx_t   probe;
+    ngx_http_llama_session_job_t   job;
 
     stopping = (ngx_exiting || ngx_quit);
 
@@ -219,14 +223,18 @@ ngx_http_llama_session_idle_scan(ngx_http_llama_session_zone_t *zone,
         }
 
         ngx_memzero(&probe, sizeof(ngx_http_llama_session_ctx_t));
+        ngx_memzero(&job, sizeof(ngx_http_llama_session_job_t));
 
         probe.zone = zone;
-        probe.job.log = log;
-        probe.job.slot = n;
-        probe.job.slot_tokens = -1;
-        probe.job.slot_task = -1;
+        probe.job = &job;
+        probe.job->log = log;
+        probe.job->slot = n;
+        probe.job->slot_tokens = -1;
+        probe.job->slot_task = -1;
 
-        if (ngx_http_llama_session_try_idle(zone, &probe.job, save_idle) != NGX_OK) {
+        if (ngx_http_llama_session_try_idle(zone, probe.job, save_idle)
+            != NGX_OK)
+        {
             continue;
         }
 
@@ -237,7 +245,7 @@ ngx_http_llama_session_idle_scan(ngx_http_llama_session_zone_t *zone,
         if (ngx_http_llama_session_idle_start(zone, &probe, stopping, log)
             != NGX_OK)
         {
-            ngx_http_llama_session_release(zone, &probe.job,
+            ngx_http_llama_session_release(zone, probe.job,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             ngx_http_llama_session_wake_local();
 
@@ -389,8 +397,12 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 
     ctx = &idle->ctx;
     *ctx = *probe;
+    idle->job = *probe->job;
+    ctx->job = &idle->job;
+    ctx->warm = &idle->warm;
+    ctx->route = &idle->route;
     ctx->request = r;
-    ctx->job.own = 1;
+    ctx->job->own = 1;
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
 
     idle->failed = 1;
@@ -408,7 +420,7 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 
     ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: idle save of \"%*s\" from slot %ui starts",
-                   ctx->job.out_len, ctx->job.out_key, ctx->job.slot);
+                   ctx->job->out_len, ctx->job->out_key, ctx->job->slot);
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
@@ -435,18 +447,18 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 
     idle = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (idle == NULL || !idle->ctx.job.call_done) {
+    if (idle == NULL || !idle->ctx.job->call_done) {
         return;
     }
 
     r->write_event_handler = ngx_http_request_empty_handler;
 
-    if (idle->ctx.job.call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+    if (idle->ctx.job->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
         ngx_http_llama_session_idle_checked(r, idle);
         return;
     }
 
-    if (idle->ctx.job.state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
+    if (idle->ctx.job->state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
         r->write_event_handler = ngx_http_llama_session_idle_resume;
 
         if (ngx_http_llama_session_reprime_next(r, &idle->ctx) != NGX_AGAIN) {
@@ -480,8 +492,8 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: idle save: the router's model \"%V\" "
                       "is not running, \"%*s\" lost its turns since its last "
-                      "save", &ctx->zone->model, ctx->job.out_len,
-                          ctx->job.out_key);
+                      "save", &ctx->zone->model, ctx->job->out_len,
+                          ctx->job->out_key);
 
         idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
         idle->model_gone = 1;
@@ -493,11 +505,11 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: idle save: GET /slots answered 501, "
                       "\"%*s\" is not saved: start llama-server with --slots",
-                      ctx->job.out_len, ctx->job.out_key);
+                      ctx->job->out_len, ctx->job->out_key);
 
-        ngx_http_llama_session_slot_saved(ctx->zone, ctx->job.slot,
-                                          ctx->job.out_key,
-                                          ctx->job.out_len);
+        ngx_http_llama_session_slot_saved(ctx->zone, ctx->job->slot,
+                                          ctx->job->out_key,
+                                          ctx->job->out_len);
         idle->failed = 0;
         break;
 
@@ -505,9 +517,9 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: idle save: GET /slots through \"%V\" "
                       "answered %i, \"%*s\" is not saved",
-                      &ctx->job.call_uri, ctx->job.call_status,
-                          ctx->job.out_len,
-                      ctx->job.out_key);
+                      &ctx->job->call_uri, ctx->job->call_status,
+                          ctx->job->out_len,
+                      ctx->job->out_key);
         break;
 
     case NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED:
@@ -558,7 +570,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
 
     ctx = &idle->ctx;
 
-    if (ctx->job.call_status == 0) {
+    if (ctx->job->call_status == 0) {
         /* llama-server may have died in the middle, or not answered */
         idle->state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
     }
@@ -568,7 +580,7 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
                                       : NGX_HTTP_LLAMA_SESSION_SAVE_IDLE;
 
     if (ngx_http_llama_session_save_done(r->connection->log, ctx, reason,
-                                         ctx->job.out_key, ctx->job.out_len)
+                                         ctx->job->out_key, ctx->job->out_len)
         == NGX_OK)
     {
         idle->failed = 0;
@@ -579,10 +591,10 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
                       "llama_session: %s of \"%*s\" from slot %ui of "
                       "zone \"%V\": %ui tokens, %O bytes in %.1f ms",
                       idle->stop ? "save at stop" : "idle save",
-                      ctx->job.out_len, ctx->job.out_key, ctx->job.slot,
-                      &ctx->zone->name, ctx->job.saved_tokens,
-                          ctx->job.saved_bytes,
-                      ctx->job.save_ms);
+                      ctx->job->out_len, ctx->job->out_key, ctx->job->slot,
+                      &ctx->zone->name, ctx->job->saved_tokens,
+                          ctx->job->saved_bytes,
+                      ctx->job->save_ms);
     }
 
     ngx_http_llama_session_job_close(r);
@@ -602,15 +614,15 @@ ngx_http_llama_session_idle_end(void *data)
     ctx = &idle->ctx;
     zone = ctx->zone;
 
-    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
         /* committed (renamed) or not: no temporary file stays */
         ngx_http_llama_session_store_drop_tmp(ctx->request->connection->log,
-                                              ctx, ctx->job.out_key,
-                                              ctx->job.out_len);
+                                              ctx, ctx->job->out_key,
+                                              ctx->job->out_len);
     }
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_DONE);
-    ngx_http_llama_session_release(ctx->zone, &ctx->job, idle->state);
+    ngx_http_llama_session_release(ctx->zone, ctx->job, idle->state);
 
     if (idle->model_gone) {
         /* its slots are empty: the model is loaded again when needed */

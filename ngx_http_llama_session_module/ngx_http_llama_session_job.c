@@ -16,7 +16,7 @@
  * "llama_session_api") location.  Its pool's cleanup ends the job, however
  * the request ends.
  *
- * A job's states (ctx->job.state, set only by job_state(), which logs
+ * A job's states (ctx->job->state, set only by job_state(), which logs
  * each change at debug level) and what each may touch; identity (ctx's
  * own fields) is set before ACQUIRE and only read after it:
  *
@@ -40,7 +40,7 @@
  *   PROXY     yes         none: proxy_pass runs   ctx's r_* (reply.c)
  *   DONE      no          none                    nothing
  *   OLLAMA    no          GET /v1/models          ctx's ollama_reply
- *   REPRIME   yes         POST /apply-template,   ctx->job.reprime, the
+ *   REPRIME   yes         POST /apply-template,   ctx->job->reprime, the
  *                         /completion             slot (a prefix of the
  *                                                 session leaving)
  *
@@ -92,15 +92,15 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
                    ctx->request ? ctx->request->connection->log
                                 : ngx_cycle->log, 0,
                    "llama_session: job of \"%*s\" on slot %ui: %s -> %s%s",
-                   ctx->key_len ? ctx->key_len : ctx->job.out_len,
-                   ctx->key_len ? ctx->key : ctx->job.out_key, ctx->job.slot,
-                   ngx_http_llama_session_state_names[ctx->job.state],
+                   ctx->key_len ? ctx->key_len : ctx->job->out_len,
+                   ctx->key_len ? ctx->key : ctx->job->out_key, ctx->job->slot,
+                   ngx_http_llama_session_state_names[ctx->job->state],
                    ngx_http_llama_session_state_names[state],
-                   ctx->job.own ? " (the module's own request)" : "");
+                   ctx->job->own ? " (the module's own request)" : "");
 
-    ctx->job.state = state;
+    ctx->job->state = state;
 
-    if (ctx->job.acquired && !ctx->job.released
+    if (ctx->job->acquired && !ctx->job->released
         && (state == NGX_HTTP_LLAMA_SESSION_ST_LOAD
             || state == NGX_HTTP_LLAMA_SESSION_ST_WARM
             || state == NGX_HTTP_LLAMA_SESSION_ST_PROXY))
@@ -111,9 +111,9 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
          * lock is needed
          */
 
-        if (ctx->zone->sh->slots[ctx->job.slot].turn_seq) {
-            ctx->zone->sh->slots[ctx->job.slot].turn_seq = 0;
-            ngx_http_llama_session_turn_drop(ctx->zone, ctx->job.slot,
+        if (ctx->zone->sh->slots[ctx->job->slot].turn_seq) {
+            ctx->zone->sh->slots[ctx->job->slot].turn_seq = 0;
+            ngx_http_llama_session_turn_drop(ctx->zone, ctx->job->slot,
                                              ctx->request
                                              ? ctx->request->connection->log
                                              : ngx_cycle->log);
@@ -135,20 +135,20 @@ ngx_http_llama_session_slots_verdict(ngx_log_t *log,
     ngx_int_t   rc;
     ngx_uint_t  processing;
 
-    ctx->job.slots_checked = 0;
+    ctx->job->slots_checked = 0;
 
-    if (ctx->job.call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len) {
+    if (ctx->job->call_status == NGX_HTTP_BAD_REQUEST && ctx->zone->model.len) {
         /* router mode: the model is not running (it went, or failed) */
         return NGX_HTTP_LLAMA_SESSION_SLOTS_MODEL_GONE;
     }
 
-    if (ctx->job.call_status == NGX_HTTP_NOT_IMPLEMENTED) {
+    if (ctx->job->call_status == NGX_HTTP_NOT_IMPLEMENTED) {
         /* --no-slots: nothing can be looked at, nor vouched for */
-        ctx->job.slot_tokens = -1;
+        ctx->job->slot_tokens = -1;
         return NGX_HTTP_LLAMA_SESSION_SLOTS_NO_API;
     }
 
-    if (ctx->job.call_status != NGX_HTTP_OK) {
+    if (ctx->job->call_status != NGX_HTTP_OK) {
         return NGX_HTTP_LLAMA_SESSION_SLOTS_ERROR;
     }
 
@@ -170,21 +170,21 @@ ngx_http_llama_session_slots_verdict(ngx_log_t *log,
         return NGX_HTTP_LLAMA_SESSION_SLOTS_BUSY;
     }
 
-    if (ngx_http_llama_session_slot_task(ctx->zone, &ctx->job,
-                                         ctx->job.slot_task))
+    if (ngx_http_llama_session_slot_task(ctx->zone, ctx->job,
+                                         ctx->job->slot_task))
     {
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: llama-server restarted (slot %ui shows "
                       "task %i), the slot no longer holds \"%*s\" (zone "
-                      "\"%V\")", ctx->job.slot, ctx->job.slot_task,
-                      ctx->job.out_len ? ctx->job.out_len : 1,
-                      ctx->job.out_len ? ctx->job.out_key : (u_char *) "-",
+                      "\"%V\")", ctx->job->slot, ctx->job->slot_task,
+                      ctx->job->out_len ? ctx->job->out_len : 1,
+                      ctx->job->out_len ? ctx->job->out_key : (u_char *) "-",
                       &ctx->zone->name);
 
         return NGX_HTTP_LLAMA_SESSION_SLOTS_RESTARTED;
     }
 
-    ctx->job.slots_checked = 1;
+    ctx->job->slots_checked = 1;
 
     return NGX_HTTP_LLAMA_SESSION_SLOTS_IDLE;
 }
@@ -206,9 +206,9 @@ ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
         ctx->swap_start = ngx_current_msec;
     }
 
-    ctx->job.restarted = 1;
-    ctx->job.save_pending = 0;
-    ctx->job.out_len = 0;
+    ctx->job->restarted = 1;
+    ctx->job->save_pending = 0;
+    ctx->job->out_len = 0;
 }
 
 
@@ -221,9 +221,9 @@ ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
 ngx_uint_t
 ngx_http_llama_session_may_save(ngx_http_llama_session_ctx_t *ctx)
 {
-    return ctx->job.save_pending && ctx->job.slots_checked
-        && ctx->job.slot_tokens > 0
-           && !ctx->job.restarted;
+    return ctx->job->save_pending && ctx->job->slots_checked
+        && ctx->job->slot_tokens > 0
+           && !ctx->job->restarted;
 }
 
 
@@ -255,7 +255,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
     bytes = 0;
     ms = 0;
 
-    if (ctx->job.call_status == NGX_HTTP_OK
+    if (ctx->job->call_status == NGX_HTTP_OK
         && ngx_http_llama_session_parse_action(log, ctx, &tokens, &bytes, &ms)
            == NGX_OK)
     {
@@ -263,21 +263,21 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
             ngx_log_error(NGX_LOG_ERR, log, 0,
                           "llama_session: %s: llama-server saved no tokens "
                           "of session \"%*s\" from slot %ui, nothing is "
-                          "kept of it", what, len, key, ctx->job.slot);
+                          "kept of it", what, len, key, ctx->job->slot);
 
         } else if (ngx_http_llama_session_store_commit(log, ctx, key, len,
                                                        bytes)
                    == NGX_OK)
         {
-            if (key == ctx->job.out_key) {
-                ctx->job.saved_tokens = tokens;
-                ctx->job.saved_bytes = bytes;
-                ctx->job.save_ms = ms;
+            if (key == ctx->job->out_key) {
+                ctx->job->saved_tokens = tokens;
+                ctx->job->saved_bytes = bytes;
+                ctx->job->save_ms = ms;
 
             } else {
-                ctx->warm.base_tokens = tokens;
-                ctx->warm.base_bytes = bytes;
-                ctx->warm.base_ms = ms;
+                ctx->warm->base_tokens = tokens;
+                ctx->warm->base_bytes = bytes;
+                ctx->warm->base_ms = ms;
             }
 
             ngx_http_llama_session_store_saved(log, ctx, key, len, tokens,
@@ -288,16 +288,16 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
         }
     }
 
-    if (ctx->zone->store.len == 0 && ctx->job.call_status == NGX_HTTP_OK) {
+    if (ctx->zone->store.len == 0 && ctx->job->call_status == NGX_HTTP_OK) {
         /* llama-server wrote over the file itself: it cannot be trusted */
-        ngx_http_llama_session_file_saved(ctx->zone, &ctx->job, key, len, 0,
+        ngx_http_llama_session_file_saved(ctx->zone, ctx->job, key, len, 0,
                                           0, 0, 0);
     }
 
     ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
 
     if (ngx_http_llama_session_media_refused(log, ctx, key, len) == NGX_OK) {
-        ctx->job.media_refused = 1;
+        ctx->job->media_refused = 1;
         return NGX_ERROR;
     }
 
@@ -308,12 +308,12 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
                   "llama_session: %s: saving session \"%*s\" from slot %ui "
                   "failed (%i: \"%*s\"), its previous file is kept and its "
                   "latest turns are lost", what,
-                  len, key, ctx->job.slot, ctx->job.call_status,
-                  ctx->job.call_reply
-                  ? ngx_min(ctx->job.call_reply->last
-                            - ctx->job.call_reply->pos, 200)
+                  len, key, ctx->job->slot, ctx->job->call_status,
+                  ctx->job->call_reply
+                  ? ngx_min(ctx->job->call_reply->last
+                            - ctx->job->call_reply->pos, 200)
                   : 0,
-                  ctx->job.call_reply ? ctx->job.call_reply->pos
+                  ctx->job->call_reply ? ctx->job->call_reply->pos
                       : (u_char *) "");
 
     return NGX_ERROR;
@@ -339,9 +339,9 @@ ngx_http_llama_session_media_refused(ngx_log_t *log,
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *zone;
 
-    b = ctx->job.call_reply;
+    b = ctx->job->call_reply;
 
-    if (ctx->job.call_status != NGX_HTTP_NOT_IMPLEMENTED || b == NULL
+    if (ctx->job->call_status != NGX_HTTP_NOT_IMPLEMENTED || b == NULL
         || ngx_strlcasestrn(b->pos, b->last, (u_char *) "media", 5 - 1)
            == NULL)
     {
@@ -358,7 +358,7 @@ ngx_http_llama_session_media_refused(ngx_log_t *log,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     sh->media_refused = 1;
-    ngx_memcpy(sh->media_refused_fp, ctx->job.fp,
+    ngx_memcpy(sh->media_refused_fp, ctx->job->fp,
                NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     for (i = 0; i < NGX_HTTP_LLAMA_SESSION_MEDIA_SAID; i++) {
@@ -381,7 +381,7 @@ ngx_http_llama_session_media_refused(ngx_log_t *log,
                       "session \"%*s\" holds media it does not serialise "
                       "(%*s); it stays in its slot while another can go, "
                       "else its history is prefilled again when it returns",
-                      ctx->job.slot, len, key,
+                      ctx->job->slot, len, key,
                       ngx_min(b->last - b->pos, 200), b->pos);
     }
 
@@ -409,43 +409,43 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
     bytes = 0;
     ms = 0;
 
-    if (ctx->job.call_status == NGX_HTTP_OK
+    if (ctx->job->call_status == NGX_HTTP_OK
         && ngx_http_llama_session_parse_action(log, ctx, &tokens, &bytes, &ms)
            == NGX_OK)
     {
-        ctx->job.loaded_tokens = tokens;
-        ctx->job.loaded_bytes = bytes;
-        ctx->job.load_ms = ms;
+        ctx->job->loaded_tokens = tokens;
+        ctx->job->loaded_bytes = bytes;
+        ctx->job->load_ms = ms;
 
         (void) ngx_atomic_fetch_add(&ctx->zone->sh->metrics.bytes_restored,
                                     (ngx_atomic_uint_t) bytes);
         ngx_http_llama_session_observe(&ctx->zone->sh->metrics.restore, ms);
 
         /* the disk's speed, for when a restore pays (cost.c) */
-        ngx_http_llama_session_cost_restore(ctx->zone, ctx->job.fp, bytes, ms);
+        ngx_http_llama_session_cost_restore(ctx->zone, ctx->job->fp, bytes, ms);
 
         return NGX_OK;
     }
 
-    ngx_http_llama_session_file_saved(ctx->zone, &ctx->job, key, len, 0, 0,
+    ngx_http_llama_session_file_saved(ctx->zone, ctx->job, key, len, 0, 0,
                                       0, 0);
 
     /* a 400 for a file the zone never knew is no error: it may not exist */
 
-    if (ctx->job.call_status != NGX_HTTP_BAD_REQUEST
-        || ngx_http_llama_session_file_known(ctx->zone, ctx->job.fp, key, len) != -1)
+    if (ctx->job->call_status != NGX_HTTP_BAD_REQUEST
+        || ngx_http_llama_session_file_known(ctx->zone, ctx->job->fp, key, len) != -1)
     {
         ngx_http_llama_session_stat(&ctx->zone->sh->stats.restore_errors);
     }
 
     level = ctx->zone->store.len ? NGX_LOG_WARN : NGX_LOG_INFO;
-    b = ctx->job.call_reply;
+    b = ctx->job->call_reply;
 
     ngx_log_error(level, log, 0,
                   "llama_session: restoring %s \"%*s\" into slot %ui failed "
                   "(%i: \"%*s\"), it %s",
                   key == ctx->key ? "session" : "base", len, key,
-                  ctx->job.slot, ctx->job.call_status,
+                  ctx->job->slot, ctx->job->call_status,
                   b ? ngx_min(b->last - b->pos, 200) : 0,
                   b ? b->pos : (u_char *) "",
                   key == ctx->key ? "starts fresh" : "is made anew");
@@ -458,7 +458,7 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
  * The fingerprint's two calls, for the request path and the API alike:
  * once GET /props answered, GET /v1/models; once that answered, the
  * fingerprint is set.  NGX_AGAIN: the next call is on its way; NGX_OK:
- * known; NGX_ERROR: the backend failed the call in ctx->job.call; else an
+ * known; NGX_ERROR: the backend failed the call in ctx->job->call; else an
  * HTTP status to end with.
  */
 
@@ -466,9 +466,9 @@ ngx_int_t
 ngx_http_llama_session_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS) {
 
-        if (ctx->job.call_status != NGX_HTTP_OK
+        if (ctx->job->call_status != NGX_HTTP_OK
             || ngx_http_llama_session_parse_props(r, ctx) != NGX_OK)
         {
             return NGX_ERROR;
@@ -479,7 +479,7 @@ ngx_http_llama_session_learn(ngx_http_request_t *r,
                                            NULL, 0);
     }
 
-    if (ctx->job.call_status == 0
+    if (ctx->job->call_status == 0
         || ngx_http_llama_session_parse_models(r, ctx) != NGX_OK)
     {
         return NGX_ERROR;
@@ -817,7 +817,7 @@ ngx_http_llama_session_job_log(ngx_log_t *log, u_char *buf, size_t len)
 
     if (ctx) {
         p = ngx_snprintf(buf, len, ", the module's own request for slot %ui "
-                         "of zone \"%V\"", ctx->job.slot, &ctx->zone->name);
+                         "of zone \"%V\"", ctx->job->slot, &ctx->zone->name);
         len -= p - buf;
         buf = p;
     }
@@ -841,7 +841,7 @@ ngx_http_llama_session_sleep(ngx_http_request_t *r,
     r->read_event_handler = ngx_http_test_reading;
     r->write_event_handler = ngx_http_core_run_phases;
 
-    ngx_add_timer(&ctx->job.wait_ev, delay ? delay : 1);
+    ngx_add_timer(&ctx->job->wait_ev, delay ? delay : 1);
 
     return NGX_AGAIN;
 }
@@ -852,9 +852,9 @@ ngx_http_llama_session_sleep(ngx_http_request_t *r,
 void
 ngx_http_llama_session_job_timer(ngx_http_llama_session_ctx_t *ctx)
 {
-    ctx->job.wait_ev.handler = ngx_http_llama_session_job_wake;
-    ctx->job.wait_ev.data = ctx->request;
-    ctx->job.wait_ev.log = ctx->request->connection->log;
+    ctx->job->wait_ev.handler = ngx_http_llama_session_job_wake;
+    ctx->job->wait_ev.data = ctx->request;
+    ctx->job->wait_ev.log = ctx->request->connection->log;
 }
 
 
@@ -898,11 +898,11 @@ ngx_http_llama_session_job_ask(ngx_http_llama_session_ctx_t *ctx,
     ask->key_len = ctx->key_len;
     ask->base = ctx->base_len ? ctx->base_id : NULL;
     ask->ns = ctx->has_nsk ? ctx->nsk : NULL;
-    ask->pool = ctx->job.client ? ctx->request->pool : NULL;
+    ask->pool = ctx->job->client ? ctx->request->pool : NULL;
     ask->action = ctx->action;
     ask->unnamed = ctx->default_session;
     ask->media = ctx->media;
-    ask->base_file = ctx->warm.base_file;
+    ask->base_file = ctx->warm->base_file;
 }
 
 
@@ -916,7 +916,7 @@ ngx_http_llama_session_job_acquire(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_http_llama_session_job_ask(ctx, &ask);
 
-    rc = ngx_http_llama_session_acquire(ctx->zone, &ctx->job, &ask);
+    rc = ngx_http_llama_session_acquire(ctx->zone, ctx->job, &ask);
 
     if (rc == NGX_OK && ask.action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
         ctx->action = ask.action;
@@ -941,7 +941,7 @@ ngx_http_llama_session_job_slot_set(ngx_http_llama_session_ctx_t *ctx,
 
     ngx_http_llama_session_job_ask(ctx, &ask);
 
-    ngx_http_llama_session_slot_set(ctx->zone, &ctx->job, &ask, state, key,
+    ngx_http_llama_session_slot_set(ctx->zone, ctx->job, &ask, state, key,
                                     len, dirty);
 }
 
@@ -960,5 +960,5 @@ ngx_http_llama_session_job_remember(ngx_http_llama_session_ctx_t *ctx,
     rec.idk = (key == ctx->key) ? ctx->idk : NULL;
     rec.ns = ctx->has_nsk ? ctx->nsk : NULL;
 
-    ngx_http_llama_session_remember(ctx->zone, ctx->job.fp, key, len, &rec);
+    ngx_http_llama_session_remember(ctx->zone, ctx->job->fp, key, len, &rec);
 }

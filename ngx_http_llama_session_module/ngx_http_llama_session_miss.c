@@ -252,7 +252,7 @@ ngx_http_llama_session_miss(ngx_http_request_t *r,
     }
 
     if (ctx->msgs && total && !ctx->default_session) {
-        ngx_http_llama_session_slot_msgs(ctx->zone, ctx->job.slot, ctx->key,
+        ngx_http_llama_session_slot_msgs(ctx->zone, ctx->job->slot, ctx->key,
                                          ctx->key_len, ctx->msgs, ctx->nmsgs,
                                          total);
     }

@@ -1204,15 +1204,15 @@ ngx_http_llama_session_ollama_info(ngx_http_request_t *r,
     cJSON         *sz, *ftype;
     size_t         len;
 
-    if (ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL) {
+    if (ctx->job->call_status != NGX_HTTP_OK || ctx->job->call_reply == NULL) {
         return ngx_http_llama_session_ollama_error(r, ctx,
                                   NGX_HTTP_BAD_GATEWAY,
                                   "the model server did not list its models");
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                 ctx->job.call_reply->last
-                                     - ctx->job.call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job->call_reply->pos,
+                                 ctx->job->call_reply->last
+                                     - ctx->job->call_reply->pos);
     data = cJSON_GetObjectItemCaseSensitive(json, "data");
 
     out = cJSON_CreateObject();

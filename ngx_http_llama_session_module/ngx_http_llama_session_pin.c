@@ -148,7 +148,7 @@ ngx_http_llama_session_pin(ngx_http_request_t *r,
 
     cut->last = ngx_sprintf(cut->last, empty ? "\"id_slot\":%ui}"
                                              : ",\"id_slot\":%ui}",
-                            ctx->job.slot);
+                            ctx->job->slot);
     cut->last_buf = 1;
     cut->last_in_chain = 1;
 
@@ -166,7 +166,7 @@ ngx_http_llama_session_pin(ngx_http_request_t *r,
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: pinned to slot %ui, body of %O bytes",
-                   ctx->job.slot, r->headers_in.content_length_n);
+                   ctx->job->slot, r->headers_in.content_length_n);
 
     return NGX_OK;
 }

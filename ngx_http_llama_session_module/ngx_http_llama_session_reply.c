@@ -23,10 +23,28 @@
 #include "ngx_http_llama_session_turn.h"
 
 
+/* what the reply says of the prompt's cache, read as it passes */
+
+typedef struct {
+    u_char                          carry[NGX_HTTP_LLAMA_SESSION_CARRY];
+    size_t                          carry_len;  /* a figure cut by a seam */
+    ngx_int_t                       cache_n;    /* -1: not seen */
+    ngx_int_t                       prompt_n;
+    ngx_int_t                       cached_tokens;
+    ngx_int_t                       prompt_tokens;
+    ngx_int_t                       cache_read;
+    ngx_int_t                       input_tokens;
+    ngx_int_t                       predicted_n;
+    double                          prompt_ms;
+    double                          predicted_ms;
+    unsigned                        done:1;
+} ngx_http_llama_session_seen_t;
+
+
 static ngx_int_t ngx_http_llama_session_reply_header(ngx_http_request_t *r);
 static ngx_int_t ngx_http_llama_session_reply_body(ngx_http_request_t *r,
     ngx_chain_t *in);
-static void ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx,
+static void ngx_http_llama_session_scan(ngx_http_llama_session_seen_t *seen,
     u_char *p, u_char *last, ngx_uint_t whole);
 static void ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
@@ -40,25 +58,25 @@ static ngx_http_output_body_filter_pt    ngx_http_next_body_filter;
 
 typedef struct {
     ngx_str_t                       name;       /* "\"name\":" */
-    size_t                          offset;     /* in the context */
+    size_t                          offset;     /* in what is seen */
 } ngx_http_llama_session_figure_t;
 
 
 static ngx_http_llama_session_figure_t  ngx_http_llama_session_figures[] = {
     { ngx_string("\"cache_n\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_cache_n) },
+      offsetof(ngx_http_llama_session_seen_t, cache_n) },
     { ngx_string("\"prompt_n\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_prompt_n) },
+      offsetof(ngx_http_llama_session_seen_t, prompt_n) },
     { ngx_string("\"cached_tokens\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_cached_tokens) },
+      offsetof(ngx_http_llama_session_seen_t, cached_tokens) },
     { ngx_string("\"prompt_tokens\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_prompt_tokens) },
+      offsetof(ngx_http_llama_session_seen_t, prompt_tokens) },
     { ngx_string("\"cache_read_input_tokens\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_cache_read) },
+      offsetof(ngx_http_llama_session_seen_t, cache_read) },
     { ngx_string("\"input_tokens\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_input_tokens) },
+      offsetof(ngx_http_llama_session_seen_t, input_tokens) },
     { ngx_string("\"predicted_n\":"),
-      offsetof(ngx_http_llama_session_ctx_t, r_predicted_n) },
+      offsetof(ngx_http_llama_session_seen_t, predicted_n) },
     { ngx_null_string, 0 }
 };
 
@@ -81,7 +99,8 @@ ngx_http_llama_session_reply_init(ngx_conf_t *cf)
 static ngx_int_t
 ngx_http_llama_session_reply_header(ngx_http_request_t *r)
 {
-    ngx_http_llama_session_ctx_t  *ctx;
+    ngx_http_llama_session_ctx_t   *ctx;
+    ngx_http_llama_session_seen_t  *seen;
 
     if (r != r->main) {
         return ngx_http_next_header_filter(r);
@@ -89,20 +108,26 @@ ngx_http_llama_session_reply_header(ngx_http_request_t *r)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (ctx && ctx->job.acquired && !ctx->identity && ctx->api == NULL
-        && ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
+    if (ctx && ctx->job->acquired && !ctx->identity && ctx->api == NULL
+        && ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_PROXY
         && r->headers_out.status == NGX_HTTP_OK)
     {
-        ctx->reply_scan = 1;
-        ctx->r_cache_n = -1;
-        ctx->r_prompt_n = -1;
-        ctx->r_cached_tokens = -1;
-        ctx->r_prompt_tokens = -1;
-        ctx->r_cache_read = -1;
-        ctx->r_input_tokens = -1;
-        ctx->r_prompt_ms = -1;
-        ctx->r_predicted_n = -1;
-        ctx->r_predicted_ms = -1;
+        seen = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_seen_t));
+        if (seen == NULL) {
+            return NGX_ERROR;
+        }
+
+        seen->cache_n = -1;
+        seen->prompt_n = -1;
+        seen->cached_tokens = -1;
+        seen->prompt_tokens = -1;
+        seen->cache_read = -1;
+        seen->input_tokens = -1;
+        seen->prompt_ms = -1;
+        seen->predicted_n = -1;
+        seen->predicted_ms = -1;
+
+        ctx->reply = seen;
 
         /* a chat turn's message is kept for the re-prime (turn.c) */
         ngx_http_llama_session_turn_start(r, ctx);
@@ -115,12 +140,13 @@ ngx_http_llama_session_reply_header(ngx_http_request_t *r)
 static ngx_int_t
 ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
 {
-    u_char                        *p;
-    u_char                         joined[2 * NGX_HTTP_LLAMA_SESSION_CARRY];
-    size_t                         n, head;
-    ngx_buf_t                     *b;
-    ngx_chain_t                   *cl;
-    ngx_http_llama_session_ctx_t  *ctx;
+    u_char                         *p;
+    u_char                          joined[2 * NGX_HTTP_LLAMA_SESSION_CARRY];
+    size_t                          n, head;
+    ngx_buf_t                      *b;
+    ngx_chain_t                    *cl;
+    ngx_http_llama_session_ctx_t   *ctx;
+    ngx_http_llama_session_seen_t  *seen;
 
     if (r != r->main || in == NULL) {
         return ngx_http_next_body_filter(r, in);
@@ -128,7 +154,9 @@ ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (ctx == NULL || !ctx->reply_scan || ctx->reply_done) {
+    seen = ctx ? ctx->reply : NULL;
+
+    if (seen == NULL || seen->done) {
         return ngx_http_next_body_filter(r, in);
     }
 
@@ -146,39 +174,41 @@ ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
             n = b->last - b->pos;
             head = ngx_min(n, NGX_HTTP_LLAMA_SESSION_CARRY);
 
-            if (ctx->carry_len) {
-                p = ngx_cpymem(joined, ctx->carry, ctx->carry_len);
+            if (seen->carry_len) {
+                p = ngx_cpymem(joined, seen->carry, seen->carry_len);
                 p = ngx_cpymem(p, b->pos, head);
-                ngx_http_llama_session_scan(ctx, joined, p, 0);
+                ngx_http_llama_session_scan(seen, joined, p, 0);
             }
 
-            ngx_http_llama_session_scan(ctx, b->pos, b->last, 0);
+            ngx_http_llama_session_scan(seen, b->pos, b->last, 0);
 
             /* the tail, for the seam with the next buffer */
 
             if (n >= NGX_HTTP_LLAMA_SESSION_CARRY) {
-                ngx_memcpy(ctx->carry, b->last - NGX_HTTP_LLAMA_SESSION_CARRY,
+                ngx_memcpy(seen->carry,
+                           b->last - NGX_HTTP_LLAMA_SESSION_CARRY,
                            NGX_HTTP_LLAMA_SESSION_CARRY);
-                ctx->carry_len = NGX_HTTP_LLAMA_SESSION_CARRY;
+                seen->carry_len = NGX_HTTP_LLAMA_SESSION_CARRY;
 
-            } else if (ctx->carry_len + n <= NGX_HTTP_LLAMA_SESSION_CARRY) {
-                ngx_memcpy(ctx->carry + ctx->carry_len, b->pos, n);
-                ctx->carry_len += n;
+            } else if (seen->carry_len + n <= NGX_HTTP_LLAMA_SESSION_CARRY) {
+                ngx_memcpy(seen->carry + seen->carry_len, b->pos, n);
+                seen->carry_len += n;
 
             } else {
-                ngx_memmove(ctx->carry,
-                            ctx->carry + ctx->carry_len
+                ngx_memmove(seen->carry,
+                            seen->carry + seen->carry_len
                             - (NGX_HTTP_LLAMA_SESSION_CARRY - n),
                             NGX_HTTP_LLAMA_SESSION_CARRY - n);
-                ngx_memcpy(ctx->carry + NGX_HTTP_LLAMA_SESSION_CARRY - n, b->pos, n);
-                ctx->carry_len = NGX_HTTP_LLAMA_SESSION_CARRY;
+                ngx_memcpy(seen->carry + NGX_HTTP_LLAMA_SESSION_CARRY - n,
+                           b->pos, n);
+                seen->carry_len = NGX_HTTP_LLAMA_SESSION_CARRY;
             }
         }
 
         if (b->last_buf) {
             /* a number at the very end has no byte after it */
-            ngx_http_llama_session_scan(ctx, ctx->carry,
-                                        ctx->carry + ctx->carry_len, 1);
+            ngx_http_llama_session_scan(seen, seen->carry,
+                                        seen->carry + seen->carry_len, 1);
             ngx_http_llama_session_reply_end(r, ctx);
             ngx_http_llama_session_turn_end(r, ctx);
             break;
@@ -197,7 +227,7 @@ ngx_http_llama_session_reply_body(ngx_http_request_t *r, ngx_chain_t *in)
  */
 
 static void
-ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
+ngx_http_llama_session_scan(ngx_http_llama_session_seen_t *seen, u_char *p,
     u_char *last, ngx_uint_t whole)
 {
     u_char                           *q;
@@ -224,8 +254,8 @@ ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
                  ? &predicted_ms : NULL;
 
         if (name) {
-            msf = (name == &prompt_ms) ? &ctx->r_prompt_ms
-                                       : &ctx->r_predicted_ms;
+            msf = (name == &prompt_ms) ? &seen->prompt_ms
+                                       : &seen->predicted_ms;
             q = p + name->len;
 
             while (q < last && *q == ' ') {
@@ -284,7 +314,7 @@ ngx_http_llama_session_scan(ngx_http_llama_session_ctx_t *ctx, u_char *p,
             }
 
             if (q < last || whole) {
-                field = (ngx_int_t *) ((u_char *) ctx + f->offset);
+                field = (ngx_int_t *) ((u_char *) seen + f->offset);
                 *field = v;
             }
 
@@ -309,24 +339,26 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_uint_t                         again, swa, stop, changed;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_zone_t     *zone;
+    ngx_http_llama_session_seen_t     *seen;
     ngx_http_llama_session_metrics_t  *m;
 
-    ctx->reply_done = 1;
+    seen = ctx->reply;
+    seen->done = 1;
 
     /* llama-server's own figures first, then OpenAI's, then Anthropic's */
 
-    if (ctx->r_cache_n >= 0) {
-        cached = ctx->r_cache_n;
-        evaluated = ctx->r_prompt_n;
+    if (seen->cache_n >= 0) {
+        cached = seen->cache_n;
+        evaluated = seen->prompt_n;
 
-    } else if (ctx->r_cached_tokens >= 0) {
-        cached = ctx->r_cached_tokens;
-        evaluated = (ctx->r_prompt_tokens >= cached)
-                    ? ctx->r_prompt_tokens - cached : -1;
+    } else if (seen->cached_tokens >= 0) {
+        cached = seen->cached_tokens;
+        evaluated = (seen->prompt_tokens >= cached)
+                    ? seen->prompt_tokens - cached : -1;
 
-    } else if (ctx->r_cache_read >= 0) {
-        cached = ctx->r_cache_read;
-        evaluated = ctx->r_input_tokens;
+    } else if (seen->cache_read >= 0) {
+        cached = seen->cache_read;
+        evaluated = seen->input_tokens;
 
     } else {
         /* a reply without figures (a stream without usage): unknown */
@@ -345,40 +377,40 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     if (evaluated >= 0) {
         (void) ngx_atomic_fetch_add(&m->tokens_evaluated, evaluated);
 
-        if (ctx->r_prompt_n > 0 && ctx->r_prompt_ms > 0 && cached > 0) {
+        if (seen->prompt_n > 0 && seen->prompt_ms > 0 && cached > 0) {
             /* what the cached tokens would have cost at this prompt speed */
             (void) ngx_atomic_fetch_add(&m->prefill_saved_us,
                                         (ngx_atomic_uint_t)
-                                        (ctx->r_prompt_ms * 1000 * cached
-                                         / ctx->r_prompt_n));
+                                        (seen->prompt_ms * 1000 * cached
+                                         / seen->prompt_n));
         }
     }
 
     changed = ngx_http_llama_session_miss(r, ctx, cached, evaluated);
 
-    if (ctx->r_prompt_n > 0 && ctx->r_prompt_ms > 0) {
+    if (seen->prompt_n > 0 && seen->prompt_ms > 0) {
         /* the backend's prompt speed, for when a restore pays (cost.c) */
-        ngx_http_llama_session_cost_prefill(zone, ctx->job.fp,
-                                            ctx->r_prompt_n,
-                                            ctx->r_prompt_ms);
+        ngx_http_llama_session_cost_prefill(zone, ctx->job->fp,
+                                            seen->prompt_n,
+                                            seen->prompt_ms);
     }
 
-    if (ctx->r_predicted_n > 0 && ctx->r_predicted_ms > 0) {
+    if (seen->predicted_n > 0 && seen->predicted_ms > 0) {
         /* a draft model's help, whole or lost to a restore (cost.c) */
-        ngx_http_llama_session_cost_generate(zone, ctx->job.fp,
-                                     zone->sh->slots[ctx->job.slot].draft_lost,
-                                     ctx->r_predicted_n, ctx->r_predicted_ms);
+        ngx_http_llama_session_cost_generate(zone, ctx->job->fp,
+                                     zone->sh->slots[ctx->job->slot].draft_lost,
+                                     seen->predicted_n, seen->predicted_ms);
     }
 
     if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE
-        || ctx->job.loaded_tokens < 8)
+        || ctx->job->loaded_tokens < 8)
     {
         return;
     }
 
     /* the prompt may be shorter than what was restored (a cut history) */
 
-    expected = ctx->job.loaded_tokens;
+    expected = ctx->job->loaded_tokens;
 
     if (evaluated >= 0 && cached + evaluated - 1 < expected) {
         expected = cached + evaluated - 1;
@@ -399,7 +431,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     again = (sh->reprime_off
-             && ngx_memcmp(sh->reprime_off_fp, ctx->job.fp,
+             && ngx_memcmp(sh->reprime_off_fp, ctx->job->fp,
                            NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);
 
     if (again) {
@@ -420,7 +452,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: the restore of \"%*s\" (%ui tokens) was "
                   "ineffective: the reply shows %i tokens from the cache",
-                  ctx->key_len, ctx->key, ctx->job.loaded_tokens, cached);
+                  ctx->key_len, ctx->key, ctx->job->loaded_tokens, cached);
 
     /*
      * sliding-window attention: a slot file holds the window only, reused
@@ -437,7 +469,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
 
     swa = (cached == 0 && !changed && sh->memory_known
            && sh->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
-           && ngx_memcmp(sh->memory_fp, ctx->job.fp,
+           && ngx_memcmp(sh->memory_fp, ctx->job->fp,
                          NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);
 
     stop = !sh->restores_off
@@ -446,7 +478,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
 
     if (stop) {
         sh->restores_off = 1;
-        ngx_memcpy(sh->restores_off_fp, ctx->job.fp,
+        ngx_memcpy(sh->restores_off_fp, ctx->job->fp,
                    NGX_HTTP_LLAMA_SESSION_FP_LEN);
     }
 
@@ -461,7 +493,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "saving and restoring for backend %*s and keeps "
                       "sessions resident; start llama-server with "
                       "--swa-full for restores that work", &zone->name,
-                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
 
     } else if (stop) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -471,6 +503,6 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "saving and restoring for backend %*s until the model "
                       "or its configuration changes",
                       NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX, &zone->name,
-                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
     }
 }

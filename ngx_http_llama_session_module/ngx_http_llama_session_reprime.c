@@ -97,7 +97,7 @@ static ngx_buf_t *ngx_http_llama_session_prefix_buf(ngx_http_request_t *r,
 
 
 /*
- * Saves the session that the job's slot holds (ctx->job.out_key),
+ * Saves the session that the job's slot holds (ctx->job->out_key),
  * re-primed first when its last turn is known.  NGX_AGAIN: a call is on
  * its way (state REPRIME or SAVE); else an HTTP status.
  */
@@ -122,13 +122,13 @@ static ngx_int_t
 ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ctx->job.reprime = NULL;
+    ctx->job->reprime = NULL;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
 
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                       ctx->job.out_key, ctx->job.out_len);
+                                       ctx->job->out_key, ctx->job->out_len);
 }
 
 
@@ -144,7 +144,7 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     ngx_int_t                         rc, cached, evaluated;
     ngx_http_llama_session_prefix_t  *pp;
 
-    pp = ctx->job.reprime;
+    pp = ctx->job->reprime;
 
     rc = ngx_http_llama_session_prefix_next(r, ctx, "re-prime");
 
@@ -156,7 +156,7 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
         (void) ngx_atomic_fetch_add(&ctx->zone->sh->stats.reprime_failed, 1);
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: \"%*s\" is saved without a re-prime",
-                      ctx->job.out_len, ctx->job.out_key);
+                      ctx->job->out_len, ctx->job->out_key);
 
         return ngx_http_llama_session_reprime_save(r, ctx);
     }
@@ -173,8 +173,8 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: re-primed \"%*s\" on slot %ui of zone "
                   "\"%V\" before its save: %i tokens from the slot, %i "
-                  "evaluated, in %M ms", ctx->job.out_len, ctx->job.out_key,
-                  ctx->job.slot, &ctx->zone->name, cached, evaluated,
+                  "evaluated, in %M ms", ctx->job->out_len, ctx->job->out_key,
+                  ctx->job->slot, &ctx->zone->name, cached, evaluated,
                   ngx_current_msec - pp->start);
 
     ngx_http_llama_session_reprime_learn(r, ctx, cached);
@@ -206,9 +206,9 @@ ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
-    kind = ngx_http_llama_session_memory_kind(zone, ctx->job.fp);
+    kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
 
-    if (ctx->job.slot_tokens <= 0 || cached < 0
+    if (ctx->job->slot_tokens <= 0 || cached < 0
         || (kind != NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
             && kind != NGX_HTTP_LLAMA_SESSION_MEMORY_SWA))
     {
@@ -220,14 +220,14 @@ ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (cached < ctx->job.slot_tokens) {
+    if (cached < ctx->job->slot_tokens) {
         sh->reprime_extends = 0;
 
     } else if (++sh->reprime_extends >= NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX
                && !sh->reprime_off)
     {
         sh->reprime_off = 1;
-        ngx_memcpy(sh->reprime_off_fp, ctx->job.fp,
+        ngx_memcpy(sh->reprime_off_fp, ctx->job->fp,
                    NGX_HTTP_LLAMA_SESSION_FP_LEN);
         off = 1;
     }
@@ -242,7 +242,7 @@ ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
                       "zone saves slots as they are for backend %*s, until "
                       "a restore brings nothing",
                       NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX, &zone->name,
-                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
     }
 }
 
@@ -267,7 +267,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     zone = ctx->zone;
 
-    if (!zone->reprime || zone->store.len == 0 || ctx->job.out_len == 0) {
+    if (!zone->reprime || zone->store.len == 0 || ctx->job->out_len == 0) {
         return NGX_DECLINED;
     }
 
@@ -275,11 +275,11 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    seq = zone->sh->slots[ctx->job.slot].turn_seq;
-    zone->sh->slots[ctx->job.slot].turn_seq = 0;
+    seq = zone->sh->slots[ctx->job->slot].turn_seq;
+    zone->sh->slots[ctx->job->slot].turn_seq = 0;
 
     if (zone->sh->reprime_off
-        && ngx_memcmp(zone->sh->reprime_off_fp, ctx->job.fp,
+        && ngx_memcmp(zone->sh->reprime_off_fp, ctx->job->fp,
                       NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
     {
         /* the slot as it is extends into the next turn (reprime_learn) */
@@ -304,8 +304,8 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
      * hybrid and recurrent models always do (they reuse nothing else).
      */
 
-    if (ctx->api == NULL && !ctx->job.own) {
-        kind = ngx_http_llama_session_memory_kind(zone, ctx->job.fp);
+    if (ctx->api == NULL && !ctx->job->own) {
+        kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
 
         if (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
             || kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA)
@@ -313,9 +313,9 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
             ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                            "llama_session: \"%*s\" is saved on a swap "
                            "without a re-prime (full attention)",
-                           ctx->job.out_len, ctx->job.out_key);
+                           ctx->job->out_len, ctx->job->out_key);
 
-            ngx_http_llama_session_turn_drop(zone, ctx->job.slot,
+            ngx_http_llama_session_turn_drop(zone, ctx->job->slot,
                                              r->connection->log);
             return NGX_DECLINED;
         }
@@ -323,7 +323,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    (void) ngx_http_llama_session_turn_path(zone, ctx->job.slot, path);
+    (void) ngx_http_llama_session_turn_path(zone, ctx->job->slot, path);
 
     fd = ngx_http_llama_session_file_open(path,
                                           NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
@@ -333,7 +333,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, r->connection->log, ngx_errno,
                       "llama_session: " ngx_open_file_n " \"%s\" failed, "
                       "\"%*s\" is saved without a re-prime", path,
-                      ctx->job.out_len, ctx->job.out_key);
+                      ctx->job->out_len, ctx->job->out_key);
         return NGX_DECLINED;
     }
 
@@ -388,8 +388,8 @@ close:
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: cannot read \"%s\", \"%*s\" is saved "
-                      "without a re-prime", path, ctx->job.out_len,
-                      ctx->job.out_key);
+                      "without a re-prime", path, ctx->job->out_len,
+                      ctx->job->out_key);
         return NGX_DECLINED;
     }
 
@@ -405,7 +405,7 @@ close:
                       "llama_session: the last turn of \"%*s\" holds an "
                       "image, audio or a file: its slot is saved as it is, "
                       "without a re-prime (a render writes the media as "
-                      "text)", ctx->job.out_len, ctx->job.out_key);
+                      "text)", ctx->job->out_len, ctx->job->out_key);
         return NGX_DECLINED;
     }
 
@@ -466,14 +466,14 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
 
     if (!cJSON_IsString(key) || !cJSON_IsObject(message)
         || !cJSON_IsArray(messages)
-        || ngx_strlen(key->valuestring) != ctx->job.out_len
-        || ngx_strncmp(key->valuestring, ctx->job.out_key, ctx->job.out_len)
+        || ngx_strlen(key->valuestring) != ctx->job->out_len
+        || ngx_strncmp(key->valuestring, ctx->job->out_key, ctx->job->out_len)
            != 0)
     {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the turn file of slot %ui is not of "
                       "\"%*s\", it is saved without a re-prime",
-                      ctx->job.slot, ctx->job.out_len, ctx->job.out_key);
+                      ctx->job->slot, ctx->job->out_len, ctx->job->out_key);
         cJSON_Delete(message);
 
     } else {
@@ -603,8 +603,8 @@ ngx_http_llama_session_prefix_start(ngx_http_request_t *r,
     pp->evaluated = -1;
     pp->start = ngx_current_msec;
 
-    ctx->job.reprime = pp;
-    ctx->job.call_body = first;
+    ctx->job->reprime = pp;
+    ctx->job->call_body = first;
     pp->sent = first;
 
     return ngx_http_llama_session_call(r, ctx,
@@ -631,7 +631,7 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
     ngx_uint_t                        call;
     ngx_http_llama_session_prefix_t  *pp;
 
-    pp = ctx->job.reprime;
+    pp = ctx->job->reprime;
 
     if (pp == NULL) {
         return NGX_DECLINED;
@@ -651,16 +651,16 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
              ? NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE
              : NGX_HTTP_LLAMA_SESSION_CALL_APPLY;
 
-    if (ctx->job.call_status != NGX_HTTP_OK) {
+    if (ctx->job->call_status != NGX_HTTP_OK) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the %s on slot %ui failed: %V "
-                      "answered %i \"%*s\"", what, ctx->job.slot,
+                      "answered %i \"%*s\"", what, ctx->job->slot,
                       ngx_http_llama_session_call_name(call),
-                      ctx->job.call_status,
-                      ctx->job.call_reply
-                      ? ngx_min(ctx->job.call_reply->last
-                                - ctx->job.call_reply->pos, 200) : 0,
-                      ctx->job.call_reply ? ctx->job.call_reply->pos
+                      ctx->job->call_status,
+                      ctx->job->call_reply
+                      ? ngx_min(ctx->job->call_reply->last
+                                - ctx->job->call_reply->pos, 200) : 0,
+                      ctx->job->call_reply ? ctx->job->call_reply->pos
                                           : (u_char *) "");
         return NGX_DECLINED;
     }
@@ -695,7 +695,7 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         }
 
         pp->step++;
-        pp->sent = ctx->job.call_body;
+        pp->sent = ctx->job->call_body;
 
         return ngx_http_llama_session_call(r, ctx,
                                         NGX_HTTP_LLAMA_SESSION_CALL_TOKENIZE,
@@ -716,7 +716,7 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
         }
 
         pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_SECOND;
-        ctx->job.call_body = pp->second;
+        ctx->job->call_body = pp->second;
         pp->sent = pp->second;
 
         return ngx_http_llama_session_call(r, ctx,
@@ -766,7 +766,7 @@ ngx_http_llama_session_prefix_next(ngx_http_request_t *r,
     pp->ntokens = 0;
 
     pp->step = NGX_HTTP_LLAMA_SESSION_PREFIX_COMPLETE;
-    pp->sent = ctx->job.call_body;
+    pp->sent = ctx->job->call_body;
 
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_COMPLETE,
@@ -802,11 +802,11 @@ ngx_http_llama_session_prefix_tokenize(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    ctx->job.call_body = ngx_http_llama_session_prefix_buf(r,
+    ctx->job->call_body = ngx_http_llama_session_prefix_buf(r,
                                                 cJSON_PrintUnformatted(json));
     cJSON_Delete(json);
 
-    return ctx->job.call_body ? NGX_OK : NGX_ERROR;
+    return ctx->job->call_body ? NGX_OK : NGX_ERROR;
 }
 
 
@@ -830,7 +830,7 @@ ngx_http_llama_session_prefix_tokens_of(ngx_http_request_t *r,
     ngx_buf_t                      *b;
     ngx_http_llama_session_span_t   list;
 
-    b = ctx->job.call_reply;
+    b = ctx->job->call_reply;
 
     if (b == NULL
         || ngx_http_llama_session_json_object(b->pos, b->last,
@@ -923,7 +923,7 @@ ngx_http_llama_session_prefix_tokens(ngx_http_llama_session_ctx_t *ctx,
 {
     ngx_http_llama_session_prefix_t  *pp;
 
-    pp = ctx->job.reprime;
+    pp = ctx->job->reprime;
 
     *cached = pp ? pp->cached : -1;
     *evaluated = pp ? pp->evaluated : -1;
@@ -946,7 +946,7 @@ ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
 
     if (cJSON_AddNumberToObject(json, "n_predict", 1) == NULL
         || cJSON_AddBoolToObject(json, "cache_prompt", 1) == NULL
-        || cJSON_AddNumberToObject(json, "id_slot", ctx->job.slot) == NULL
+        || cJSON_AddNumberToObject(json, "id_slot", ctx->job->slot) == NULL
         || cJSON_AddBoolToObject(json, "stream", 0) == NULL
         || (ctx->zone->model.len
             && cJSON_AddStringToObject(json, "model",
@@ -970,9 +970,9 @@ ngx_http_llama_session_prefix_prompt(ngx_http_request_t *r,
     text = cJSON_PrintUnformatted(json);
     cJSON_Delete(json);
 
-    ctx->job.call_body = ngx_http_llama_session_prefix_buf(r, text);
+    ctx->job->call_body = ngx_http_llama_session_prefix_buf(r, text);
 
-    return ctx->job.call_body ? NGX_OK : NGX_ERROR;
+    return ctx->job->call_body ? NGX_OK : NGX_ERROR;
 }
 
 
@@ -1013,7 +1013,7 @@ ngx_http_llama_session_prefix_reply(ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_buf_t  *b;
 
-    b = ctx->job.call_reply;
+    b = ctx->job->call_reply;
 
     return b ? ngx_http_llama_session_json_tree(b->pos, b->last - b->pos)
              : NULL;

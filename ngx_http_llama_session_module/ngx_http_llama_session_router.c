@@ -106,17 +106,17 @@ ngx_int_t
 ngx_http_llama_session_route_bind(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
+    if (ctx->job->call != NGX_HTTP_LLAMA_SESSION_CALL_ROUTER) {
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_ROUTER,
                                            NULL, 0);
     }
 
-    if (!ctx->job.call_done) {
+    if (!ctx->job->call_done) {
         return NGX_AGAIN;
     }
 
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     return ngx_http_llama_session_router_listed(r, ctx);
 }
@@ -228,8 +228,8 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 {
     ngx_uint_t  call;
 
-    call = ctx->job.call;
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    call = ctx->job->call;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     switch (call) {
 
@@ -243,8 +243,8 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 
         /* 400: "model is already running" (another client's), as good */
 
-        if (ctx->job.call_status != NGX_HTTP_OK
-            && ctx->job.call_status != NGX_HTTP_BAD_REQUEST)
+        if (ctx->job->call_status != NGX_HTTP_OK
+            && ctx->job->call_status != NGX_HTTP_BAD_REQUEST)
         {
             return ngx_http_llama_session_router_fail(r, ctx,
                                                       "POST /models/load");
@@ -256,22 +256,22 @@ ngx_http_llama_session_routed(ngx_http_request_t *r,
 
         /* 400: "model is not running" already, which is as good */
 
-        if (ctx->job.call_status != NGX_HTTP_OK
-            && ctx->job.call_status != NGX_HTTP_BAD_REQUEST)
+        if (ctx->job->call_status != NGX_HTTP_OK
+            && ctx->job->call_status != NGX_HTTP_BAD_REQUEST)
         {
             return ngx_http_llama_session_router_fail(r, ctx,
                                                       "POST /models/unload");
         }
 
-        (void) ngx_http_llama_session_model_reset(ctx->route.victim, NULL,
+        (void) ngx_http_llama_session_model_reset(ctx->route->victim, NULL,
                                      -1, NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY);
 
-        ngx_atomic_fetch_add(&ctx->route.victim->sh->stats.unloads, 1);
+        ngx_atomic_fetch_add(&ctx->route->victim->sh->stats.unloads, 1);
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the router's model \"%V\" of zone "
                       "\"%V\" is unloaded for \"%V\", its sessions saved",
-                      &ctx->route.victim->model, &ctx->route.victim->name,
+                      &ctx->route->victim->model, &ctx->route->victim->name,
                       &ctx->zone->model);
 
         return ngx_http_llama_session_router_poll(r, ctx);
@@ -335,7 +335,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         {
             running++;
 
-            if (zone && zone == ctx->route.victim) {
+            if (zone && zone == ctx->route->victim) {
                 victim_running = 1;
             }
         }
@@ -399,7 +399,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
                                         NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY,
                                         "is not running");
 
-    if (ctx->route.load_sent && own_failed) {
+    if (ctx->route->load_sent && own_failed) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: llama-server's router failed to load "
                       "the model \"%V\" (zone \"%V\"): see its log",
@@ -407,7 +407,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         return ngx_http_llama_session_router_fail(r, ctx, NULL);
     }
 
-    if (ctx->route.load_sent) {
+    if (ctx->route->load_sent) {
         /* on its way */
         return ngx_http_llama_session_router_poll(r, ctx);
     }
@@ -417,7 +417,7 @@ ngx_http_llama_session_router_models(ngx_http_request_t *r,
         return ngx_http_llama_session_router_poll(r, ctx);
     }
 
-    if (ctx->route.victim && !victim_running) {
+    if (ctx->route->victim && !victim_running) {
         /* the model unloaded for this one is gone: its zone may go on */
         ngx_http_llama_session_victim_end(ctx);
         ngx_http_llama_session_wake_local();
@@ -448,7 +448,7 @@ ngx_http_llama_session_router_switch(ngx_http_request_t *r,
     max = ctx->zone->group->sh->router_max;
 
     if (max == 0 || running < max
-        || (victim == NULL && ctx->route.victim == NULL))
+        || (victim == NULL && ctx->route->victim == NULL))
     {
         /*
          * room for it; or the router's models that run are none of the
@@ -456,16 +456,16 @@ ngx_http_llama_session_router_switch(ngx_http_request_t *r,
          * is lost)
          */
 
-        ctx->route.load_sent = 1;
+        ctx->route->load_sent = 1;
 
         return ngx_http_llama_session_call(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_CALL_LOAD,
                                            NULL, 0);
     }
 
-    if (ctx->route.victim == NULL) {
-        ctx->route.victim = victim;
-        ctx->route.unload_sent = 0;
+    if (ctx->route->victim == NULL) {
+        ctx->route->victim = victim;
+        ctx->route->unload_sent = 0;
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: the router runs %ui of %ui models: "
@@ -474,17 +474,17 @@ ngx_http_llama_session_router_switch(ngx_http_request_t *r,
                       &ctx->zone->model);
     }
 
-    if (ctx->route.unload_sent) {
+    if (ctx->route->unload_sent) {
         /* until the router says it is gone */
         return ngx_http_llama_session_router_poll(r, ctx);
     }
 
-    if (!ngx_http_llama_session_victim_clean(ctx, ctx->route.victim)) {
+    if (!ngx_http_llama_session_victim_clean(ctx, ctx->route->victim)) {
         /* its requests end, its idle saver saves what changed */
         return ngx_http_llama_session_router_poll(r, ctx);
     }
 
-    ctx->route.unload_sent = 1;
+    ctx->route->unload_sent = 1;
 
     return ngx_http_llama_session_call(r, ctx,
                                        NGX_HTTP_LLAMA_SESSION_CALL_UNLOAD,
@@ -501,13 +501,13 @@ ngx_http_llama_session_router_props(ngx_http_request_t *r,
     cJSON                        *json, *role, *max;
     ngx_http_llama_session_sh_t  *sh;
 
-    if (ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL) {
+    if (ctx->job->call_status != NGX_HTTP_OK || ctx->job->call_reply == NULL) {
         return ngx_http_llama_session_router_fail(r, ctx, "GET /props");
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                 ctx->job.call_reply->last
-                                     - ctx->job.call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job->call_reply->pos,
+                                 ctx->job->call_reply->last
+                                     - ctx->job->call_reply->pos);
 
     role = cJSON_GetObjectItemCaseSensitive(json, "role");
     max = cJSON_GetObjectItemCaseSensitive(json, "max_instances");
@@ -547,14 +547,14 @@ ngx_http_llama_session_router_poll(ngx_http_request_t *r,
     ngx_msec_t  delay;
 
     if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) >= 0) {
-        if (ctx->route.victim) {
+        if (ctx->route->victim) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                           "llama_session: the router's model \"%V\" (zone "
                           "\"%V\") was not up within "
                           "llama_session_wait_timeout: \"%V\" was to be "
                           "unloaded for it, after its sessions' saves "
                           "(see the idle saves' errors)", &ctx->zone->model,
-                          &ctx->zone->name, &ctx->route.victim->model);
+                          &ctx->zone->name, &ctx->route->victim->model);
 
         } else {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -575,9 +575,9 @@ ngx_http_llama_session_router_poll(ngx_http_request_t *r,
     }
 
     delay = NGX_HTTP_LLAMA_SESSION_ROUTER_POLL
-            << ngx_min(ctx->route.router_polls, 3);
+            << ngx_min(ctx->route->router_polls, 3);
     delay = ngx_min(delay, NGX_HTTP_LLAMA_SESSION_ROUTER_POLL_MAX);
-    ctx->route.router_polls++;
+    ctx->route->router_polls++;
 
     return ngx_http_llama_session_sleep(r, ctx,
                                         ngx_min(delay,
@@ -594,10 +594,10 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
 {
     ngx_http_llama_session_route_end(ctx);
 
-    ctx->route.routed = 1;
+    ctx->route->routed = 1;
     ctx->zone->sh->model_used = ngx_current_msec;
 
-    if (ctx->route.model_reset) {
+    if (ctx->route->model_reset) {
         /*
          * the slot holds nothing of the session the zone thought, and the
          * model may be another file under its name: the fingerprint again
@@ -605,9 +605,9 @@ ngx_http_llama_session_router_done(ngx_http_request_t *r,
 
         ngx_http_llama_session_slot_lost(ctx);
 
-        ctx->job.slot_state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
-        ctx->job.slot_tokens = 0;
-        ctx->job.slot_has_base = 0;
+        ctx->job->slot_state = NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN;
+        ctx->job->slot_tokens = 0;
+        ctx->job->slot_has_base = 0;
     }
 
     /* the handler goes on with its plan */
@@ -642,13 +642,13 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
 {
     ngx_uint_t  lost;
 
-    if (ctx->route.model_reset) {
+    if (ctx->route->model_reset) {
         return;
     }
 
-    ctx->route.model_reset = 1;
+    ctx->route->model_reset = 1;
 
-    lost = ngx_http_llama_session_model_reset(ctx->zone, &ctx->job,
+    lost = ngx_http_llama_session_model_reset(ctx->zone, ctx->job,
                            (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT)
                            ? (ngx_int_t) ctx->hit_dirty : -1, state);
 
@@ -674,7 +674,7 @@ ngx_http_llama_session_router_reset(ngx_http_request_t *r,
 void
 ngx_http_llama_session_route_end(ngx_http_llama_session_ctx_t *ctx)
 {
-    if (ctx->route.switching || ctx->route.victim) {
+    if (ctx->route->switching || ctx->route->victim) {
         ngx_http_llama_session_switch_end(ctx);
 
         /* this worker's requests of the victim, or of the group, go on */
@@ -692,15 +692,15 @@ static ngx_int_t
 ngx_http_llama_session_router_list(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, cJSON **json, cJSON **data)
 {
-    if (ngx_http_llama_session_backend_failed(ctx->job.call_status)
-        || ctx->job.call_status != NGX_HTTP_OK || ctx->job.call_reply == NULL)
+    if (ngx_http_llama_session_backend_failed(ctx->job->call_status)
+        || ctx->job->call_status != NGX_HTTP_OK || ctx->job->call_reply == NULL)
     {
         return NGX_DECLINED;
     }
 
-    *json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                  ctx->job.call_reply->last
-                                      - ctx->job.call_reply->pos);
+    *json = ngx_http_llama_session_json_tree(ctx->job->call_reply->pos,
+                                  ctx->job->call_reply->last
+                                      - ctx->job->call_reply->pos);
 
     *data = cJSON_GetObjectItemCaseSensitive(*json, "data");
 
@@ -759,7 +759,7 @@ ngx_http_llama_session_switch_take(ngx_http_llama_session_ctx_t *ctx)
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *lead;
 
-    if (ctx->route.switching) {
+    if (ctx->route->switching) {
         return NGX_OK;
     }
 
@@ -784,8 +784,8 @@ ngx_http_llama_session_switch_take(ngx_http_llama_session_ctx_t *ctx)
         sh->switch_start = ngx_http_llama_session_self();
         sh->switch_seq = ++sh->switch_next;
 
-        ctx->route.switch_seq = sh->switch_seq;
-        ctx->route.switching = 1;
+        ctx->route->switch_seq = sh->switch_seq;
+        ctx->route->switching = 1;
 
         rc = NGX_OK;
     }
@@ -804,20 +804,20 @@ ngx_http_llama_session_victim_end(ngx_http_llama_session_ctx_t *ctx)
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *victim;
 
-    victim = ctx->route.victim;
+    victim = ctx->route->victim;
 
     if (victim == NULL) {
         return;
     }
 
-    ctx->route.victim = NULL;
-    ctx->route.unload_sent = 0;
+    ctx->route->victim = NULL;
+    ctx->route->unload_sent = 0;
     sh = victim->sh;
 
     ngx_shmtx_lock(&victim->shpool->mutex);
 
     if (sh->unloading == ngx_pid && sh->unloading_seq
-        == ctx->route.switch_seq) {
+        == ctx->route->switch_seq) {
         sh->unloading = 0;
         sh->unloading_start = 0;
     }
@@ -836,18 +836,18 @@ ngx_http_llama_session_switch_end(ngx_http_llama_session_ctx_t *ctx)
 
     ngx_http_llama_session_victim_end(ctx);
 
-    if (!ctx->route.switching) {
+    if (!ctx->route->switching) {
         return;
     }
 
-    ctx->route.switching = 0;
+    ctx->route->switching = 0;
 
     lead = ctx->zone->group;
     sh = lead->sh;
 
     ngx_shmtx_lock(&lead->shpool->mutex);
 
-    if (sh->switch_pid == ngx_pid && sh->switch_seq == ctx->route.switch_seq) {
+    if (sh->switch_pid == ngx_pid && sh->switch_seq == ctx->route->switch_seq) {
         sh->switch_pid = 0;
         sh->switch_start = 0;
     }
@@ -875,10 +875,10 @@ ngx_http_llama_session_victim_clean(ngx_http_llama_session_ctx_t *ctx,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     if (!(sh->unloading == ngx_pid && sh->unloading_seq
-          == ctx->route.switch_seq)) {
+          == ctx->route->switch_seq)) {
         sh->unloading = ngx_pid;
         sh->unloading_start = ngx_http_llama_session_self();
-        sh->unloading_seq = ctx->route.switch_seq;
+        sh->unloading_seq = ctx->route->switch_seq;
     }
 
     clean = 1;

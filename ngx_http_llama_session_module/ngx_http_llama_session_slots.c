@@ -31,25 +31,25 @@ ngx_http_llama_session_reply_json(ngx_log_t *log,
 {
     cJSON  *json;
 
-    if (ctx->job.call_reply == NULL) {
+    if (ctx->job->call_reply == NULL) {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: empty reply to a slot call");
         return NULL;
     }
 
-    json = ngx_http_llama_session_json_tree(ctx->job.call_reply->pos,
-                                 ctx->job.call_reply->last
-                                     - ctx->job.call_reply->pos);
+    json = ngx_http_llama_session_json_tree(ctx->job->call_reply->pos,
+                                 ctx->job->call_reply->last
+                                     - ctx->job->call_reply->pos);
 
     if (json == NULL) {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: the reply to a slot call is not "
                       "JSON of at most %d values: \"%*s\"",
                       NGX_HTTP_LLAMA_SESSION_JSON_VALUES,
-                      ngx_min(ctx->job.call_reply->last
-                              - ctx->job.call_reply->pos,
+                      ngx_min(ctx->job->call_reply->last
+                              - ctx->job->call_reply->pos,
                               200),
-                      ctx->job.call_reply->pos);
+                      ctx->job->call_reply->pos);
     }
 
     return json;
@@ -80,7 +80,7 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
         id = cJSON_GetObjectItemCaseSensitive(slot, "id");
 
         if (!cJSON_IsNumber(id) || (ngx_uint_t) id->valueint
-            != ctx->job.slot) {
+            != ctx->job->slot) {
             continue;
         }
 
@@ -95,30 +95,30 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
          * erased before another session runs there
          */
 
-        ctx->job.slot_tokens = (cJSON_IsNumber(tokens)
+        ctx->job->slot_tokens = (cJSON_IsNumber(tokens)
                                 && tokens->valuedouble >= 0)
                            ? tokens->valueint : -1;
 
         task = cJSON_GetObjectItemCaseSensitive(slot, "id_task");
-        ctx->job.slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
+        ctx->job->slot_task = cJSON_IsNumber(task) ? task->valueint : -1;
 
         /* a draft model beside the target: restores erase first (call.c) */
 
-        ctx->job.speculative = cJSON_IsTrue(
+        ctx->job->speculative = cJSON_IsTrue(
                     cJSON_GetObjectItemCaseSensitive(slot, "speculative"));
 
-        if (ctx->job.speculative
+        if (ctx->job->speculative
             && (!ctx->zone->sh->speculative
-                || ngx_memcmp(ctx->zone->sh->speculative_fp, ctx->job.fp,
+                || ngx_memcmp(ctx->zone->sh->speculative_fp, ctx->job->fp,
                               NGX_HTTP_LLAMA_SESSION_FP_LEN) != 0))
         {
             /* for the cost of a restore (cost.c); one writer's bytes */
-            ngx_memcpy(ctx->zone->sh->speculative_fp, ctx->job.fp,
+            ngx_memcpy(ctx->zone->sh->speculative_fp, ctx->job->fp,
                        NGX_HTTP_LLAMA_SESSION_FP_LEN);
             ctx->zone->sh->speculative = 1;
         }
 
-        if (ctx->job.speculative && !ctx->zone->sh->speculative_said) {
+        if (ctx->job->speculative && !ctx->zone->sh->speculative_said) {
             ctx->zone->sh->speculative_said = 1;
             ngx_log_error(NGX_LOG_NOTICE, log, 0,
                           "llama_session: llama-server runs speculative "
@@ -142,7 +142,7 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
     ngx_log_error(NGX_LOG_WARN, log, 0,
                   "llama_session: llama-server has no slot %ui (now): does "
                   "llama_session_zone's slots= match llama-server's -np?",
-                  ctx->job.slot);
+                  ctx->job->slot);
 
     return NGX_DECLINED;
 }
@@ -179,10 +179,10 @@ ngx_http_llama_session_parse_action(ngx_log_t *log,
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: unexpected reply to a slot call: "
                       "\"%*s\"",
-                      ngx_min(ctx->job.call_reply->last
-                              - ctx->job.call_reply->pos,
+                      ngx_min(ctx->job->call_reply->last
+                              - ctx->job->call_reply->pos,
                               200),
-                      ctx->job.call_reply->pos);
+                      ctx->job->call_reply->pos);
         return NGX_ERROR;
     }
 
@@ -252,7 +252,7 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
          */
 
         cJSON_Delete(json);
-        ctx->job.faces_router = 1;
+        ctx->job->faces_router = 1;
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: zone \"%V\" faces llama-server's "
                       "router mode: give each of the router's models a "
@@ -282,30 +282,30 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    ctx->job.props_slots = (ngx_uint_t) slots->valuedouble;
-    ctx->job.props_n_ctx = (ngx_uint_t) n_ctx->valuedouble;
+    ctx->job->props_slots = (ngx_uint_t) slots->valuedouble;
+    ctx->job->props_n_ctx = (ngx_uint_t) n_ctx->valuedouble;
 
-    ctx->job.props_model.len = ngx_min(ngx_strlen(path->valuestring),
+    ctx->job->props_model.len = ngx_min(ngx_strlen(path->valuestring),
                                    NGX_HTTP_LLAMA_SESSION_PATH_SHOW);
-    ctx->job.props_model.data = ngx_pnalloc(r->pool, ctx->job.props_model.len);
-    if (ctx->job.props_model.data == NULL) {
+    ctx->job->props_model.data = ngx_pnalloc(r->pool, ctx->job->props_model.len);
+    if (ctx->job->props_model.data == NULL) {
         cJSON_Delete(json);
         return NGX_ERROR;
     }
 
-    ngx_memcpy(ctx->job.props_model.data, path->valuestring,
-               ctx->job.props_model.len);
+    ngx_memcpy(ctx->job->props_model.data, path->valuestring,
+               ctx->job->props_model.len);
 
-    ctx->job.props_text.data = ngx_pnalloc(r->pool, 1024);
-    if (ctx->job.props_text.data == NULL) {
+    ctx->job->props_text.data = ngx_pnalloc(r->pool, 1024);
+    if (ctx->job->props_text.data == NULL) {
         cJSON_Delete(json);
         return NGX_ERROR;
     }
 
     /* the model path last: a path too long for the text cuts only itself */
 
-    p = ngx_snprintf(ctx->job.props_text.data, 1024, "%ui%Z%ui%Z%*s%Z%*s%Z%s",
-                     ctx->job.props_n_ctx, ctx->job.props_slots,
+    p = ngx_snprintf(ctx->job->props_text.data, 1024, "%ui%Z%ui%Z%*s%Z%*s%Z%s",
+                     ctx->job->props_n_ctx, ctx->job->props_slots,
                      cJSON_IsString(ftype)
                      ? ngx_min(ngx_strlen(ftype->valuestring), 64) : 0,
                      cJSON_IsString(ftype) ? ftype->valuestring : "",
@@ -314,7 +314,7 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
                      cJSON_IsString(build) ? build->valuestring : "",
                      path->valuestring);
 
-    ctx->job.props_text.len = p - ctx->job.props_text.data;
+    ctx->job->props_text.len = p - ctx->job->props_text.data;
 
     /* fewer or more slots than the zone's: said once, by set_fingerprint */
 
@@ -346,15 +346,15 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
         "vocab_type", NULL
     };
 
-    if (ctx->job.props_text.len == 0) {
+    if (ctx->job->props_text.len == 0) {
         return NGX_ERROR;
     }
 
-    p = ngx_cpymem(text, ctx->job.props_text.data,
-                   ngx_min(ctx->job.props_text.len, 1024));
+    p = ngx_cpymem(text, ctx->job->props_text.data,
+                   ngx_min(ctx->job->props_text.len, 1024));
     last = text + sizeof(text);
 
-    json = (ctx->job.call_status == NGX_HTTP_OK)
+    json = (ctx->job->call_status == NGX_HTTP_OK)
            ? ngx_http_llama_session_reply_json(r->connection->log, ctx)
            : NULL;
 
@@ -383,7 +383,7 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 
     meta = cJSON_GetObjectItemCaseSensitive(model, "meta");
 
-    ctx->job.props_n_embd = 0;
+    ctx->job->props_n_embd = 0;
 
     if (cJSON_IsObject(meta)) {
         item = cJSON_GetObjectItemCaseSensitive(meta, "n_embd");
@@ -392,7 +392,7 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
             && item->valuedouble < 1e9)
         {
             /* to tell the model's file from another's (gguf.c) */
-            ctx->job.props_n_embd = (uint64_t) item->valuedouble;
+            ctx->job->props_n_embd = (uint64_t) item->valuedouble;
         }
 
         for (i = 0; fields[i]; i++) {
@@ -423,7 +423,7 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: GET /v1/models answered %i without "
                       "the model's \"meta\": file names carry what /props "
-                      "says only", ctx->job.call_status);
+                      "says only", ctx->job->call_status);
     }
 
     cJSON_Delete(json);
@@ -434,10 +434,10 @@ ngx_http_llama_session_parse_models(ngx_http_request_t *r,
 
     ngx_hex_dump(fp, hash, NGX_HTTP_LLAMA_SESSION_FP_LEN / 2);
 
-    ngx_http_llama_session_set_fingerprint(ctx->zone, &ctx->job, fp,
-                                           ctx->job.props_n_ctx,
-                                           ctx->job.props_slots,
-                                           &ctx->job.props_model);
+    ngx_http_llama_session_set_fingerprint(ctx->zone, ctx->job, fp,
+                                           ctx->job->props_n_ctx,
+                                           ctx->job->props_slots,
+                                           &ctx->job->props_model);
 
     return NGX_OK;
 }

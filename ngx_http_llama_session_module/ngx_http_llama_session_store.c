@@ -685,7 +685,7 @@ ngx_http_llama_session_store_prev(ngx_http_request_t *r,
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.%*s.json%Z", &ctx->zone->store,
                  ctx->key_len, ctx->key,
-                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
 
     fd = ngx_http_llama_session_file_open(file,
                                           NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
@@ -1332,7 +1332,7 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_OK;
     }
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
 
     ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
     ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
@@ -1369,12 +1369,12 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
-    if (aside && ctx->request && !ctx->api && !ctx->job.own
-        && ctx->job.old_len == 0)
+    if (aside && ctx->request && !ctx->api && !ctx->job->own
+        && ctx->job->old_len == 0)
     {
         /* deleting a large file takes its time: after the request */
-        ngx_memcpy(ctx->job.old_name, name, n);
-        ctx->job.old_len = n;
+        ngx_memcpy(ctx->job->old_name, name, n);
+        ctx->job->old_len = n;
         return NGX_OK;
     }
 
@@ -1397,9 +1397,9 @@ ngx_http_llama_session_store_drop_old(ngx_log_t *log,
     u_char  file[NGX_MAX_PATH];
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin.old%Z", &ctx->zone->store,
-                 ctx->job.old_len, ctx->job.old_name);
+                 ctx->job->old_len, ctx->job->old_name);
 
-    ctx->job.old_len = 0;
+    ctx->job->old_len = 0;
 
     if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
         && ngx_errno != NGX_ENOENT)
@@ -1424,7 +1424,7 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
         return;
     }
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin.tmp%Z", &ctx->zone->store,
                  n, name);
@@ -1510,8 +1510,8 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
 
     bpt = zone->sh->bytes_per_token;
 
-    if (ctx->job.slot_tokens > 0 && bpt) {
-        file = (off_t) ctx->job.slot_tokens * (off_t) bpt / 256;
+    if (ctx->job->slot_tokens > 0 && bpt) {
+        file = (off_t) ctx->job->slot_tokens * (off_t) bpt / 256;
 
     } else {
         file = zone->sh->files ? zone->sh->bytes / (off_t) zone->sh->files
@@ -1595,7 +1595,7 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     ngx_str_t        *store;
     ngx_file_info_t   fi;
 
-    rc = ngx_http_llama_session_file_known(ctx->zone, ctx->job.fp, key, len);
+    rc = ngx_http_llama_session_file_known(ctx->zone, ctx->job->fp, key, len);
 
     if (rc != -1) {
         return rc;
@@ -1615,7 +1615,7 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     }
 
     ngx_sprintf(path, "%V/%*s.%*s.bin%Z", store, len, key,
-                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job.fp);
+                (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
 
     /* a regular file: a link is never restored (nor committed) */
 
@@ -1637,7 +1637,7 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
     u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t  n;
 
-    ngx_http_llama_session_file_saved(ctx->zone, &ctx->job, key, len,
+    ngx_http_llama_session_file_saved(ctx->zone, ctx->job, key, len,
                                       key == ctx->base_key, 1, tokens, bytes);
     ngx_http_llama_session_stat(&ctx->zone->sh->stats.saves);
 
@@ -1648,14 +1648,14 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
     }
 
     if (ctx->zone->store.len) {
-        n = ngx_http_llama_session_file_name(name, key, len, ctx->job.fp);
+        n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
         (void) ngx_http_llama_session_store_meta(log, ctx->zone, name, n,
-                                                 ctx->job.slot);
+                                                 ctx->job->slot);
     }
 
-    ngx_http_llama_session_slot_saved(ctx->zone, ctx->job.slot, key, len);
+    ngx_http_llama_session_slot_saved(ctx->zone, ctx->job->slot, key, len);
 
-    if (key != ctx->job.out_key) {
+    if (key != ctx->job->out_key) {
         /* a base: it goes before the session that starts from it */
         ngx_http_llama_session_store_evict(log, ctx->zone, key, len);
 
@@ -1663,7 +1663,7 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
         ngx_http_llama_session_store_evict(log, ctx->zone, ctx->key, ctx->key_len);
 
     } else {
-        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->job.out_key,
-                                     ctx->job.out_len);
+        ngx_http_llama_session_store_evict(log, ctx->zone, ctx->job->out_key,
+                                     ctx->job->out_len);
     }
 }

@@ -231,7 +231,7 @@ ngx_http_llama_session_turn_start(ngx_http_request_t *r,
     /* nothing is saved on a backend where restores stopped: no turn */
 
     if (!ctx->zone->reprime || ctx->zone->store.len == 0 || ctx->probe
-        || ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
+        || ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)
         || ctx->default_session || !ctx->dialect->turn
         || ctx->key_len == 0
         || r->request_body == NULL || r->request_body->bufs == NULL)
@@ -474,7 +474,7 @@ ngx_http_llama_session_turn_end(ngx_http_request_t *r,
     t = ctx->turn;
     ctx->turn = NULL;
 
-    if (t == NULL || t->failed || !ctx->job.acquired || ctx->job.released) {
+    if (t == NULL || t->failed || !ctx->job->acquired || ctx->job->released) {
         return;
     }
 
@@ -508,7 +508,7 @@ ngx_http_llama_session_turn_end(ngx_http_request_t *r,
     cJSON_Delete(message);
 
     /* the request holds the slot: only its holder touches turn_seq */
-    sh->slots[ctx->job.slot].turn_seq = seq;
+    sh->slots[ctx->job->slot].turn_seq = seq;
 
     ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: turn %ui of \"%*s\" kept for its re-prime",
@@ -673,7 +673,7 @@ ngx_http_llama_session_turn_write(ngx_http_request_t *r,
 
     cJSON_free(text);
 
-    (void) ngx_http_llama_session_turn_path(ctx->zone, ctx->job.slot, path);
+    (void) ngx_http_llama_session_turn_path(ctx->zone, ctx->job->slot, path);
     ngx_snprintf(tmp, sizeof(tmp), "%s.tmp%Z", path);
 
     /* a name left by a crash, or planted (a link, a FIFO): removed */

@@ -143,10 +143,10 @@ ngx_http_llama_session_var(ngx_http_request_t *r,
     }
 
     if ((data == NGX_HTTP_LLAMA_SESSION_VAR_SLOT
-         && (!ctx->job.acquired
+         && (!ctx->job->acquired
              || ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS))
         || (data == NGX_HTTP_LLAMA_SESSION_VAR_CACHED
-            && (!ctx->reply_done || ctx->cached < 0)))
+            && ctx->cached < 0))
     {
         v->not_found = 1;
         return NGX_OK;
@@ -162,7 +162,7 @@ ngx_http_llama_session_var(ngx_http_request_t *r,
     switch (data) {
 
     case NGX_HTTP_LLAMA_SESSION_VAR_SLOT:
-        p = ngx_sprintf(p, "%ui", ctx->job.slot);
+        p = ngx_sprintf(p, "%ui", ctx->job->slot);
         break;
 
     case NGX_HTTP_LLAMA_SESSION_VAR_WAIT_MS:

@@ -125,20 +125,20 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* 1. the slot holds a session of the same base */
 
-    if (ctx->job.slot_has_base && !ctx->job.restarted
-        && ctx->job.slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-        && ctx->job.slot_tokens != 0
-        && ngx_memcmp(ctx->job.slot_base, ctx->base_id,
+    if (ctx->job->slot_has_base && !ctx->job->restarted
+        && ctx->job->slot_state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        && ctx->job->slot_tokens != 0
+        && ngx_memcmp(ctx->job->slot_base, ctx->base_id,
                       NGX_HTTP_LLAMA_SESSION_DIGEST) == 0)
     {
         if (llcf->warm == NGX_HTTP_LLAMA_SESSION_WARM_HISTORY) {
-            ctx->warm.history = 1;
+            ctx->warm->history = 1;
             return ngx_http_llama_session_warm_go(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_ACTION_WARM);
         }
 
-        ctx->warm.trimmed = 1;
-        ctx->warm.base_file = (ngx_http_llama_session_store_has_file(r, ctx,
+        ctx->warm->trimmed = 1;
+        ctx->warm->base_file = (ngx_http_llama_session_store_has_file(r, ctx,
                                                           ctx->base_key,
                                                           ctx->base_len)
                           == 1);
@@ -149,21 +149,21 @@ ngx_http_llama_session_warm(ngx_http_request_t *r,
 
     /* 2. the base's file */
 
-    ctx->warm.base_file = (ngx_http_llama_session_store_has_file(r, ctx,
+    ctx->warm->base_file = (ngx_http_llama_session_store_has_file(r, ctx,
         ctx->base_key,
                                                       ctx->base_len)
                       == 1
                       && !ngx_http_llama_session_restores_off(ctx->zone,
-                                                              ctx->job.fp));
+                                                              ctx->job->fp));
 
-    if (ctx->warm.base_file) {
+    if (ctx->warm->base_file) {
         return ngx_http_llama_session_warm_call(r, ctx,
                                           NGX_HTTP_LLAMA_SESSION_WARM_RESTORE);
     }
 
     /* 3. an empty slot, then the base is made */
 
-    if (ctx->job.slot_tokens != 0) {
+    if (ctx->job->slot_tokens != 0) {
         return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_ERASE);
     }
@@ -180,7 +180,7 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
     ngx_uint_t  call, kind;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_WARM);
-    ctx->warm.warm_step = step;
+    ctx->warm->warm_step = step;
 
     switch (step) {
 
@@ -192,21 +192,21 @@ ngx_http_llama_session_warm_call(ngx_http_request_t *r,
         call = NGX_HTTP_LLAMA_SESSION_CALL_PRIME;
 
         /* the call sends the body made here */
-        if (ngx_http_llama_session_prime_body(r, ctx, &ctx->job.call_body)
+        if (ngx_http_llama_session_prime_body(r, ctx, &ctx->job->call_body)
             != NGX_OK)
         {
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
 
-        kind = ngx_http_llama_session_memory_kind(ctx->zone, ctx->job.fp);
+        kind = ngx_http_llama_session_memory_kind(ctx->zone, ctx->job->fp);
 
-        ctx->warm.prefix = (ctx->dialect->prime_shape
+        ctx->warm->prefix = (ctx->dialect->prime_shape
                                 == NGX_HTTP_LLAMA_SESSION_PRIME_CHAT
                             && (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_HYBRID
                                 || kind
                                    == NGX_HTTP_LLAMA_SESSION_MEMORY_RECURRENT));
 
-        if (ctx->warm.prefix) {
+        if (ctx->warm->prefix) {
             /* the prefix prime (reprime.c) of that body */
             return ngx_http_llama_session_prime_prefix(r, ctx);
         }
@@ -239,15 +239,15 @@ ngx_http_llama_session_warm_used(ngx_http_request_t *r,
     u_char  name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t  n;
 
-    if (ngx_http_llama_session_base_used(ctx->zone, ctx->job.fp,
+    if (ngx_http_llama_session_base_used(ctx->zone, ctx->job->fp,
                                          ctx->base_key, ctx->base_len)
         == 0 && ctx->zone->store.len)
     {
         n = ngx_http_llama_session_file_name(name, ctx->base_key,
-                                             ctx->base_len, ctx->job.fp);
+                                             ctx->base_len, ctx->job->fp);
         (void) ngx_http_llama_session_store_meta(r->connection->log,
                                                  ctx->zone, name, n,
-                                                 ctx->job.slot);
+                                                 ctx->job->slot);
     }
 }
 
@@ -267,10 +267,10 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     static char  *names[] = { "", "restore of the base", "erase",
                               "prime", "save of the base", "erase" };
 
-    status = ctx->job.call_status;
-    step = ctx->warm.warm_step;
+    status = ctx->job->call_status;
+    step = ctx->warm->warm_step;
 
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
     if (ngx_http_llama_session_backend_failed(status)) {
         if (step == NGX_HTTP_LLAMA_SESSION_WARM_SAVE) {
@@ -301,8 +301,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
         /* a failed restore leaves the slot empty: the base is made anew */
 
-        ctx->warm.base_file = 0;
-        ctx->job.slot_tokens = 0;
+        ctx->warm->base_file = 0;
+        ctx->job->slot_tokens = 0;
 
         return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
@@ -310,7 +310,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     case NGX_HTTP_LLAMA_SESSION_WARM_ERASE:
 
         if (status == NGX_HTTP_OK) {
-            ctx->job.slot_tokens = 0;
+            ctx->job->slot_tokens = 0;
 
             return ngx_http_llama_session_warm_call(r, ctx,
                                             NGX_HTTP_LLAMA_SESSION_WARM_PRIME);
@@ -322,7 +322,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
         rc = NGX_OK;
 
-        if (ctx->warm.prefix) {
+        if (ctx->warm->prefix) {
             rc = ngx_http_llama_session_prefix_next(r, ctx, "base's prime");
 
             if (rc == NGX_AGAIN) {
@@ -341,16 +341,16 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                           "prompt alone for base \"%*s\" (%i: \"%*s\"), the "
                           "session starts fresh",
                           ctx->base_len, ctx->base_key, status,
-                          ctx->job.call_reply
-                          ? ngx_min(ctx->job.call_reply->last
-                                    - ctx->job.call_reply->pos, 200)
+                          ctx->job->call_reply
+                          ? ngx_min(ctx->job->call_reply->last
+                                    - ctx->job->call_reply->pos, 200)
                           : 0,
-                          ctx->job.call_reply ? ctx->job.call_reply->pos
+                          ctx->job->call_reply ? ctx->job->call_reply->pos
                                           : (u_char *) "");
 
-            ctx->warm.trimmed = 0;
+            ctx->warm->trimmed = 0;
 
-            if (ctx->job.slot_tokens == 0) {
+            if (ctx->job->slot_tokens == 0) {
                 return ngx_http_llama_session_warm_go(r, ctx,
                                            NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
             }
@@ -359,28 +359,28 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                             NGX_HTTP_LLAMA_SESSION_WARM_CLEAN);
         }
 
-        if (!ctx->warm.prefix) {
-            ctx->warm.base_tokens = ngx_http_llama_session_prime_tokens(
+        if (!ctx->warm->prefix) {
+            ctx->warm->base_tokens = ngx_http_llama_session_prime_tokens(
                                          r->connection->log,
-                                             ctx->job.call_reply,
-                                         &ctx->warm.base_cached);
+                                             ctx->job->call_reply,
+                                         &ctx->warm->base_cached);
 
         } else {
             ngx_http_llama_session_prefix_tokens(ctx, &cached, &evaluated);
-            ctx->warm.base_cached = cached;
-            ctx->warm.base_tokens = (cached >= 0 && evaluated >= 0)
+            ctx->warm->base_cached = cached;
+            ctx->warm->base_tokens = (cached >= 0 && evaluated >= 0)
                                     ? (ngx_uint_t) (cached + evaluated) : 0;
         }
 
-        if (ctx->warm.trimmed && ctx->warm.base_file) {
+        if (ctx->warm->trimmed && ctx->warm->base_file) {
             ngx_http_llama_session_warm_used(r, ctx);
         }
 
         /* one slot at a time saves a base: its file has one name */
 
-        if (!ctx->warm.base_file
-            && !ngx_http_llama_session_restores_off(ctx->zone, ctx->job.fp)
-            && ngx_http_llama_session_base_claim(ctx->zone, &ctx->job,
+        if (!ctx->warm->base_file
+            && !ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)
+            && ngx_http_llama_session_base_claim(ctx->zone, ctx->job,
                                                  ctx->base_id))
         {
             return ngx_http_llama_session_warm_call(r, ctx,
@@ -388,7 +388,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
         }
 
         return ngx_http_llama_session_warm_go(r, ctx,
-                                   ctx->warm.trimmed
+                                   ctx->warm->trimmed
                                    ? NGX_HTTP_LLAMA_SESSION_ACTION_WARM
                                    : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
 
@@ -400,19 +400,19 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
                                              ctx->base_len)
             == NGX_OK)
         {
-            ctx->warm.base_built = 1;
+            ctx->warm->base_built = 1;
             ngx_http_llama_session_job_remember(ctx, ctx->base_key, ctx->base_len,
                                             &ngx_http_llama_session_base_id);
             ngx_http_llama_session_stat(&ctx->zone->sh->stats.bases);
 
-            if (ctx->warm.trimmed) {
+            if (ctx->warm->trimmed) {
                 /* made from another session's slot: this one uses it */
                 ngx_http_llama_session_warm_used(r, ctx);
             }
         }
 
         return ngx_http_llama_session_warm_go(r, ctx,
-                                   ctx->warm.trimmed
+                                   ctx->warm->trimmed
                                    ? NGX_HTTP_LLAMA_SESSION_ACTION_WARM
                                    : NGX_HTTP_LLAMA_SESSION_ACTION_FRESH);
 
@@ -425,7 +425,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
     if (status != NGX_HTTP_OK) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "llama_session: erasing slot %ui failed (%i), the "
-                      "request goes on", ctx->job.slot, status);
+                      "request goes on", ctx->job->slot, status);
     }
 
     return ngx_http_llama_session_warm_go(r, ctx,
@@ -437,7 +437,7 @@ static ngx_int_t
 ngx_http_llama_session_warm_go(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t action)
 {
-    ctx->warm.warm_step = NGX_HTTP_LLAMA_SESSION_WARM_NONE;
+    ctx->warm->warm_step = NGX_HTTP_LLAMA_SESSION_WARM_NONE;
     ctx->action = action;
 
     /* the slot is ready: the handler lets proxy_pass carry the request */
@@ -545,7 +545,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
     /* Anthropic's converter drops id_slot, OpenAI's keeps it */
 
     if (!anthropic) {
-        b->last = ngx_sprintf(b->last, ",\"id_slot\":%ui", ctx->job.slot);
+        b->last = ngx_sprintf(b->last, ",\"id_slot\":%ui", ctx->job->slot);
     }
 
     *b->last++ = '}';
@@ -555,7 +555,7 @@ ngx_http_llama_session_prime_body(ngx_http_request_t *r,
 
     if (ctx->dialect->prime_filter) {
         /* translated as the request was (Anthropic's: anthropic.c) */
-        b = ctx->dialect->prime_filter(r, b, ctx->job.slot);
+        b = ctx->dialect->prime_filter(r, b, ctx->job->slot);
         if (b == NULL) {
             return NGX_ERROR;
         }
@@ -592,8 +592,8 @@ ngx_http_llama_session_prime_prefix(ngx_http_request_t *r,
     ngx_int_t   rc;
     ngx_buf_t  *b, *first, *second;
 
-    b = ctx->job.call_body;
-    ctx->job.call_body = NULL;
+    b = ctx->job->call_body;
+    ctx->job->call_body = NULL;
 
     body = ngx_http_llama_session_json_tree(b->pos, b->last - b->pos);
     if (body == NULL) {
