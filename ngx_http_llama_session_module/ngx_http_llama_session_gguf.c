@@ -37,13 +37,23 @@
 #define NGX_HTTP_LLAMA_SESSION_GGUF_KEY   256
 
 
+/* the file as it is read, and what its keys said */
+
 typedef struct {
-    ngx_fd_t                        fd;
-    off_t                           offset;     /* of buf[0] in the file */
-    size_t                          pos;
-    size_t                          len;
-    off_t                           read;       /* bytes read in all */
-    u_char                          buf[NGX_HTTP_LLAMA_SESSION_GGUF_BUF];
+    ngx_fd_t                          fd;
+    off_t                             offset;   /* of buf[0] in the file */
+    size_t                            pos;
+    size_t                            len;
+    off_t                             read;     /* bytes read in all */
+    ngx_http_llama_session_memory_t  *mem;
+    size_t                            alen;
+    u_char                            arch[NGX_HTTP_LLAMA_SESSION_ARCH_MAX];
+    unsigned                          early:1;  /* a model's key before
+                                                   general.architecture */
+    unsigned                          recurrent:1;
+    unsigned                          attention:1;
+    unsigned                          heads_seen:1;
+    u_char                            buf[NGX_HTTP_LLAMA_SESSION_GGUF_BUF];
 } ngx_http_llama_session_gguf_t;
 
 
@@ -53,8 +63,15 @@ static ngx_int_t ngx_http_llama_session_gguf_skip(
     ngx_http_llama_session_gguf_t *g, uint32_t type, ngx_uint_t depth);
 static ngx_int_t ngx_http_llama_session_gguf_uint(
     ngx_http_llama_session_gguf_t *g, uint32_t type, uint64_t *v);
-static ngx_uint_t ngx_http_llama_session_gguf_has(u_char *key, size_t len,
-    u_char *arch, size_t alen, char *name);
+static ngx_int_t ngx_http_llama_session_gguf_pass(
+    ngx_http_llama_session_gguf_t *g, uint64_t nkv);
+static ngx_int_t ngx_http_llama_session_gguf_value(
+    ngx_http_llama_session_gguf_t *g, u_char *key, size_t klen, uint32_t type);
+static ngx_int_t ngx_http_llama_session_gguf_heads(
+    ngx_http_llama_session_gguf_t *g, uint32_t type);
+static void ngx_http_llama_session_gguf_kind(ngx_http_llama_session_gguf_t *g);
+static ngx_uint_t ngx_http_llama_session_gguf_has(
+    ngx_http_llama_session_gguf_t *g, u_char *key, size_t len, char *name);
 
 
 /* the bytes of a scalar of each type, 0: not a scalar */
@@ -135,15 +152,11 @@ ngx_int_t
 ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
     ngx_http_llama_session_memory_t *mem)
 {
-    u_char                         key[NGX_HTTP_LLAMA_SESSION_GGUF_KEY];
-    u_char                         arch[NGX_HTTP_LLAMA_SESSION_ARCH_MAX];
-    size_t                         alen;
-    uint32_t                       version, type, etype;
-    off_t                          kv;
-    uint64_t                       ntensors, nkv, klen, slen, n, v, i;
-    ngx_int_t                      rc;
-    ngx_uint_t                     recurrent, attention, heads_seen, early,
-                                   pass;
+    u_char                          magic[4];
+    off_t                           kv;
+    uint32_t                        version;
+    uint64_t                        ntensors, nkv;
+    ngx_int_t                       rc;
     ngx_http_llama_session_gguf_t  *g;
 
     ngx_memzero(mem, sizeof(ngx_http_llama_session_memory_t));
@@ -153,10 +166,8 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
         return NGX_ERROR;
     }
 
-    g->offset = 0;
-    g->pos = 0;
-    g->len = 0;
-    g->read = 0;
+    ngx_memzero(g, offsetof(ngx_http_llama_session_gguf_t, buf));
+    g->mem = mem;
 
     /* follows links (hub caches), never blocks, a regular file only */
 
@@ -173,13 +184,9 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
     }
 
     rc = NGX_DECLINED;
-    alen = 0;
-    recurrent = 0;
-    attention = 0;
-    heads_seen = 0;
 
-    if (ngx_http_llama_session_gguf_get(g, key, 4) != NGX_OK
-        || ngx_strncmp(key, "GGUF", 4) != 0
+    if (ngx_http_llama_session_gguf_get(g, magic, 4) != NGX_OK
+        || ngx_strncmp(magic, "GGUF", 4) != 0
         || ngx_http_llama_session_gguf_get(g, &version, 4) != NGX_OK
         || (version != 2 && version != 3)
         || ngx_http_llama_session_gguf_get(g, &ntensors, 8) != NGX_OK
@@ -197,166 +204,213 @@ ngx_http_llama_session_gguf_memory(ngx_log_t *log, u_char *path,
      */
 
     kv = g->offset + (off_t) g->pos;
-    early = 0;
 
-    for (pass = 0; pass < 2; pass++) {
+    if (ngx_http_llama_session_gguf_pass(g, nkv) == NGX_OK
+        && g->early && g->alen)
+    {
+        g->offset = kv;
+        g->pos = 0;
+        g->len = 0;
+        g->read = 0;
 
-        if (pass == 1) {
-            if (!early || alen == 0) {
-                break;
-            }
-
-            g->offset = kv;
-            g->pos = 0;
-            g->len = 0;
-            g->read = 0;
-
-            recurrent = 0;
-            attention = 0;
-            heads_seen = 0;
-            mem->window = 0;
-            mem->n_embd = 0;
-        }
-
-        for (i = 0; i < nkv; i++) {
-
-            if (ngx_http_llama_session_gguf_get(g, &klen, 8) != NGX_OK
-                || klen == 0 || klen >= NGX_HTTP_LLAMA_SESSION_GGUF_KEY
-                || ngx_http_llama_session_gguf_get(g, key, klen) != NGX_OK
-                || ngx_http_llama_session_gguf_get(g, &type, 4) != NGX_OK
-                || type >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES)
-            {
-                goto ended;
-            }
-
-            if (klen == sizeof("general.architecture") - 1
-                && ngx_strncmp(key, "general.architecture", klen) == 0
-                && type == NGX_HTTP_LLAMA_SESSION_GGUF_STRING
-                && alen == 0)
-            {
-                if (ngx_http_llama_session_gguf_get(g, &slen, 8) != NGX_OK
-                    || slen == 0 || slen >= NGX_HTTP_LLAMA_SESSION_ARCH_MAX
-                    || ngx_http_llama_session_gguf_get(g, arch, slen) != NGX_OK)
-                {
-                    goto done;
-                }
-
-                alen = (size_t) slen;
-                continue;
-            }
-
-            if (alen == 0
-                && !(klen >= 8 && ngx_strncmp(key, "general.", 8) == 0)
-                && !(klen >= 10 && ngx_strncmp(key, "tokenizer.", 10) == 0))
-            {
-                /* perhaps a model's key before its architecture */
-                early = 1;
-            }
-
-            if (alen == 0 || klen <= alen + 1
-                || ngx_strncmp(key, arch, alen) != 0 || key[alen] != '.')
-            {
-                if (ngx_http_llama_session_gguf_skip(g, type, 0) != NGX_OK) {
-                    goto ended;
-                }
-
-                continue;
-            }
-
-            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen, "ssm.")
-                || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                                   "shortconv.")
-                || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                                   "wkv."))
-            {
-                recurrent = 1;
-            }
-
-            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                                "attention.sliding_window")
-                == 2 && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
-            {
-                if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
-                    goto ended;
-                }
-
-                mem->window = (uint32_t) ngx_min(v, 0x7fffffff);
-                continue;
-            }
-
-            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                                "embedding_length") == 2
-                && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
-            {
-                if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
-                    goto ended;
-                }
-
-                mem->n_embd = v;
-                continue;
-            }
-
-            if (ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                                "attention.head_count") == 2
-                || ngx_http_llama_session_gguf_has(key, klen, arch, alen,
-                                                   "attention.head_count_kv")
-                   == 2)
-            {
-                /* a number, or one per layer: any layer that attends? */
-
-                heads_seen = 1;
-
-                if (type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY) {
-                    if (ngx_http_llama_session_gguf_uint(g, type, &v)
-                        != NGX_OK)
-                    {
-                        goto ended;
-                    }
-
-                    attention |= (v > 0);
-                    continue;
-                }
-
-                if (ngx_http_llama_session_gguf_get(g, &etype, 4) != NGX_OK
-                    || ngx_http_llama_session_gguf_get(g, &n, 8) != NGX_OK
-                    || etype >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES
-                    || ngx_http_llama_session_gguf_size[etype] == 0
-                    || n > 65536)
-                {
-                    goto ended;
-                }
-
-                while (n--) {
-                    if (ngx_http_llama_session_gguf_uint(g, etype, &v)
-                        != NGX_OK)
-                    {
-                        goto ended;
-                    }
-
-                    attention |= (v > 0);
-                }
-
-                continue;
-            }
-
-            if (ngx_http_llama_session_gguf_skip(g, type, 0) != NGX_OK) {
-                goto ended;
-            }
-        }
-
+        (void) ngx_http_llama_session_gguf_pass(g, nkv);
     }
 
-ended:
-
-    if (alen == 0) {
-        goto done;
+    if (g->alen) {
+        ngx_http_llama_session_gguf_kind(g);
+        rc = NGX_OK;
     }
 
-    ngx_memcpy(mem->arch, arch, alen);
-    mem->arch[alen] = '\0';
+done:
 
-    if (recurrent) {
-        mem->kind = (attention || !heads_seen)
+    if (rc != NGX_OK) {
+        ngx_log_error(NGX_LOG_INFO, log, 0,
+                      "llama_session: \"%s\" is not a GGUF file this module "
+                      "can read, the model's memory is not known", path);
+    }
+
+    if (ngx_close_file(g->fd) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
+                      ngx_close_file_n " \"%s\" failed", path);
+    }
+
+    ngx_free(g);
+
+    return rc;
+}
+
+
+/*
+ * The nkv key-value pairs once, knowing at most the architecture;
+ * NGX_OK: all read, else the scan ends
+ */
+
+static ngx_int_t
+ngx_http_llama_session_gguf_pass(ngx_http_llama_session_gguf_t *g,
+    uint64_t nkv)
+{
+    u_char    key[NGX_HTTP_LLAMA_SESSION_GGUF_KEY];
+    uint32_t  type;
+    uint64_t  klen, i;
+
+    g->recurrent = 0;
+    g->attention = 0;
+    g->heads_seen = 0;
+    g->mem->window = 0;
+    g->mem->n_embd = 0;
+
+    for (i = 0; i < nkv; i++) {
+
+        if (ngx_http_llama_session_gguf_get(g, &klen, 8) != NGX_OK
+            || klen == 0 || klen >= NGX_HTTP_LLAMA_SESSION_GGUF_KEY
+            || ngx_http_llama_session_gguf_get(g, key, klen) != NGX_OK
+            || ngx_http_llama_session_gguf_get(g, &type, 4) != NGX_OK
+            || type >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES
+            || ngx_http_llama_session_gguf_value(g, key, klen, type)
+               != NGX_OK)
+        {
+            return NGX_DECLINED;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * The value of a key: the architecture, or a key of the architecture
+ * that tells its memory; any other one is skipped
+ */
+
+static ngx_int_t
+ngx_http_llama_session_gguf_value(ngx_http_llama_session_gguf_t *g,
+    u_char *key, size_t klen, uint32_t type)
+{
+    uint64_t  slen, v;
+
+    if (klen == sizeof("general.architecture") - 1
+        && ngx_strncmp(key, "general.architecture", klen) == 0
+        && type == NGX_HTTP_LLAMA_SESSION_GGUF_STRING
+        && g->alen == 0)
+    {
+        if (ngx_http_llama_session_gguf_get(g, &slen, 8) != NGX_OK
+            || slen == 0 || slen >= NGX_HTTP_LLAMA_SESSION_ARCH_MAX
+            || ngx_http_llama_session_gguf_get(g, g->arch, slen) != NGX_OK)
+        {
+            return NGX_DECLINED;
+        }
+
+        g->alen = (size_t) slen;
+        return NGX_OK;
+    }
+
+    if (g->alen == 0
+        && !(klen >= 8 && ngx_strncmp(key, "general.", 8) == 0)
+        && !(klen >= 10 && ngx_strncmp(key, "tokenizer.", 10) == 0))
+    {
+        /* perhaps a model's key before its architecture */
+        g->early = 1;
+    }
+
+    if (g->alen == 0 || klen <= g->alen + 1
+        || ngx_strncmp(key, g->arch, g->alen) != 0 || key[g->alen] != '.')
+    {
+        return ngx_http_llama_session_gguf_skip(g, type, 0);
+    }
+
+    if (ngx_http_llama_session_gguf_has(g, key, klen, "ssm.")
+        || ngx_http_llama_session_gguf_has(g, key, klen, "shortconv.")
+        || ngx_http_llama_session_gguf_has(g, key, klen, "wkv."))
+    {
+        g->recurrent = 1;
+    }
+
+    if (ngx_http_llama_session_gguf_has(g, key, klen,
+                                        "attention.sliding_window") == 2
+        && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
+    {
+        if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
+            return NGX_DECLINED;
+        }
+
+        g->mem->window = (uint32_t) ngx_min(v, 0x7fffffff);
+        return NGX_OK;
+    }
+
+    if (ngx_http_llama_session_gguf_has(g, key, klen, "embedding_length") == 2
+        && type != NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY)
+    {
+        if (ngx_http_llama_session_gguf_uint(g, type, &v) != NGX_OK) {
+            return NGX_DECLINED;
+        }
+
+        g->mem->n_embd = v;
+        return NGX_OK;
+    }
+
+    if (ngx_http_llama_session_gguf_has(g, key, klen,
+                                        "attention.head_count") == 2
+        || ngx_http_llama_session_gguf_has(g, key, klen,
+                                           "attention.head_count_kv") == 2)
+    {
+        return ngx_http_llama_session_gguf_heads(g, type);
+    }
+
+    return ngx_http_llama_session_gguf_skip(g, type, 0);
+}
+
+
+/* a head count, a number or one per layer: does any layer attend? */
+
+static ngx_int_t
+ngx_http_llama_session_gguf_heads(ngx_http_llama_session_gguf_t *g,
+    uint32_t type)
+{
+    uint32_t  etype;
+    uint64_t  n, v;
+
+    g->heads_seen = 1;
+
+    n = 1;
+    etype = type;
+
+    if (type == NGX_HTTP_LLAMA_SESSION_GGUF_ARRAY
+        && (ngx_http_llama_session_gguf_get(g, &etype, 4) != NGX_OK
+            || ngx_http_llama_session_gguf_get(g, &n, 8) != NGX_OK
+            || etype >= NGX_HTTP_LLAMA_SESSION_GGUF_TYPES
+            || ngx_http_llama_session_gguf_size[etype] == 0
+            || n > 65536))
+    {
+        return NGX_DECLINED;
+    }
+
+    while (n--) {
+        if (ngx_http_llama_session_gguf_uint(g, etype, &v) != NGX_OK) {
+            return NGX_DECLINED;
+        }
+
+        g->attention |= (v > 0);
+    }
+
+    return NGX_OK;
+}
+
+
+/* the memory's kind, from the keys and, for a few, the architecture */
+
+static void
+ngx_http_llama_session_gguf_kind(ngx_http_llama_session_gguf_t *g)
+{
+    ngx_uint_t                        i;
+    ngx_http_llama_session_memory_t  *mem;
+
+    mem = g->mem;
+
+    ngx_memcpy(mem->arch, g->arch, g->alen);
+    mem->arch[g->alen] = '\0';
+
+    if (g->recurrent) {
+        mem->kind = (g->attention || !g->heads_seen)
                     ? NGX_HTTP_LLAMA_SESSION_MEMORY_HYBRID
                     : NGX_HTTP_LLAMA_SESSION_MEMORY_RECURRENT;
 
@@ -380,45 +434,26 @@ ended:
             break;
         }
     }
-
-    rc = NGX_OK;
-
-done:
-
-    if (rc != NGX_OK) {
-        ngx_log_error(NGX_LOG_INFO, log, 0,
-                      "llama_session: \"%s\" is not a GGUF file this module "
-                      "can read, the model's memory is not known", path);
-    }
-
-    if (ngx_close_file(g->fd) == NGX_FILE_ERROR) {
-        ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
-                      ngx_close_file_n " \"%s\" failed", path);
-    }
-
-    ngx_free(g);
-
-    return rc;
 }
 
 
 /* is key "<arch>.<name>": 2 exactly, 1 as a prefix of it, else 0 */
 
 static ngx_uint_t
-ngx_http_llama_session_gguf_has(u_char *key, size_t len, u_char *arch,
-    size_t alen, char *name)
+ngx_http_llama_session_gguf_has(ngx_http_llama_session_gguf_t *g,
+    u_char *key, size_t len, char *name)
 {
     size_t  nlen;
 
     nlen = ngx_strlen(name);
 
-    if (len < alen + 1 + nlen
-        || ngx_strncmp(key + alen + 1, name, nlen) != 0)
+    if (len < g->alen + 1 + nlen
+        || ngx_strncmp(key + g->alen + 1, name, nlen) != 0)
     {
         return 0;
     }
 
-    return (len == alen + 1 + nlen) ? 2 : 1;
+    return (len == g->alen + 1 + nlen) ? 2 : 1;
 }
 
 

@@ -168,6 +168,81 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
 };
 
 
+/*
+ * The families of counters, a sample a field of the zone's stats or
+ * metrics, in the order printed
+ */
+
+typedef struct {
+    ngx_uint_t                      family;
+    const char                     *labels;     /* after the zone's */
+    size_t                          offset;     /* in the zone's sh */
+} ngx_http_llama_session_counter_t;
+
+
+static ngx_http_llama_session_counter_t  ngx_http_llama_session_counts[] = {
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"hit\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.hits) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"restore\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.restores) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"warm\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.warm) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"fresh\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.fresh) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"bypass\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.bypass) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"wait_timeout\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.wait_timeouts) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"queue_full\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.queue_full) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"backend_error\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.backend_errors) },
+    { NGX_HTTP_LLAMA_SESSION_M_REQUESTS, ",outcome=\"refused\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.refused) },
+    { NGX_HTTP_LLAMA_SESSION_M_SWAPS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.swaps) },
+    { NGX_HTTP_LLAMA_SESSION_M_RESTORES, ",result=\"ok\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.restores) },
+    { NGX_HTTP_LLAMA_SESSION_M_RESTORES, ",result=\"failed\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.restore_errors) },
+    { NGX_HTTP_LLAMA_SESSION_M_EFFECTS, ",effect=\"effective\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.effective) },
+    { NGX_HTTP_LLAMA_SESSION_M_EFFECTS, ",effect=\"ineffective\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.ineffective) },
+    { NGX_HTTP_LLAMA_SESSION_M_EVICTIONS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.evictions) },
+    { NGX_HTTP_LLAMA_SESSION_M_SAVED_BYTES, "",
+      offsetof(ngx_http_llama_session_sh_t, metrics.bytes_saved) },
+    { NGX_HTTP_LLAMA_SESSION_M_RESTORED_BYTES, "",
+      offsetof(ngx_http_llama_session_sh_t, metrics.bytes_restored) },
+    { NGX_HTTP_LLAMA_SESSION_M_TOKENS, ",source=\"cache\"",
+      offsetof(ngx_http_llama_session_sh_t, metrics.tokens_cached) },
+    { NGX_HTTP_LLAMA_SESSION_M_TOKENS, ",source=\"evaluated\"",
+      offsetof(ngx_http_llama_session_sh_t, metrics.tokens_evaluated) },
+    { NGX_HTTP_LLAMA_SESSION_M_FORGOTTEN, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.forgotten) },
+    { NGX_HTTP_LLAMA_SESSION_M_RESTARTS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.restarts) },
+    { NGX_HTTP_LLAMA_SESSION_M_UNLOADS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.unloads) },
+    { NGX_HTTP_LLAMA_SESSION_M_LOST, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.model_lost) },
+    { NGX_HTTP_LLAMA_SESSION_M_REPRIMES, ",result=\"ok\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.reprimes) },
+    { NGX_HTTP_LLAMA_SESSION_M_REPRIMES, ",result=\"failed\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.reprime_failed) },
+    { NGX_HTTP_LLAMA_SESSION_M_REPRIMES, ",result=\"media\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.reprime_media) },
+    { NGX_HTTP_LLAMA_SESSION_M_REPRIME_TOKENS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.reprime_tokens) },
+    { NGX_HTTP_LLAMA_SESSION_M_REPREFILLS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.reprefills) },
+    { NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.media_unsaved) },
+    { 0, NULL, 0 }
+};
+
+
 /* what a zone shows now, taken under its lock once */
 
 typedef struct {
@@ -186,6 +261,18 @@ static ngx_int_t ngx_http_llama_session_snap(ngx_http_request_t *r,
 static ngx_int_t ngx_http_llama_session_samples(
     ngx_http_llama_session_out_t *out, ngx_http_llama_session_snap_t *snap,
     ngx_uint_t family);
+static ngx_int_t ngx_http_llama_session_counters(
+    ngx_http_llama_session_out_t *out, ngx_http_llama_session_sh_t *sh,
+    ngx_uint_t family);
+static ngx_int_t ngx_http_llama_session_sample(
+    ngx_http_llama_session_out_t *out, ngx_uint_t family, const char *labels,
+    ngx_atomic_uint_t value);
+static ngx_int_t ngx_http_llama_session_saves(
+    ngx_http_llama_session_out_t *out, ngx_http_llama_session_metrics_t *m);
+static ngx_int_t ngx_http_llama_session_memory_sample(
+    ngx_http_llama_session_out_t *out, ngx_http_llama_session_sh_t *sh);
+static ngx_int_t ngx_http_llama_session_slot_busy(
+    ngx_http_llama_session_out_t *out, ngx_http_llama_session_snap_t *snap);
 static ngx_int_t ngx_http_llama_session_print(
     ngx_http_llama_session_out_t *out, const char *fmt, ...);
 static ngx_int_t ngx_http_llama_session_hist(
@@ -421,176 +508,27 @@ ngx_http_llama_session_snap(ngx_http_request_t *r,
 }
 
 
-#define ngx_http_llama_session_sample(name, extra, value)                     \
-    ngx_http_llama_session_print(out, "nginx_llama_session_" name             \
-                                 "{%V" extra "} %uA\n", &snap->labels,        \
-                                 (ngx_atomic_uint_t) (value))
-
-
 /* one zone's samples of a family */
 
 static ngx_int_t
 ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
     ngx_http_llama_session_snap_t *snap, ngx_uint_t family)
 {
-    ngx_uint_t                         i, kind;
     ngx_http_llama_session_sh_t       *sh;
-    ngx_http_llama_session_stats_t    *st;
     ngx_http_llama_session_metrics_t  *m;
 
     sh = snap->zone->sh;
-    st = &sh->stats;
     m = &sh->metrics;
 
     out->labels = snap->labels;
 
     switch (family) {
 
-    case NGX_HTTP_LLAMA_SESSION_M_REQUESTS:
-        if (ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"hit\"", st->hits)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"restore\"",
-                                          st->restores)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"warm\"", st->warm)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"fresh\"", st->fresh)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"bypass\"", st->bypass)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"wait_timeout\"",
-                                          st->wait_timeouts)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"queue_full\"",
-                                          st->queue_full)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"backend_error\"",
-                                          st->backend_errors)
-            || ngx_http_llama_session_sample("requests_total",
-                                          ",outcome=\"refused\"",
-                                          st->refused))
-        {
-            return NGX_ERROR;
-        }
-
-        return NGX_OK;
-
-    case NGX_HTTP_LLAMA_SESSION_M_SWAPS:
-        return ngx_http_llama_session_sample("swaps_total", "", st->swaps);
-
     case NGX_HTTP_LLAMA_SESSION_M_SAVES:
-
-        for (i = 0; i < NGX_HTTP_LLAMA_SESSION_SAVE_REASONS; i++) {
-            if (ngx_http_llama_session_print(out,
-                    "nginx_llama_session_saves_total{%V,reason=\"%s\","
-                    "result=\"ok\"} %uA\n"
-                    "nginx_llama_session_saves_total{%V,reason=\"%s\","
-                    "result=\"failed\"} %uA\n",
-                    &snap->labels, ngx_http_llama_session_reasons[i],
-                    m->saved[i], &snap->labels,
-                    ngx_http_llama_session_reasons[i], m->save_failed[i])
-                != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
-        }
-
-        return NGX_OK;
-
-    case NGX_HTTP_LLAMA_SESSION_M_RESTORES:
-        if (ngx_http_llama_session_sample("restores_total",
-                                          ",result=\"ok\"", st->restores)
-            || ngx_http_llama_session_sample("restores_total",
-                                          ",result=\"failed\"",
-                                          st->restore_errors))
-        {
-            return NGX_ERROR;
-        }
-
-        return NGX_OK;
-
-    case NGX_HTTP_LLAMA_SESSION_M_EFFECTS:
-        if (ngx_http_llama_session_sample("restore_effects_total",
-                                          ",effect=\"effective\"",
-                                          st->effective)
-            || ngx_http_llama_session_sample("restore_effects_total",
-                                          ",effect=\"ineffective\"",
-                                          st->ineffective))
-        {
-            return NGX_ERROR;
-        }
-
-        return NGX_OK;
-
-    case NGX_HTTP_LLAMA_SESSION_M_DISABLED:
-        return ngx_http_llama_session_sample("restores_disabled", "",
-                                             sh->restores_off);
-
-    case NGX_HTTP_LLAMA_SESSION_M_REPRIMES:
-        if (ngx_http_llama_session_sample("reprimes_total",
-                                          ",result=\"ok\"", st->reprimes)
-            || ngx_http_llama_session_sample("reprimes_total",
-                                          ",result=\"failed\"",
-                                          st->reprime_failed)
-            || ngx_http_llama_session_sample("reprimes_total",
-                                          ",result=\"media\"",
-                                          st->reprime_media))
-        {
-            return NGX_ERROR;
-        }
-
-        return NGX_OK;
-
-    case NGX_HTTP_LLAMA_SESSION_M_REPRIME_TOKENS:
-        return ngx_http_llama_session_sample("reprime_tokens_total", "",
-                                             st->reprime_tokens);
+        return ngx_http_llama_session_saves(out, m);
 
     case NGX_HTTP_LLAMA_SESSION_M_MEMORY:
-
-        /* a model of this backend's configuration, if known */
-
-        kind = (sh->memory_known && sh->fp_known
-                && ngx_memcmp(sh->memory_fp, sh->fp,
-                              NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
-               ? sh->memory.kind : NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN;
-
-        return ngx_http_llama_session_print(out,
-                    "nginx_llama_session_model_memory{%V,kind=\"%s\"} 1\n",
-                    &snap->labels, ngx_http_llama_session_memory_name(kind));
-
-    case NGX_HTTP_LLAMA_SESSION_M_REPREFILLS:
-        return ngx_http_llama_session_sample("reprefills_total", "",
-                                             st->reprefills);
-
-    case NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED:
-        return ngx_http_llama_session_sample("media_unsaved_total", "",
-                                             st->media_unsaved);
-
-    case NGX_HTTP_LLAMA_SESSION_M_EVICTIONS:
-        return ngx_http_llama_session_sample("evictions_total", "",
-                                             st->evictions);
-
-    case NGX_HTTP_LLAMA_SESSION_M_SAVED_BYTES:
-        return ngx_http_llama_session_sample("saved_bytes_total", "",
-                                             m->bytes_saved);
-
-    case NGX_HTTP_LLAMA_SESSION_M_RESTORED_BYTES:
-        return ngx_http_llama_session_sample("restored_bytes_total", "",
-                                             m->bytes_restored);
-
-    case NGX_HTTP_LLAMA_SESSION_M_TOKENS:
-        if (ngx_http_llama_session_sample("prompt_tokens_total",
-                                          ",source=\"cache\"",
-                                          m->tokens_cached)
-            || ngx_http_llama_session_sample("prompt_tokens_total",
-                                          ",source=\"evaluated\"",
-                                          m->tokens_evaluated))
-        {
-            return NGX_ERROR;
-        }
-
-        return NGX_OK;
+        return ngx_http_llama_session_memory_sample(out, sh);
 
     case NGX_HTTP_LLAMA_SESSION_M_PREFILL_SAVED:
         return ngx_http_llama_session_print(out,
@@ -611,74 +549,160 @@ ngx_http_llama_session_samples(ngx_http_llama_session_out_t *out,
         return ngx_http_llama_session_hist(out, "restore_seconds",
                                            &m->restore);
 
+    case NGX_HTTP_LLAMA_SESSION_M_SLOT_BUSY:
+        return ngx_http_llama_session_slot_busy(out, snap);
+
+    /* gauges: what the zone holds now */
+
+    case NGX_HTTP_LLAMA_SESSION_M_DISABLED:
+        return ngx_http_llama_session_sample(out, family, "", sh->restores_off);
+
     case NGX_HTTP_LLAMA_SESSION_M_WAITING:
-        return ngx_http_llama_session_sample("waiting_requests", "",
-                                             snap->waiting);
+        return ngx_http_llama_session_sample(out, family, "", snap->waiting);
 
     case NGX_HTTP_LLAMA_SESSION_M_SLOTS:
-        return ngx_http_llama_session_sample("slots", "", sh->nslots);
+        return ngx_http_llama_session_sample(out, family, "", sh->nslots);
 
     case NGX_HTTP_LLAMA_SESSION_M_SLOTS_BUSY:
-        return ngx_http_llama_session_sample("slots_busy", "", snap->busy);
-
-    case NGX_HTTP_LLAMA_SESSION_M_SLOT_BUSY:
-
-        for (i = 0; i < sh->nslots; i++) {
-            if (ngx_http_llama_session_print(out,
-                    "nginx_llama_session_slot_busy{%V,slot=\"%ui\"} %d\n",
-                    &snap->labels, i, (int) snap->slot_busy[i])
-                != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
-        }
-
-        return NGX_OK;
+        return ngx_http_llama_session_sample(out, family, "", snap->busy);
 
     case NGX_HTTP_LLAMA_SESSION_M_SESSIONS:
-        return ngx_http_llama_session_sample("sessions", "", sh->nsessions);
+        return ngx_http_llama_session_sample(out, family, "", sh->nsessions);
 
     case NGX_HTTP_LLAMA_SESSION_M_CHAINS:
-        return ngx_http_llama_session_sample("id_chains", "", sh->ext_n);
+        return ngx_http_llama_session_sample(out, family, "", sh->ext_n);
 
     case NGX_HTTP_LLAMA_SESSION_M_FILES:
-        return ngx_http_llama_session_sample("store_files", "", sh->files);
+        return ngx_http_llama_session_sample(out, family, "", sh->files);
 
     case NGX_HTTP_LLAMA_SESSION_M_BYTES:
-        return ngx_http_llama_session_sample("store_bytes", "", sh->bytes);
+        return ngx_http_llama_session_sample(out, family, "", sh->bytes);
 
     case NGX_HTTP_LLAMA_SESSION_M_BASE_FILES:
-        return ngx_http_llama_session_sample("store_base_files", "",
-                                             sh->base_files);
+        return ngx_http_llama_session_sample(out, family, "", sh->base_files);
 
     case NGX_HTTP_LLAMA_SESSION_M_BASE_BYTES:
-        return ngx_http_llama_session_sample("store_base_bytes", "",
-                                             sh->base_bytes);
+        return ngx_http_llama_session_sample(out, family, "", sh->base_bytes);
 
     case NGX_HTTP_LLAMA_SESSION_M_SHM_USED:
-        return ngx_http_llama_session_sample("shm_used_bytes", "",
-                                             snap->used);
+        return ngx_http_llama_session_sample(out, family, "", snap->used);
 
     case NGX_HTTP_LLAMA_SESSION_M_SHM_SIZE:
-        return ngx_http_llama_session_sample("shm_size_bytes", "",
-                                        snap->zone->shm_zone->shm.size);
+        return ngx_http_llama_session_sample(out, family, "",
+                                             snap->zone->shm_zone->shm.size);
 
-    case NGX_HTTP_LLAMA_SESSION_M_FORGOTTEN:
-        return ngx_http_llama_session_sample("sessions_forgotten_total", "",
-                                             st->forgotten);
-
-    case NGX_HTTP_LLAMA_SESSION_M_RESTARTS:
-        return ngx_http_llama_session_sample("backend_restarts_total", "",
-                                             st->restarts);
-
-    case NGX_HTTP_LLAMA_SESSION_M_UNLOADS:
-        return ngx_http_llama_session_sample("model_unloads_total", "",
-                                             st->unloads);
-
-    default: /* NGX_HTTP_LLAMA_SESSION_M_LOST */
-        return ngx_http_llama_session_sample("model_lost_sessions_total", "",
-                                             st->model_lost);
+    default:
+        return ngx_http_llama_session_counters(out, sh, family);
     }
+}
+
+
+/* a family's counters, from the table above */
+
+static ngx_int_t
+ngx_http_llama_session_counters(ngx_http_llama_session_out_t *out,
+    ngx_http_llama_session_sh_t *sh, ngx_uint_t family)
+{
+    ngx_atomic_uint_t                 *v;
+    ngx_http_llama_session_counter_t  *c;
+
+    for (c = ngx_http_llama_session_counts; c->labels; c++) {
+
+        if (c->family != family) {
+            continue;
+        }
+
+        v = (ngx_atomic_uint_t *) ((u_char *) sh + c->offset);
+
+        if (ngx_http_llama_session_sample(out, family, c->labels, *v)
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/* a sample of a family: the zone's labels, these ones, the value */
+
+static ngx_int_t
+ngx_http_llama_session_sample(ngx_http_llama_session_out_t *out,
+    ngx_uint_t family, const char *labels, ngx_atomic_uint_t value)
+{
+    return ngx_http_llama_session_print(out,
+                "nginx_llama_session_%s{%V%s} %uA\n",
+                ngx_http_llama_session_families[family].name, &out->labels,
+                labels, value);
+}
+
+
+/* saves_total, by reason and result */
+
+static ngx_int_t
+ngx_http_llama_session_saves(ngx_http_llama_session_out_t *out,
+    ngx_http_llama_session_metrics_t *m)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < NGX_HTTP_LLAMA_SESSION_SAVE_REASONS; i++) {
+        if (ngx_http_llama_session_print(out,
+                "nginx_llama_session_saves_total{%V,reason=\"%s\","
+                "result=\"ok\"} %uA\n"
+                "nginx_llama_session_saves_total{%V,reason=\"%s\","
+                "result=\"failed\"} %uA\n",
+                &out->labels, ngx_http_llama_session_reasons[i],
+                m->saved[i], &out->labels,
+                ngx_http_llama_session_reasons[i], m->save_failed[i])
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/* model_memory: the kind of a model of the backend's configuration */
+
+static ngx_int_t
+ngx_http_llama_session_memory_sample(ngx_http_llama_session_out_t *out,
+    ngx_http_llama_session_sh_t *sh)
+{
+    ngx_uint_t  kind;
+
+    kind = (sh->memory_known && sh->fp_known
+            && ngx_memcmp(sh->memory_fp, sh->fp,
+                          NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
+           ? sh->memory.kind : NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN;
+
+    return ngx_http_llama_session_print(out,
+                "nginx_llama_session_model_memory{%V,kind=\"%s\"} 1\n",
+                &out->labels, ngx_http_llama_session_memory_name(kind));
+}
+
+
+/* slot_busy, a sample a slot */
+
+static ngx_int_t
+ngx_http_llama_session_slot_busy(ngx_http_llama_session_out_t *out,
+    ngx_http_llama_session_snap_t *snap)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < snap->zone->sh->nslots; i++) {
+        if (ngx_http_llama_session_print(out,
+                "nginx_llama_session_slot_busy{%V,slot=\"%ui\"} %d\n",
+                &out->labels, i, (int) snap->slot_busy[i])
+            != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
 }
 
 

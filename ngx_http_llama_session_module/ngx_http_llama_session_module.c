@@ -26,6 +26,41 @@
 #include "ngx_http_llama_session_var.h"
 
 
+/* llama_session_zone's parameters, as read */
+
+typedef struct {
+    ngx_http_llama_session_zone_t   zone;       /* those a zone takes as is */
+    ngx_str_t                       name;       /* zone=name:size */
+    ssize_t                         size;
+    ngx_str_t                       model;      /* model=: the one model
+                                                   of the router it drives */
+    ngx_uint_t                      models;     /* models=: any of them, up
+                                                   to N */
+} ngx_http_llama_session_zone_conf_t;
+
+
+typedef struct ngx_http_llama_session_zone_param_s
+    ngx_http_llama_session_zone_param_t;
+
+typedef ngx_int_t (*ngx_http_llama_session_zone_parse_pt)(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg);
+
+/*
+ * a parameter: "name=" and its parser; for a number or a size, its field
+ * in the zone_conf_t, its bounds and the message when it is not one
+ */
+
+struct ngx_http_llama_session_zone_param_s {
+    ngx_str_t                              name;
+    ngx_http_llama_session_zone_parse_pt   parse;
+    size_t                                 offset;
+    ngx_int_t                              min;
+    ngx_int_t                              max;
+    char                                  *invalid;
+};
+
+
 static ngx_int_t ngx_http_llama_session_init(ngx_conf_t *cf);
 static ngx_int_t ngx_http_llama_session_zone_start(ngx_shm_zone_t *shm_zone,
     void *data);
@@ -37,8 +72,15 @@ static char *ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf,
     void *parent, void *child);
 static char *ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
-static ngx_int_t ngx_http_llama_session_model_name(ngx_conf_t *cf,
-    ngx_str_t *model);
+static ngx_int_t ngx_http_llama_session_zone_check(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_conf_t *zc);
+static ngx_int_t ngx_http_llama_session_zone_routed(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_conf_t *zc);
+static char *ngx_http_llama_session_zone_models(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_conf_t *zc);
 static ngx_int_t ngx_http_llama_session_model_zone(ngx_conf_t *cf,
     ngx_http_llama_session_main_conf_t *lmcf,
     ngx_http_llama_session_zone_t *zone, ngx_str_t *model);
@@ -409,463 +451,557 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 }
 
 
+/* llama_session_zone's parameters, a parser each: zone=name:size */
+
+static ngx_int_t
+ngx_http_llama_session_zone_size(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    u_char     *p;
+    size_t      min;
+    ngx_str_t   s;
+
+    p = (u_char *) ngx_strchr(arg->data, ':');
+
+    if (p == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid zone size \"%V\": use zone=name:size",
+                           value);
+        return NGX_ERROR;
+    }
+
+    zc->name.data = arg->data;
+    zc->name.len = p - arg->data;
+
+    if ((zc->name.len == 3 && ngx_strncmp(zc->name.data, "off", 3) == 0)
+        || (zc->name.len == 8
+            && ngx_strncmp(zc->name.data, "identity", 8) == 0))
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "the zone name \"%V\" is reserved: "
+                           "\"llama_session %V\" means something else",
+                           &zc->name, &zc->name);
+        return NGX_ERROR;
+    }
+
+    s.data = p + 1;
+    s.len = arg->data + arg->len - s.data;
+
+    zc->size = ngx_parse_size(&s);
+
+    if (zc->size == NGX_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid zone size \"%V\"", value);
+        return NGX_ERROR;
+    }
+
+    min = 8 * ngx_pagesize + sizeof(ngx_http_llama_session_sh_t);
+
+    if (zc->size < (ssize_t) min) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "zone \"%V\" is too small, the minimum is %uzk",
+                           value, min / 1024 + 1);
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
+
+
+/* a number from param->min to param->max, into the ngx_uint_t at offset */
+
+static ngx_int_t
+ngx_http_llama_session_zone_number(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    ngx_int_t  n;
+
+    n = ngx_atoi(arg->data, arg->len);
+
+    if (n == NGX_ERROR || n < param->min || n > param->max) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0, param->invalid, value,
+                           param->max);
+        return NGX_ERROR;
+    }
+
+    *(ngx_uint_t *) ((u_char *) zc + param->offset) = n;
+
+    return NGX_OK;
+}
+
+
+/* a size such as 2g, into the off_t at offset */
+
+static ngx_int_t
+ngx_http_llama_session_zone_offset(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    off_t  size;
+
+    size = ngx_parse_offset(arg);
+
+    if (size == NGX_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0, param->invalid, value);
+        return NGX_ERROR;
+    }
+
+    *(off_t *) ((u_char *) zc + param->offset) = size;
+
+    return NGX_OK;
+}
+
+
+/*
+ * slots=N, or slots=auto: what the backend's GET /props says, at the
+ * first request
+ */
+
+static ngx_int_t
+ngx_http_llama_session_zone_slots(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    if (ngx_strcmp(arg->data, "auto") == 0) {
+        zc->zone.nslots = 0;
+        return NGX_OK;
+    }
+
+    return ngx_http_llama_session_zone_number(cf, param, zc, value, arg);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_zone_store(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    ngx_str_t  *store;
+
+    store = &zc->zone.store;
+    *store = *arg;
+
+    if (store->len == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0, "empty \"store=\" path");
+        return NGX_ERROR;
+    }
+
+    if (ngx_conf_full_name(cf->cycle, store, 0) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    while (store->len > 1 && store->data[store->len - 1] == '/') {
+        store->len--;
+    }
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_zone_save_idle(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    ngx_msec_t  save_idle;
+
+    save_idle = ngx_parse_time(arg, 0);
+
+    if (save_idle == (ngx_msec_t) NGX_ERROR || save_idle == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid time \"%V\"", value);
+        return NGX_ERROR;
+    }
+
+    zc->zone.save_idle = save_idle;
+
+    return NGX_OK;
+}
+
+
+/* reprime=: the last turn made the slot's before each save (reprime.c) */
+
+static ngx_int_t
+ngx_http_llama_session_zone_reprime(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    if (ngx_strcmp(arg->data, "on") == 0) {
+        zc->zone.reprime = 1;
+
+    } else if (ngx_strcmp(arg->data, "off") == 0) {
+        zc->zone.reprime = 0;
+
+    } else {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid value \"%V\": \"reprime=\" is "
+                           "\"on\" or \"off\"", value);
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * backend= and api_key=, deprecated: idle saves go through the slots
+ * location as every other slot call, with its address, TLS and API key
+ */
+
+static ngx_int_t
+ngx_http_llama_session_zone_deprecated(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                       "\"%V\" is deprecated and ignored: idle saves go "
+                       "through llama_session_slots_uri's location, as every "
+                       "slot call; give its API key there with "
+                       "proxy_set_header Authorization", &param->name);
+    return NGX_OK;
+}
+
+
+/*
+ * model=, llama-server's router mode: the model's name as the router knows
+ * it goes into slot calls' JSON bodies and queries: letters, digits and
+ * "._:/+@-" only
+ */
+
+static ngx_int_t
+ngx_http_llama_session_zone_model(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    if (!ngx_http_llama_session_model_valid(arg->data, arg->len)) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid model \"%V\": 1 to %d letters, digits "
+                           "or \"._:/+@-\", as llama-server's router names "
+                           "it in GET /models", arg,
+                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
+        return NGX_ERROR;
+    }
+
+    zc->model = *arg;
+
+    return NGX_OK;
+}
+
+
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
  *     [max_size=size] [min_free=size] [save_idle=time]
  *     [model=name | models=N]
  *     [reprime=on|off];
  * (backend= and api_key=: deprecated, ignored)
+ *
+ * Each parameter is read into a zone_conf_t by its parser, as this table
+ * names them; the rules between parameters are checked once all are read,
+ * then the zone (or the zones of models=N) is made.
  */
+
+static ngx_http_llama_session_zone_param_t  ngx_http_llama_session_params[] = {
+    { ngx_string("zone="), ngx_http_llama_session_zone_size, 0, 0, 0, NULL },
+    { ngx_string("slots="), ngx_http_llama_session_zone_slots,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.nslots),
+      1, NGX_HTTP_LLAMA_SESSION_SLOTS_MAX,
+      "invalid number of slots \"%V\": 1 to %i, as llama-server's -np" },
+    { ngx_string("store="), ngx_http_llama_session_zone_store, 0, 0, 0, NULL },
+    { ngx_string("max_files="), ngx_http_llama_session_zone_number,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.max_files),
+      0, NGX_MAX_INT_T_VALUE, "invalid number of files \"%V\"" },
+    { ngx_string("max_waiting="), ngx_http_llama_session_zone_number,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.waiters_max),
+      1, 65536, "invalid number of waiting requests \"%V\": 1 to %i" },
+    { ngx_string("max_size="), ngx_http_llama_session_zone_offset,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.max_size),
+      0, 0, "invalid size \"%V\"" },
+    { ngx_string("min_free="), ngx_http_llama_session_zone_offset,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.min_free),
+      0, 0, "invalid size \"%V\": min_free= is the free space to keep on "
+            "the store's disk, such as 2g" },
+    { ngx_string("save_idle="), ngx_http_llama_session_zone_save_idle,
+      0, 0, 0, NULL },
+    { ngx_string("reprime="), ngx_http_llama_session_zone_reprime,
+      0, 0, 0, NULL },
+    { ngx_string("backend="), ngx_http_llama_session_zone_deprecated,
+      0, 0, 0, NULL },
+    { ngx_string("api_key="), ngx_http_llama_session_zone_deprecated,
+      0, 0, 0, NULL },
+    { ngx_string("model="), ngx_http_llama_session_zone_model, 0, 0, 0, NULL },
+    { ngx_string("models="), ngx_http_llama_session_zone_number,
+      offsetof(ngx_http_llama_session_zone_conf_t, models),
+      1, NGX_HTTP_LLAMA_SESSION_MODELS_MAX,
+      "invalid number of models \"%V\": 1 to %i, how many of the router's "
+      "models the zone keeps sessions for" },
+    { ngx_null_string, NULL, 0, 0, 0, NULL }
+};
+
 
 static char *
 ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_llama_session_main_conf_t *lmcf = conf;
 
-    u_char                          *p;
-    off_t                            max_size, min_free;
-    ssize_t                          size;
-    ngx_int_t                        n;
-    ngx_str_t                       *value, name, s, store, model, member;
-    ngx_uint_t                       i, nslots, max_files, max_waiting;
-    ngx_uint_t                       reprime, models, routed;
-    ngx_msec_t                       save_idle;
-    ngx_http_llama_session_zone_t    tz, *zone, *lead, *last, **zp;
+    ngx_str_t                            *value, arg;
+    ngx_uint_t                            i;
+    ngx_http_llama_session_zone_conf_t    zc;
+    ngx_http_llama_session_zone_param_t  *param;
 
     value = cf->args->elts;
 
-    size = 0;
-    nslots = 1;
-    name.len = 0;
-    max_files = 0;
-    max_waiting = 0;
-    max_size = 0;
-    min_free = -1;
-    save_idle = 0;
-    reprime = 1;
-    models = 0;
-    ngx_str_null(&store);
-    ngx_str_null(&model);
+    ngx_memzero(&zc, sizeof(ngx_http_llama_session_zone_conf_t));
+
+    zc.zone.nslots = 1;
+    zc.zone.min_free = -1;
+    zc.zone.reprime = 1;
 
     for (i = 1; i < cf->args->nelts; i++) {
 
-        if (ngx_strncmp(value[i].data, "zone=", 5) == 0) {
-
-            name.data = value[i].data + 5;
-
-            p = (u_char *) ngx_strchr(name.data, ':');
-
-            if (p == NULL) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid zone size \"%V\": "
-                                   "use zone=name:size", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            name.len = p - name.data;
-
-            if ((name.len == 3 && ngx_strncmp(name.data, "off", 3) == 0)
-                || (name.len == 8
-                    && ngx_strncmp(name.data, "identity", 8) == 0))
-            {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "the zone name \"%V\" is reserved: "
-                                   "\"llama_session %V\" means something "
-                                   "else", &name, &name);
-                return NGX_CONF_ERROR;
-            }
-
-            s.data = p + 1;
-            s.len = value[i].data + value[i].len - s.data;
-
-            size = ngx_parse_size(&s);
-
-            if (size == NGX_ERROR) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid zone size \"%V\"", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            if (size < (ssize_t) (8 * ngx_pagesize
-                                  + sizeof(ngx_http_llama_session_sh_t)))
-            {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "zone \"%V\" is too small, the minimum "
-                                   "is %uzk", &value[i],
-                                   (8 * ngx_pagesize
-                                    + sizeof(ngx_http_llama_session_sh_t))
-                                   / 1024 + 1);
-                return NGX_CONF_ERROR;
-            }
-
-            continue;
-        }
-
-        if (ngx_strcmp(value[i].data, "slots=auto") == 0) {
-            /* what the backend's GET /props says, at the first request */
-            nslots = 0;
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "slots=", 6) == 0) {
-
-            n = ngx_atoi(value[i].data + 6, value[i].len - 6);
-
-            if (n == NGX_ERROR || n < 1
-                || n > NGX_HTTP_LLAMA_SESSION_SLOTS_MAX)
-            {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid number of slots \"%V\": 1 to "
-                                   "%d, as llama-server's -np",
-                                   &value[i], NGX_HTTP_LLAMA_SESSION_SLOTS_MAX);
-                return NGX_CONF_ERROR;
-            }
-
-            nslots = n;
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "store=", 6) == 0) {
-
-            store.data = value[i].data + 6;
-            store.len = value[i].len - 6;
-
-            if (store.len == 0) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "empty \"store=\" path");
-                return NGX_CONF_ERROR;
-            }
-
-            if (ngx_conf_full_name(cf->cycle, &store, 0) != NGX_OK) {
-                return NGX_CONF_ERROR;
-            }
-
-            while (store.len > 1 && store.data[store.len - 1] == '/') {
-                store.len--;
-            }
-
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "max_files=", 10) == 0) {
-
-            n = ngx_atoi(value[i].data + 10, value[i].len - 10);
-
-            if (n == NGX_ERROR) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid number of files \"%V\"",
-                                   &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            max_files = n;
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "max_waiting=", 12) == 0) {
-
-            n = ngx_atoi(value[i].data + 12, value[i].len - 12);
-
-            if (n == NGX_ERROR || n < 1 || n > 65536) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid number of waiting requests "
-                                   "\"%V\": 1 to 65536", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            max_waiting = n;
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "max_size=", 9) == 0) {
-
-            s.data = value[i].data + 9;
-            s.len = value[i].len - 9;
-
-            max_size = ngx_parse_offset(&s);
-
-            if (max_size == NGX_ERROR) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid size \"%V\"", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "min_free=", 9) == 0) {
-
-            s.data = value[i].data + 9;
-            s.len = value[i].len - 9;
-
-            min_free = ngx_parse_offset(&s);
-
-            if (min_free == NGX_ERROR) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid size \"%V\": min_free= is the "
-                                   "free space to keep on the store's disk, "
-                                   "such as 2g", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "save_idle=", 10) == 0) {
-
-            s.data = value[i].data + 10;
-            s.len = value[i].len - 10;
-
-            save_idle = ngx_parse_time(&s, 0);
-
-            if (save_idle == (ngx_msec_t) NGX_ERROR || save_idle == 0) {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid time \"%V\"", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "reprime=", 8) == 0) {
-            /* the last turn made the slot's before each save (reprime.c) */
-
-            if (ngx_strcmp(value[i].data + 8, "on") == 0) {
-                reprime = 1;
-
-            } else if (ngx_strcmp(value[i].data + 8, "off") == 0) {
-                reprime = 0;
-
-            } else {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid value \"%V\": \"reprime=\" is "
-                                   "\"on\" or \"off\"", &value[i]);
-                return NGX_CONF_ERROR;
-            }
-
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "backend=", 8) == 0
-            || ngx_strncmp(value[i].data, "api_key=", 8) == 0)
+        for (param = ngx_http_llama_session_params;
+             param->name.len;
+             param++)
         {
-            /*
-             * deprecated: idle saves go through the slots location as
-             * every other slot call, with its address, TLS and API key
-             */
-            ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
-                               "\"%*s\" is deprecated and ignored: idle "
-                               "saves go through llama_session_slots_uri's "
-                               "location, as every slot call; give its API "
-                               "key there with proxy_set_header "
-                               "Authorization", (size_t) 8, value[i].data);
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "model=", 6) == 0) {
-            /* llama-server's router mode: the one model the zone drives */
-
-            model.data = value[i].data + 6;
-            model.len = value[i].len - 6;
-
-            if (ngx_http_llama_session_model_name(cf, &model) != NGX_OK) {
-                return NGX_CONF_ERROR;
-            }
-
-            continue;
-        }
-
-        if (ngx_strncmp(value[i].data, "models=", 7) == 0) {
-            /* llama-server's router mode: any of its models, up to N */
-
-            n = ngx_atoi(value[i].data + 7, value[i].len - 7);
-
-            if (n == NGX_ERROR || n < 1
-                || n > NGX_HTTP_LLAMA_SESSION_MODELS_MAX)
+            if (ngx_strncmp(value[i].data, param->name.data, param->name.len)
+                == 0)
             {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "invalid number of models \"%V\": 1 to "
-                                   "%d, how many of the router's models the "
-                                   "zone keeps sessions for", &value[i],
-                                   NGX_HTTP_LLAMA_SESSION_MODELS_MAX);
-                return NGX_CONF_ERROR;
+                break;
             }
-
-            models = n;
-            continue;
         }
 
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "invalid parameter \"%V\"", &value[i]);
-        return NGX_CONF_ERROR;
+        if (param->name.len == 0) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid parameter \"%V\"", &value[i]);
+            return NGX_CONF_ERROR;
+        }
+
+        arg.data = value[i].data + param->name.len;
+        arg.len = value[i].len - param->name.len;
+
+        if (param->parse(cf, param, &zc, &value[i], &arg) != NGX_OK) {
+            return NGX_CONF_ERROR;
+        }
     }
 
-    if (name.len == 0) {
+    if (zc.name.len == 0) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "\"%V\" must have \"zone=name:size\" parameter",
                            &cmd->name);
         return NGX_CONF_ERROR;
     }
 
+    if (ngx_http_llama_session_zone_check(cf, lmcf, &zc) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (zc.models) {
+        return ngx_http_llama_session_zone_models(cf, lmcf, &zc);
+    }
+
+    return ngx_http_llama_session_zone_add(cf, lmcf, &zc.zone, &zc.name,
+                                           zc.size, &zc.model);
+}
+
+
+/*
+ * The rules between a zone's parameters, and between it and the zones
+ * declared before; max_waiting= defaults to an eighth of the zone
+ */
+
+static ngx_int_t
+ngx_http_llama_session_zone_check(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_conf_t *zc)
+{
+    ngx_str_t                       *name, *store;
+    ngx_uint_t                       i;
+    ngx_http_llama_session_zone_t  **zp;
+
+    name = &zc->name;
+    store = &zc->zone.store;
     zp = lmcf->zones.elts;
 
     for (i = 0; i < lmcf->zones.nelts; i++) {
-        if (zp[i]->name.len == name.len
-            && ngx_strncmp(zp[i]->name.data, name.data, name.len) == 0)
+        if (zp[i]->name.len == name->len
+            && ngx_strncmp(zp[i]->name.data, name->data, name->len) == 0)
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "duplicate llama_session_zone \"%V\"", &name);
-            return NGX_CONF_ERROR;
+                               "duplicate llama_session_zone \"%V\"", name);
+            return NGX_ERROR;
         }
 
-        if (store.len && zp[i]->store.len == store.len
-            && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0
-            && (!(model.len || models)
+        if (store->len && zp[i]->store.len == store->len
+            && ngx_strncmp(zp[i]->store.data, store->data, store->len) == 0
+            && (!(zc->model.len || zc->models)
                 || !ngx_http_llama_session_by_router(zp[i])))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zones \"%V\" and \"%V\" have "
                                "the same store \"%V\": one folder per "
-                               "llama-server", &zp[i]->name, &name, &store);
-            return NGX_CONF_ERROR;
+                               "llama-server", &zp[i]->name, name, store);
+            return NGX_ERROR;
         }
     }
 
-    if (max_waiting == 0) {
+    if (zc->zone.waiters_max == 0) {
         /* an eighth of the zone, 32 to 4096 waiting requests */
-        max_waiting = size / 8 / sizeof(ngx_http_llama_session_waiter_t);
-        max_waiting = ngx_max(max_waiting, 32);
-        max_waiting = ngx_min(max_waiting, 4096);
+        zc->zone.waiters_max = zc->size / 8
+                               / sizeof(ngx_http_llama_session_waiter_t);
+        zc->zone.waiters_max = ngx_max(zc->zone.waiters_max, 32);
+        zc->zone.waiters_max = ngx_min(zc->zone.waiters_max, 4096);
     }
 
-    if (max_waiting * sizeof(ngx_http_llama_session_waiter_t)
-        > (size_t) size / 2)
+    if (zc->zone.waiters_max * sizeof(ngx_http_llama_session_waiter_t)
+        > (size_t) zc->size / 2)
     {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "zone \"%V\" is too small for max_waiting=%ui: "
                            "a waiting request takes %uz bytes, at most half "
-                           "the zone goes to them", &name, max_waiting,
+                           "the zone goes to them", name, zc->zone.waiters_max,
                            sizeof(ngx_http_llama_session_waiter_t));
-        return NGX_CONF_ERROR;
+        return NGX_ERROR;
     }
 
-    routed = (model.len || models);
-
-    if (model.len && models) {
+    if (zc->model.len && zc->models) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "zone \"%V\" has \"model=\" and \"models=\": a "
                            "zone drives one model of llama-server's router, "
-                           "or any of them", &name);
-        return NGX_CONF_ERROR;
+                           "or any of them", name);
+        return NGX_ERROR;
     }
 
-    if (routed) {
-        /*
-         * its sessions' keys start with "<zone>@" ("<zone>.<n>@") in a
-         * shared folder
-         */
-
-        for (i = 0; i < name.len; i++) {
-            if (!((name.data[i] >= 'a' && name.data[i] <= 'z')
-                  || (name.data[i] >= 'A' && name.data[i] <= 'Z')
-                  || (name.data[i] >= '0' && name.data[i] <= '9')
-                  || name.data[i] == '-' || name.data[i] == '_'))
-            {
-                break;
-            }
-        }
-
-        n = NGX_HTTP_LLAMA_SESSION_PREFIX_MAX - (models ? 3 : 0);
-
-        if (i < name.len || name.len > (size_t) n) {
-            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "zone \"%V\" with \"%s\" needs a name of "
-                               "1 to %i letters, digits, \"-\" or \"_\": its "
-                               "sessions' file names start with it", &name,
-                               models ? "models=" : "model=", n);
-            return NGX_CONF_ERROR;
-        }
-
-        if (nslots == 0) {
-            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "zone \"%V\" with \"%s\" cannot have "
-                               "\"slots=auto\": the router's GET /props would "
-                               "load the model, give its -np", &name,
-                               models ? "models=" : "model=");
-            return NGX_CONF_ERROR;
-        }
-
-        if (store.len == 0) {
-            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "zone \"%V\" with \"%s\" needs "
-                               "\"store=\": the sessions of a model that "
-                               "llama-server's router unloads are saved "
-                               "first, as idle saves are", &name,
-                               models ? "models=" : "model=");
-            return NGX_CONF_ERROR;
-        }
-
-        for (i = 0; model.len && i < lmcf->zones.nelts; i++) {
-            if (zp[i]->model.len == model.len
-                && ngx_strncmp(zp[i]->model.data, model.data, model.len) == 0
-                && zp[i]->store.len == store.len
-                && ngx_strncmp(zp[i]->store.data, store.data, store.len) == 0)
-            {
-                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                                   "llama_session zones \"%V\" and \"%V\" "
-                                   "drive the same model \"%V\" of one "
-                                   "router: one zone per model", &zp[i]->name,
-                                   &name, &model);
-                return NGX_CONF_ERROR;
-            }
-        }
+    if ((zc->model.len || zc->models)
+        && ngx_http_llama_session_zone_routed(cf, lmcf, zc) != NGX_OK)
+    {
+        return NGX_ERROR;
     }
 
-    if ((max_files || max_size || min_free >= 0) && store.len == 0) {
+    if ((zc->zone.max_files || zc->zone.max_size || zc->zone.min_free >= 0)
+        && store->len == 0)
+    {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "\"max_files=\", \"max_size=\" and "
                            "\"min_free=\" need \"store=\": the module "
                            "deletes files there");
-        return NGX_CONF_ERROR;
+        return NGX_ERROR;
     }
 
-    ngx_memzero(&tz, sizeof(ngx_http_llama_session_zone_t));
+    return NGX_OK;
+}
 
-    tz.nslots = nslots;
-    tz.waiters_max = max_waiting;
-    tz.store = store;
-    tz.max_files = max_files;
-    tz.max_size = max_size;
-    tz.min_free = min_free;
-    tz.save_idle = save_idle;
-    tz.reprime = reprime;
 
-    if (models == 0) {
-        return ngx_http_llama_session_zone_add(cf, lmcf, &tz, &name, size,
-                                               &model);
+/*
+ * A zone in front of llama-server's router (model= or models=): its
+ * sessions' keys start with "<zone>@" ("<zone>.<n>@") in a shared folder
+ */
+
+static ngx_int_t
+ngx_http_llama_session_zone_routed(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_conf_t *zc)
+{
+    char                            *with;
+    size_t                           max;
+    ngx_str_t                       *name, *store, *model;
+    ngx_uint_t                       i;
+    ngx_http_llama_session_zone_t  **zp;
+
+    name = &zc->name;
+    store = &zc->zone.store;
+    model = &zc->model;
+    with = zc->models ? "models=" : "model=";
+
+    for (i = 0; i < name->len; i++) {
+        if (!((name->data[i] >= 'a' && name->data[i] <= 'z')
+              || (name->data[i] >= 'A' && name->data[i] <= 'Z')
+              || (name->data[i] >= '0' && name->data[i] <= '9')
+              || name->data[i] == '-' || name->data[i] == '_'))
+        {
+            break;
+        }
     }
 
-    /* models=N: the zones "<name>.1" to "<name>.N", given models later */
+    max = NGX_HTTP_LLAMA_SESSION_PREFIX_MAX - (zc->models ? 3 : 0);
+
+    if (i < name->len || name->len > max) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "zone \"%V\" with \"%s\" needs a name of "
+                           "1 to %uz letters, digits, \"-\" or \"_\": its "
+                           "sessions' file names start with it", name,
+                           with, max);
+        return NGX_ERROR;
+    }
+
+    if (zc->zone.nslots == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "zone \"%V\" with \"%s\" cannot have "
+                           "\"slots=auto\": the router's GET /props would "
+                           "load the model, give its -np", name, with);
+        return NGX_ERROR;
+    }
+
+    if (store->len == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "zone \"%V\" with \"%s\" needs "
+                           "\"store=\": the sessions of a model that "
+                           "llama-server's router unloads are saved "
+                           "first, as idle saves are", name, with);
+        return NGX_ERROR;
+    }
+
+    zp = lmcf->zones.elts;
+
+    for (i = 0; model->len && i < lmcf->zones.nelts; i++) {
+        if (zp[i]->model.len == model->len
+            && ngx_strncmp(zp[i]->model.data, model->data, model->len) == 0
+            && zp[i]->store.len == store->len
+            && ngx_strncmp(zp[i]->store.data, store->data, store->len) == 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "llama_session zones \"%V\" and \"%V\" "
+                               "drive the same model \"%V\" of one "
+                               "router: one zone per model", &zp[i]->name,
+                               name, model);
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
+}
+
+
+/* models=N: the zones "<name>.1" to "<name>.N", given models later */
+
+static char *
+ngx_http_llama_session_zone_models(ngx_conf_t *cf,
+    ngx_http_llama_session_main_conf_t *lmcf,
+    ngx_http_llama_session_zone_conf_t *zc)
+{
+    ngx_str_t                        member;
+    ngx_uint_t                       i;
+    ngx_http_llama_session_zone_t   *zone, *lead, *last, **zp;
 
     lead = NULL;
     last = NULL;
 
-    for (i = 1; i <= models; i++) {
-        member.len = name.len + 1 + NGX_INT_T_LEN;
+    for (i = 1; i <= zc->models; i++) {
+        member.len = zc->name.len + 1 + NGX_INT_T_LEN;
         member.data = ngx_pnalloc(cf->pool, member.len);
         if (member.data == NULL) {
             return NGX_CONF_ERROR;
         }
 
-        member.len = ngx_sprintf(member.data, "%V.%ui", &name, i)
+        member.len = ngx_sprintf(member.data, "%V.%ui", &zc->name, i)
                      - member.data;
 
-        tz.models = lead;
-        tz.models_index = i;
-        tz.models_name = name;
+        zc->zone.models = lead;
+        zc->zone.models_index = i;
+        zc->zone.models_name = zc->name;
 
-        if (ngx_http_llama_session_zone_add(cf, lmcf, &tz, &member, size,
-                                            &model)
+        if (ngx_http_llama_session_zone_add(cf, lmcf, &zc->zone, &member,
+                                            zc->size, &zc->model)
             != NGX_CONF_OK)
         {
             return NGX_CONF_ERROR;
@@ -973,27 +1109,6 @@ ngx_http_llama_session_zone_add(ngx_conf_t *cf,
     *zp = zone;
 
     return NGX_CONF_OK;
-}
-
-
-/*
- * A model's name as the router knows it goes into slot calls' JSON bodies
- * and queries: letters, digits and "._:/+@-" only.
- */
-
-static ngx_int_t
-ngx_http_llama_session_model_name(ngx_conf_t *cf, ngx_str_t *model)
-{
-    if (!ngx_http_llama_session_model_valid(model->data, model->len)) {
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "invalid model \"%V\": 1 to %d letters, digits "
-                           "or \"._:/+@-\", as llama-server's router names "
-                           "it in GET /models", model,
-                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW);
-        return NGX_ERROR;
-    }
-
-    return NGX_OK;
 }
 
 
