@@ -37,6 +37,14 @@ static ngx_int_t ngx_http_llama_session_from_json(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_prefix(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans);
+static ngx_int_t ngx_http_llama_session_leading(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *messages,
+    size_t *len, ngx_http_llama_session_span_t *head);
+static ngx_int_t ngx_http_llama_session_prefix_parts(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, EVP_MD_CTX *md,
+    ngx_http_llama_session_span_t *spans, size_t *len);
+static ngx_int_t ngx_http_llama_session_head(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *head);
 static ngx_int_t ngx_http_llama_session_digest_end(ngx_http_request_t *r,
     u_char *out);
 static ngx_uint_t ngx_http_llama_session_client_context(
@@ -51,6 +59,9 @@ static void ngx_http_llama_session_body_span_list(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t **sp);
 static ngx_int_t ngx_http_llama_session_choose_zone(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_identify_body(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *body,
+    ngx_http_llama_session_span_t *spans);
 static ngx_uint_t ngx_http_llama_session_probe(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans);
 static ngx_int_t ngx_http_llama_session_span_str(ngx_http_request_t *r,
@@ -217,15 +228,15 @@ ngx_int_t
 ngx_http_llama_session_identify(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    u_char                             *dot;
     ngx_int_t                           rc;
-    ngx_str_t                           body, ns, *field;
-    ngx_str_t                           names[NGX_HTTP_LLAMA_SESSION_SP_ALL];
-    ngx_uint_t                          i, n;
+    ngx_str_t                           body, ns;
     ngx_http_llama_session_span_t       spans[NGX_HTTP_LLAMA_SESSION_SP_ALL];
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    /* no body read, no member found: the media check reads none */
+    ngx_memzero(spans, sizeof(spans));
 
     ngx_str_null(&ns);
 
@@ -262,117 +273,10 @@ ngx_http_llama_session_identify(ngx_http_request_t *r,
         goto fallback;
     }
 
-    /*
-     * the members the module needs, at the top level of the object; the
-     * Responses API's system prompt is its "instructions" and the system
-     * and developer items that lead its "input", as llama-server converts
-     * them
-     */
+    rc = ngx_http_llama_session_identify_body(r, ctx, &body, spans);
 
-    names[NGX_HTTP_LLAMA_SESSION_SP_MODEL] = ngx_http_llama_session_model_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM] = ctx->dialect->system;
-    names[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES] = ctx->dialect->messages;
-    names[NGX_HTTP_LLAMA_SESSION_SP_REASONING] =
-                                      ngx_http_llama_session_reasoning_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_TOOLS] = ngx_http_llama_session_tools_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE] =
-                                    ngx_http_llama_session_tool_choice_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_KWARGS] =
-                                         ngx_http_llama_session_kwargs_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS] =
-                                     ngx_http_llama_session_max_tokens_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_MAX_COMPL] =
-                                 ngx_http_llama_session_max_completion_name;
-    names[NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT] =
-                                      ngx_http_llama_session_n_predict_name;
-    n = NGX_HTTP_LLAMA_SESSION_SP_FIELDS;
-
-    field = llcf->id_fields->elts;
-
-    for (i = 0; i < llcf->id_fields->nelts; i++) {
-        dot = ngx_strlchr(field[i].data, field[i].data + field[i].len, '.');
-
-        names[n].data = field[i].data;
-        names[n].len = dot ? (size_t) (dot - field[i].data) : field[i].len;
-        n++;
-    }
-
-    if (ngx_http_llama_session_json_body(body.data, body.data + body.len,
-                                         names, spans, n)
-        != NGX_OK)
-    {
-        ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                       "llama_session: the body is not a JSON object");
-        goto fallback;
-    }
-
-    /*
-     * per-conversation parts of a system prompt made the same (canon.c):
-     * Claude Code's first system block, before anything reads the body
-     */
-
-    if (llcf->canonical && ctx->dialect->canon
-        && ngx_http_llama_session_canon(r, &body,
-                               &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM])
-           != NGX_OK)
-    {
-        return NGX_ERROR;
-    }
-
-    /* "reasoning" is the Responses API's; elsewhere llama-server ignores it */
-
-    if (ctx->dialect->prime_shape != NGX_HTTP_LLAMA_SESSION_PRIME_RESPONSES) {
-        spans[NGX_HTTP_LLAMA_SESSION_SP_REASONING].start = NULL;
-    }
-
-    /* only a string is a model name: a span of another type is not parsed */
-
-    if (spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start
-        && *spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start == '"')
-    {
-        if (ngx_http_llama_session_span_str(r,
-                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL],
-                                        &ctx->model)
-            == NGX_ERROR)
-        {
-            return NGX_ERROR;
-        }
-
-        ctx->p_model = spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL];
-    }
-
-    if (ngx_http_llama_session_prefix(r, ctx, spans) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    if (!ctx->identity
-        && ngx_http_llama_session_msgs(r, ctx,
-                                       &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM],
-                                       &spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES])
-           != NGX_OK)
-    {
-        return NGX_ERROR;
-    }
-
-    if (ngx_http_llama_session_probe(ctx, spans)) {
-        /*
-         * a probe (max_tokens 0 or 1: a model or key check, a token
-         * count): it runs as "default", so it never takes the place of a
-         * conversation's state, nor gets a file
-         */
-
-        ngx_str_null(&ctx->id);
-        ngx_str_set(&ctx->source, "probe");
-        ctx->probe = 1;
-        goto fallback;
-    }
-
-    if (ctx->id.len == 0) {
-        rc = ngx_http_llama_session_from_json(r, ctx, llcf, spans);
-
-        if (rc == NGX_ERROR || rc == NGX_ABORT) {
-            return rc;
-        }
+    if (rc == NGX_ERROR || rc == NGX_ABORT) {
+        return rc;
     }
 
 fallback:
@@ -428,6 +332,139 @@ fallback:
 
     ngx_http_llama_session_key_prefix(ctx);
     ngx_http_llama_session_ext_record(ctx);
+
+    return NGX_OK;
+}
+
+
+/*
+ * The body's members: the model, the system prompt and the conversation
+ * (the prefix and the messages' digests), a probe, the id among the
+ * location's fields.  NGX_DECLINED: not a JSON object, or a probe; the
+ * request goes on as "default".
+ */
+
+static ngx_int_t
+ngx_http_llama_session_identify_body(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_str_t *body,
+    ngx_http_llama_session_span_t *spans)
+{
+    u_char                             *dot;
+    ngx_str_t                          *field;
+    ngx_str_t                           names[NGX_HTTP_LLAMA_SESSION_SP_ALL];
+    ngx_uint_t                          i, n;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    /*
+     * the members the module needs, at the top level of the object; the
+     * Responses API's system prompt is its "instructions" and the system
+     * and developer items that lead its "input", as llama-server converts
+     * them
+     */
+
+    names[NGX_HTTP_LLAMA_SESSION_SP_MODEL] = ngx_http_llama_session_model_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM] = ctx->dialect->system;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES] = ctx->dialect->messages;
+    names[NGX_HTTP_LLAMA_SESSION_SP_REASONING] =
+                                      ngx_http_llama_session_reasoning_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_TOOLS] = ngx_http_llama_session_tools_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE] =
+                                    ngx_http_llama_session_tool_choice_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_KWARGS] =
+                                         ngx_http_llama_session_kwargs_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MAX_TOKENS] =
+                                     ngx_http_llama_session_max_tokens_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_MAX_COMPL] =
+                                 ngx_http_llama_session_max_completion_name;
+    names[NGX_HTTP_LLAMA_SESSION_SP_N_PREDICT] =
+                                      ngx_http_llama_session_n_predict_name;
+    n = NGX_HTTP_LLAMA_SESSION_SP_FIELDS;
+
+    field = llcf->id_fields->elts;
+
+    for (i = 0; i < llcf->id_fields->nelts; i++) {
+        dot = ngx_strlchr(field[i].data, field[i].data + field[i].len, '.');
+
+        names[n].data = field[i].data;
+        names[n].len = dot ? (size_t) (dot - field[i].data) : field[i].len;
+        n++;
+    }
+
+    if (ngx_http_llama_session_json_body(body->data, body->data + body->len,
+                                         names, spans, n)
+        != NGX_OK)
+    {
+        ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "llama_session: the body is not a JSON object");
+        return NGX_DECLINED;
+    }
+
+    /*
+     * per-conversation parts of a system prompt made the same (canon.c):
+     * Claude Code's first system block, before anything reads the body
+     */
+
+    if (llcf->canonical && ctx->dialect->canon
+        && ngx_http_llama_session_canon(r, body,
+                               &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM])
+           != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    /* "reasoning" is the Responses API's; elsewhere llama-server ignores it */
+
+    if (ctx->dialect->prime_shape != NGX_HTTP_LLAMA_SESSION_PRIME_RESPONSES) {
+        spans[NGX_HTTP_LLAMA_SESSION_SP_REASONING].start = NULL;
+    }
+
+    /* only a string is a model name: a span of another type is not parsed */
+
+    if (spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start
+        && *spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL].start == '"')
+    {
+        if (ngx_http_llama_session_span_str(r,
+                                        &spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL],
+                                        &ctx->model)
+            == NGX_ERROR)
+        {
+            return NGX_ERROR;
+        }
+
+        ctx->p_model = spans[NGX_HTTP_LLAMA_SESSION_SP_MODEL];
+    }
+
+    if (ngx_http_llama_session_prefix(r, ctx, spans) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (!ctx->identity
+        && ngx_http_llama_session_msgs(r, ctx,
+                                       &spans[NGX_HTTP_LLAMA_SESSION_SP_SYSTEM],
+                                       &spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES])
+           != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    if (ngx_http_llama_session_probe(ctx, spans)) {
+        /*
+         * a probe (max_tokens 0 or 1: a model or key check, a token
+         * count): it runs as "default", so it never takes the place of a
+         * conversation's state, nor gets a file
+         */
+
+        ngx_str_null(&ctx->id);
+        ngx_str_set(&ctx->source, "probe");
+        ctx->probe = 1;
+        return NGX_DECLINED;
+    }
+
+    if (ctx->id.len == 0) {
+        return ngx_http_llama_session_from_json(r, ctx, llcf, spans);
+    }
 
     return NGX_OK;
 }
@@ -862,24 +899,9 @@ static ngx_int_t
 ngx_http_llama_session_prefix(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *spans)
 {
-    u_char                         *pos;
-    size_t                          len, budget;
-    ngx_int_t                       rc;
-    ngx_str_t                       names[2];
-    ngx_uint_t                      i;
+    size_t                          len;
     EVP_MD_CTX                     *md;
-    ngx_http_llama_session_span_t  *messages, elt, fields[2], head, *sp;
-
-    static ngx_str_t   system = ngx_string("system");
-    static ngx_str_t   developer = ngx_string("developer");
-    static ngx_str_t   user = ngx_string("user");
-
-    static ngx_uint_t  parts[] = {
-        NGX_HTTP_LLAMA_SESSION_SP_TOOLS,
-        NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE,
-        NGX_HTTP_LLAMA_SESSION_SP_KWARGS,
-        NGX_HTTP_LLAMA_SESSION_SP_REASONING
-    };
+    ngx_http_llama_session_span_t   head, *sp;
 
     md = ngx_http_llama_session_sha256_begin(r);
     if (md == NULL) {
@@ -901,65 +923,126 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
         ctx->p_system = *sp;
     }
 
-    messages = &spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES];
+    if (ngx_http_llama_session_leading(r, ctx,
+                                  &spans[NGX_HTTP_LLAMA_SESSION_SP_MESSAGES],
+                                  &len, &head)
+        != NGX_OK
+        || ngx_http_llama_session_prefix_parts(r, ctx, md, spans, &len)
+           != NGX_OK
+        || ngx_http_llama_session_digest_end(r, ctx->sys) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
 
-    if (messages->start && *messages->start == '[') {
+    ctx->sys_len = len;
 
-        ngx_str_set(&names[0], "role");
-        ngx_str_set(&names[1], "content");
+    if (head.start == NULL) {
+        return NGX_OK;
+    }
 
-        pos = messages->start;
+    return ngx_http_llama_session_head(r, ctx, &head);
+}
 
-        for ( ;; ) {
-            rc = ngx_http_llama_session_json_next(&pos, messages->end, &elt);
 
-            if (rc != NGX_OK) {
-                break;
-            }
+/*
+ * The system and developer messages that lead the conversation (and a
+ * client's context given as a user message), into the system prompt's
+ * digest; head: the first message after them.
+ */
 
-            if (*elt.start != '{'
-                || ngx_http_llama_session_json_object(elt.start, elt.end,
-                                                      names, fields, 2)
-                   == NULL
-                || fields[0].start == NULL)
-            {
-                head = elt;
-                break;
-            }
+static ngx_int_t
+ngx_http_llama_session_leading(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *messages,
+    size_t *len, ngx_http_llama_session_span_t *head)
+{
+    u_char                         *pos;
+    ngx_str_t                       names[2];
+    ngx_http_llama_session_span_t   elt, fields[2];
 
-            /* the role as llama-server decodes it ("syst\u0065m" too) */
+    static ngx_str_t   system = ngx_string("system");
+    static ngx_str_t   developer = ngx_string("developer");
+    static ngx_str_t   user = ngx_string("user");
 
-            if (!ngx_http_llama_session_json_string_is(&fields[0], &system)
-                && !ngx_http_llama_session_json_string_is(&fields[0],
-                                                          &developer)
-                && !(ngx_http_llama_session_json_string_is(&fields[0], &user)
-                     && fields[1].start
-                     && ngx_http_llama_session_client_context(&fields[1])))
-            {
-                head = elt;
-                break;
-            }
+    if (messages->start == NULL || *messages->start != '[') {
+        return NGX_OK;
+    }
 
-            if (ctx->p_leading.start == NULL) {
-                ctx->p_leading.start = elt.start;
-            }
+    ngx_str_set(&names[0], "role");
+    ngx_str_set(&names[1], "content");
 
-            ctx->p_leading.end = elt.end;
+    pos = messages->start;
 
-            if (fields[1].start
-                && ngx_http_llama_session_digest_text(r, &fields[1], &len, 0,
-                                                      NULL)
-                   != NGX_OK)
-            {
-                return NGX_ERROR;
-            }
+    while (ngx_http_llama_session_json_next(&pos, messages->end, &elt)
+           == NGX_OK)
+    {
+        if (*elt.start != '{'
+            || ngx_http_llama_session_json_object(elt.start, elt.end,
+                                                  names, fields, 2)
+               == NULL
+            || fields[0].start == NULL)
+        {
+            *head = elt;
+            break;
+        }
+
+        /* the role as llama-server decodes it ("syst\u0065m" too) */
+
+        if (!ngx_http_llama_session_json_string_is(&fields[0], &system)
+            && !ngx_http_llama_session_json_string_is(&fields[0], &developer)
+            && !(ngx_http_llama_session_json_string_is(&fields[0], &user)
+                 && fields[1].start
+                 && ngx_http_llama_session_client_context(&fields[1])))
+        {
+            *head = elt;
+            break;
+        }
+
+        if (ctx->p_leading.start == NULL) {
+            ctx->p_leading.start = elt.start;
+        }
+
+        ctx->p_leading.end = elt.end;
+
+        if (fields[1].start
+            && ngx_http_llama_session_digest_text(r, &fields[1], len, 0,
+                                                  NULL)
+               != NGX_OK)
+        {
+            return NGX_ERROR;
         }
     }
 
-    /* tools are part of the prompt that comes before the conversation */
+    return NGX_OK;
+}
+
+
+/* tools are part of the prompt that comes before the conversation */
+
+static ngx_int_t
+ngx_http_llama_session_prefix_parts(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, EVP_MD_CTX *md,
+    ngx_http_llama_session_span_t *spans, size_t *len)
+{
+    u_char                         *pos;
+    ngx_uint_t                      i;
+    ngx_http_llama_session_span_t  *sp;
+
+    static struct {
+        ngx_uint_t                  span;
+        size_t                      off;
+    } parts[] = {
+        { NGX_HTTP_LLAMA_SESSION_SP_TOOLS,
+          offsetof(ngx_http_llama_session_ctx_t, p_tools) },
+        { NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE,
+          offsetof(ngx_http_llama_session_ctx_t, p_tool_choice) },
+        { NGX_HTTP_LLAMA_SESSION_SP_KWARGS,
+          offsetof(ngx_http_llama_session_ctx_t, p_kwargs) },
+        { NGX_HTTP_LLAMA_SESSION_SP_REASONING,
+          offsetof(ngx_http_llama_session_ctx_t, p_reasoning) }
+    };
 
     for (i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
-        sp = &spans[parts[i]];
+        sp = &spans[parts[i].span];
 
         if (sp->start == NULL
             || (sp->end - sp->start == 4
@@ -984,58 +1067,52 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
         if (EVP_DigestUpdate(md, "\0", 1) != 1
             || EVP_DigestUpdate(md, sp->start, sp->end - sp->start) != 1)
         {
-            goto failed;
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "llama_session: SHA-256 failed");
+            return NGX_ERROR;
         }
 
-        len += sp->end - sp->start;
+        *len += sp->end - sp->start;
 
-        switch (parts[i]) {
-        case NGX_HTTP_LLAMA_SESSION_SP_TOOLS:
-            ctx->p_tools = *sp;
-            break;
-        case NGX_HTTP_LLAMA_SESSION_SP_TOOL_CHOICE:
-            ctx->p_tool_choice = *sp;
-            break;
-        case NGX_HTTP_LLAMA_SESSION_SP_REASONING:
-            ctx->p_reasoning = *sp;
-            break;
-        default:
-            ctx->p_kwargs = *sp;
-        }
+        *(ngx_http_llama_session_span_t *) ((u_char *) ctx + parts[i].off)
+                                                                      = *sp;
     }
 
-    if (ngx_http_llama_session_digest_end(r, ctx->sys) != NGX_OK) {
-        return NGX_ERROR;
-    }
+    return NGX_OK;
+}
 
-    ctx->sys_len = len;
 
-    if (head.start == NULL) {
-        return NGX_OK;
-    }
+/* the first message of the conversation: its role and texts */
 
-    /* the first message of the conversation: its role and texts */
+static ngx_int_t
+ngx_http_llama_session_head(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_span_t *head)
+{
+    size_t                          len, budget;
+    ngx_str_t                       names[2];
+    EVP_MD_CTX                     *md;
+    ngx_http_llama_session_span_t   fields[2];
 
     md = ngx_http_llama_session_sha256_begin(r);
     if (md == NULL) {
         return NGX_ERROR;
     }
 
+    ngx_str_set(&names[0], "role");
+    ngx_str_set(&names[1], "content");
+
     len = 0;
 
-    if (*head.start == '{'
-        && ngx_http_llama_session_json_object(head.start, head.end, names,
+    if (*head->start == '{'
+        && ngx_http_llama_session_json_object(head->start, head->end, names,
                                               fields, 2)
            != NULL)
     {
-        if (fields[0].start
-            && EVP_DigestUpdate(md, fields[0].start,
-                                fields[0].end - fields[0].start) != 1)
+        if ((fields[0].start
+             && EVP_DigestUpdate(md, fields[0].start,
+                                 fields[0].end - fields[0].start) != 1)
+            || EVP_DigestUpdate(md, "\0", 1) != 1)
         {
-            goto failed;
-        }
-
-        if (EVP_DigestUpdate(md, "\0", 1) != 1) {
             goto failed;
         }
 
@@ -1049,7 +1126,9 @@ ngx_http_llama_session_prefix(ngx_http_request_t *r,
             return NGX_ERROR;
         }
 
-    } else if (EVP_DigestUpdate(md, head.start, head.end - head.start) != 1) {
+    } else if (EVP_DigestUpdate(md, head->start, head->end - head->start)
+               != 1)
+    {
         goto failed;
     }
 
