@@ -74,6 +74,7 @@ struct ngx_http_llama_session_api_s {
     ngx_uint_t                           is_key;   /* the id is a key */
     ngx_uint_t                           narrow;   /* ?model= with an id */
     ngx_uint_t                           tenant;   /* only its own sessions */
+    ngx_str_t                            namespace;
     u_char                               ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_uint_t                           slot;
     ngx_uint_t                           last;     /* the slot after the end */
@@ -103,9 +104,6 @@ static cJSON *ngx_http_llama_session_api_node(
     ngx_uint_t in_slot);
 static ngx_int_t ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
-static void ngx_http_llama_session_api_delete(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api, ngx_http_llama_session_node_t *nodes,
-    ngx_uint_t n);
 static ngx_int_t ngx_http_llama_session_api_files(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api, ngx_http_llama_session_node_t *nodes,
     ngx_uint_t n, ngx_http_llama_session_slot_t *slots);
@@ -127,7 +125,7 @@ static ngx_int_t ngx_http_llama_session_api_read(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
-static ngx_int_t ngx_http_llama_session_api_take(
+static ngx_int_t ngx_http_llama_session_api_take(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_step(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
@@ -137,7 +135,6 @@ static ngx_int_t ngx_http_llama_session_api_checked(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api, cJSON *item);
-static void ngx_http_llama_session_api_start(ngx_http_request_t *r);
 static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
 static void ngx_http_llama_session_api_cleanup(void *data);
 static ngx_int_t ngx_http_llama_session_api_send(ngx_http_request_t *r,
@@ -335,8 +332,10 @@ ngx_http_llama_session_api_parse(ngx_http_request_t *r,
     if (llcf->namespace) {
         api->tenant = 1;
 
-        if (ngx_http_complex_value(r, llcf->namespace, &value) != NGX_OK
-            || ngx_http_llama_session_ns_digest(r, &value, api->ns) != NGX_OK)
+        if (ngx_http_complex_value(r, llcf->namespace, &api->namespace)
+            != NGX_OK
+            || ngx_http_llama_session_ns_digest(r, &api->namespace, api->ns)
+               != NGX_OK)
         {
             return NGX_ERROR;
         }
@@ -435,13 +434,12 @@ static ngx_int_t
 ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
-    u_char                             *p;
-    size_t                              skip;
-    ngx_int_t                           rc;
-    ngx_str_t                           ns, *id;
-    ngx_uint_t                          i;
-    ngx_http_llama_session_ctx_t       *ctx;
-    ngx_http_llama_session_loc_conf_t  *llcf;
+    u_char                        *p;
+    size_t                         skip;
+    ngx_int_t                      rc;
+    ngx_str_t                     *id;
+    ngx_uint_t                     i;
+    ngx_http_llama_session_ctx_t  *ctx;
 
     id = &api->id;
 
@@ -487,16 +485,6 @@ ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-
-    ngx_str_null(&ns);
-
-    if (llcf->namespace
-        && ngx_http_complex_value(r, llcf->namespace, &ns) != NGX_OK)
-    {
-        return NGX_ERROR;
-    }
-
     rc = ngx_http_llama_session_api_arg(r, "model", &ctx->model);
 
     if (rc == NGX_ERROR) {
@@ -514,7 +502,7 @@ ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
 
     ctx->id = *id;
 
-    if (ngx_http_llama_session_make_key(r, ctx, &ns) != NGX_OK) {
+    if (ngx_http_llama_session_make_key(r, ctx, &api->namespace) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -551,6 +539,11 @@ ngx_http_llama_session_api_parse_slots(ngx_http_request_t *r,
     api->ctx->api = api;
     api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
     api->last = ngx_http_llama_session_slots_usable(api->zone->sh);
+
+    api->result = cJSON_CreateArray();
+    if (api->result == NULL) {
+        return NGX_ERROR;
+    }
 
     if (ngx_http_arg(r, (u_char *) "slot", 4, &arg) == NGX_OK) {
         n = ngx_atoi(arg.data, arg.len);
@@ -791,7 +784,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
     ngx_uint_t                      i, k, n;
-    ngx_http_llama_session_node_t  *nodes;
+    ngx_http_llama_session_node_t  *nodes, *node;
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 
     nodes = ngx_http_llama_session_api_records(r, api, slots, &n);
@@ -833,8 +826,34 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
                                                 "id", NULL);
     }
 
-    if (r->method == NGX_HTTP_DELETE) {
-        ngx_http_llama_session_api_delete(r, api, nodes, n);
+    /* DELETE: the records lose their files, then the files go */
+
+    for (i = 0; r->method == NGX_HTTP_DELETE && i < n; i++) {
+        ngx_shmtx_lock(&api->zone->shpool->mutex);
+
+        node = ngx_http_llama_session_lookup_name(api->zone, nodes[i].name,
+                                                  nodes[i].name_len);
+        if (node) {
+            ngx_http_llama_session_node_file(api->zone->sh, node, 0, 0);
+        }
+
+        ngx_shmtx_unlock(&api->zone->shpool->mutex);
+    }
+
+    for (i = 0; r->method == NGX_HTTP_DELETE && i < n; i++) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: deleting session \"%*s\" through "
+                      "the API", (size_t) nodes[i].name_len, nodes[i].name);
+
+        (void) ngx_http_llama_session_store_unlink(api->zone, nodes[i].name,
+                                                   nodes[i].name_len,
+                                                   r->connection->log);
+
+        /* its last turn's text, if a slot's turn file still has it */
+        ngx_http_llama_session_turn_forget(api->zone, nodes[i].name,
+                                         nodes[i].name_len - 1
+                                         - NGX_HTTP_LLAMA_SESSION_FP_LEN,
+                                         r->connection->log);
     }
 
     if (!api->is_key) {
@@ -845,49 +864,6 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     }
 
     return ngx_http_llama_session_api_files(r, api, nodes, n, slots);
-}
-
-
-/* DELETE: the records lose their files, then the files go */
-
-static void
-ngx_http_llama_session_api_delete(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api, ngx_http_llama_session_node_t *nodes,
-    ngx_uint_t n)
-{
-    ngx_uint_t                      i;
-    ngx_http_llama_session_zone_t  *zone;
-    ngx_http_llama_session_node_t  *node;
-
-    zone = api->zone;
-
-    for (i = 0; i < n; i++) {
-        ngx_shmtx_lock(&zone->shpool->mutex);
-
-        node = ngx_http_llama_session_lookup_name(zone, nodes[i].name,
-                                                  nodes[i].name_len);
-        if (node) {
-            ngx_http_llama_session_node_file(zone->sh, node, 0, 0);
-        }
-
-        ngx_shmtx_unlock(&zone->shpool->mutex);
-    }
-
-    for (i = 0; i < n; i++) {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "llama_session: deleting session \"%*s\" through "
-                      "the API", (size_t) nodes[i].name_len, nodes[i].name);
-
-        (void) ngx_http_llama_session_store_unlink(zone, nodes[i].name,
-                                                   nodes[i].name_len,
-                                                   r->connection->log);
-
-        /* its last turn's text, if a slot's turn file still has it */
-        ngx_http_llama_session_turn_forget(zone, nodes[i].name,
-                                         nodes[i].name_len - 1
-                                         - NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                                         r->connection->log);
-    }
 }
 
 
@@ -1242,7 +1218,8 @@ ngx_http_llama_session_api_in_slot(ngx_http_llama_session_zone_t *zone,
 /*
  * POST .../sessions/save and .../sessions/clear: the body is read whole
  * first (and ignored): a discard still running would take the client's
- * read events from the slot calls' subrequests
+ * read events from the slot calls' subrequests; then resume() starts the
+ * slots, one after the other
  */
 
 static ngx_int_t
@@ -1252,7 +1229,7 @@ ngx_http_llama_session_api_read(ngx_http_request_t *r,
     ngx_int_t  rc;
 
     rc = ngx_http_read_client_request_body(r,
-                                           ngx_http_llama_session_api_start);
+                                           ngx_http_llama_session_api_resume);
 
     if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
         return rc;
@@ -1281,39 +1258,13 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
     ctx = api->ctx;
 
-    if (api->result == NULL) {
-        api->result = cJSON_CreateArray();
-        if (api->result == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-    }
-
     while (api->slot < api->last) {
 
         ctx->job.slot = api->slot;
 
-        if (!ctx->job.acquired || ctx->job.released) {
-            rc = ngx_http_llama_session_api_take(api);
-
-            if (rc == NGX_BUSY
-                && (ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0)
-            {
-                /* a request or an idle save has it: try again soon */
-                goto again;
-            }
-
-            if (rc == NGX_BUSY) {
-                return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
-                                  "a slot stayed busy with requests, retry "
-                                  "later", NULL);
-            }
-
-            if (rc == NGX_DECLINED) {
-                continue;
-            }
-        }
-
-        rc = ngx_http_llama_session_api_step(r, api);
+        rc = (!ctx->job.acquired || ctx->job.released)
+             ? ngx_http_llama_session_api_take(r, api)
+             : ngx_http_llama_session_api_step(r, api);
 
         if (rc == NGX_AGAIN) {
             goto wait;
@@ -1325,6 +1276,12 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
 
         if (rc == NGX_DONE) {
             break;
+        }
+
+        if (rc == NGX_ABORT) {
+            return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+                                  "a slot stayed busy with requests, retry "
+                                  "later", NULL);
         }
 
         if (rc != NGX_OK) {
@@ -1364,19 +1321,23 @@ wait:
 
 
 /*
- * The slot, when it is free (NGX_BUSY: it is not), taken and its job
- * begun anew; NGX_DECLINED: another tenant's, given back and passed over.
+ * The slot, taken when it is free, its job begun anew and its first step
+ * made; NGX_BUSY: try again soon; NGX_ABORT: it stayed busy.  Another
+ * tenant's slot is given back and passed over.
  */
 
 static ngx_int_t
-ngx_http_llama_session_api_take(ngx_http_llama_session_api_t *api)
+ngx_http_llama_session_api_take(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
 {
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = api->ctx;
 
     if (ngx_http_llama_session_try_slot(ctx) != NGX_OK) {
-        return NGX_BUSY;
+        /* a request or an idle save has it */
+        return ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0)
+               ? NGX_BUSY : NGX_ABORT;
     }
 
     ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
@@ -1394,17 +1355,18 @@ ngx_http_llama_session_api_take(ngx_http_llama_session_api_t *api)
         ngx_http_llama_session_release(ctx,
                                        NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
         api->slot++;
-        return NGX_DECLINED;
+        return NGX_OK;
     }
 
-    return NGX_OK;
+    return ngx_http_llama_session_api_step(r, api);
 }
 
 
 /*
  * The taken slot's next step.  NGX_OK: on to the next step or slot;
  * NGX_AGAIN: a call is on its way; NGX_BUSY: try again soon; NGX_DONE:
- * no slot more; else an HTTP status to end with.
+ * no slot more; else an HTTP status to end with.  The first is GET
+ * /slots, or GET /props first when a save needs the fingerprint.
  */
 
 static ngx_int_t
@@ -1704,27 +1666,6 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     api->slot++;
 
     return NGX_OK;
-}
-
-
-/* the body of a save or a clear is in: the slots, one after the other */
-
-static void
-ngx_http_llama_session_api_start(ngx_http_request_t *r)
-{
-    ngx_int_t                      rc;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-    rc = ngx_http_llama_session_api_slots(r, ctx->api);
-
-    if (rc == NGX_DONE) {
-        /* the request lives on across its slot calls */
-        return;
-    }
-
-    ngx_http_finalize_request(r, rc);
 }
 
 
