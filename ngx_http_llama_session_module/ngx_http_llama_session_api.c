@@ -129,8 +129,6 @@ static ngx_int_t ngx_http_llama_session_api_take(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_step(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
-static ngx_int_t ngx_http_llama_session_api_learned(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_checked(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
@@ -783,9 +781,11 @@ static ngx_int_t
 ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
-    ngx_uint_t                      i, k, n;
+    ngx_uint_t                      i, k, n, delete, used;
     ngx_http_llama_session_node_t  *nodes, *node;
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+
+    delete = (r->method == NGX_HTTP_DELETE);
 
     nodes = ngx_http_llama_session_api_records(r, api, slots, &n);
     if (nodes == NULL) {
@@ -794,20 +794,21 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
 
     /* a session in a slot may have no file yet: it is in use all the same */
 
-    for (i = 0; r->method == NGX_HTTP_DELETE && i <= n; i++) {
+    for (i = 0, used = 0; delete && !used && i < n; i++) {
+        used = ngx_http_llama_session_in_use(api->zone, nodes[i].name,
+                                             nodes[i].name_len - 1
+                                             - NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    }
 
-        if (i < n
-            ? ngx_http_llama_session_in_use(api->zone, nodes[i].name,
-                                            nodes[i].name_len - 1
-                                            - NGX_HTTP_LLAMA_SESSION_FP_LEN)
-            : api->is_key && (!api->tenant || n)
-              && ngx_http_llama_session_in_use(api->zone, api->ctx->key,
-                                               api->ctx->key_len))
-        {
-            return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+    if (delete && !used && api->is_key && (!api->tenant || n)) {
+        used = ngx_http_llama_session_in_use(api->zone, api->ctx->key,
+                                             api->ctx->key_len);
+    }
+
+    if (used) {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
                                   "the session is in a slot or in use; "
                                   "clear the slots or retry later", NULL);
-        }
     }
 
     /* only the records with a file from here on */
@@ -828,7 +829,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
 
     /* DELETE: the records lose their files, then the files go */
 
-    for (i = 0; r->method == NGX_HTTP_DELETE && i < n; i++) {
+    for (i = 0; delete && i < n; i++) {
         ngx_shmtx_lock(&api->zone->shpool->mutex);
 
         node = ngx_http_llama_session_lookup_name(api->zone, nodes[i].name,
@@ -840,7 +841,7 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
         ngx_shmtx_unlock(&api->zone->shpool->mutex);
     }
 
-    for (i = 0; r->method == NGX_HTTP_DELETE && i < n; i++) {
+    for (i = 0; delete && i < n; i++) {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "llama_session: deleting session \"%*s\" through "
                       "the API", (size_t) nodes[i].name_len, nodes[i].name);
@@ -1363,10 +1364,11 @@ ngx_http_llama_session_api_take(ngx_http_request_t *r,
 
 
 /*
- * The taken slot's next step.  NGX_OK: on to the next step or slot;
- * NGX_AGAIN: a call is on its way; NGX_BUSY: try again soon; NGX_DONE:
- * no slot more; else an HTTP status to end with.  The first is GET
- * /slots, or GET /props first when a save needs the fingerprint.
+ * The taken slot's next step: its first call, GET /slots (GET /props and
+ * GET /v1/models first when a save needs the backend's fingerprint), then
+ * the save or the erase.  NGX_OK: on to the next step or slot; NGX_AGAIN:
+ * a call is on its way; NGX_BUSY: try again soon; NGX_DONE: no slot more
+ * (the backend failed the fingerprint's calls); else an HTTP status.
  */
 
 static ngx_int_t
@@ -1375,45 +1377,62 @@ ngx_http_llama_session_api_step(ngx_http_request_t *r,
 {
     cJSON                         *item;
     ngx_int_t                      rc;
+    ngx_uint_t                     save;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = api->ctx;
+    save = (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE);
 
-    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE
+        && save && !ctx->job.save_pending)
+    {
+        ngx_http_llama_session_release(ctx,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        api->slot++;
+        return NGX_OK;
+    }
 
-        if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-            && !ctx->job.save_pending)
-        {
-            ngx_http_llama_session_release(ctx,
-                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
-            api->slot++;
-            return NGX_OK;
-        }
-
-        if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-            && !ngx_http_llama_session_fingerprint(ctx))
-        {
-            ngx_http_llama_session_job_state(ctx,
-               NGX_HTTP_LLAMA_SESSION_ST_PROPS);
-            return ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
-                                             NULL, 0);
-        }
-
-        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
+    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE
+        && save && !ngx_http_llama_session_fingerprint(ctx))
+    {
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
         return ngx_http_llama_session_call(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
                                            NULL, 0);
     }
 
-    if (!ctx->job.call_done) {
+    if (ctx->job.call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+        && !ctx->job.call_done)
+    {
         return NGX_AGAIN;
     }
 
     if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
         || ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
     {
-        return ngx_http_llama_session_api_learned(r, api);
+        rc = ngx_http_llama_session_learn(r, ctx);
+
+        if (rc == NGX_ERROR) {
+            api->failed = 1;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
+            ngx_http_llama_session_release(ctx,
+                                          NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            return NGX_DONE;
+        }
+
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    }
+
+    if (ctx->job.call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                           NULL, 0);
     }
 
     if (ctx->job.state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
@@ -1439,45 +1458,6 @@ ngx_http_llama_session_api_step(ngx_http_request_t *r,
     }
 
     return NGX_OK;
-}
-
-
-/*
- * GET /props or GET /v1/models answered: the next of them, or GET /slots
- * once the fingerprint is known; NGX_DONE when the backend failed them.
- */
-
-static ngx_int_t
-ngx_http_llama_session_api_learned(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api)
-{
-    ngx_int_t                      rc;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    ctx = api->ctx;
-
-    rc = ngx_http_llama_session_learn(r, ctx);
-
-    if (rc == NGX_ERROR) {
-        api->failed = 1;
-        ngx_http_llama_session_job_state(ctx,
-           NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx,
-                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
-        return NGX_DONE;
-    }
-
-    if (rc != NGX_OK) {
-        /* NGX_AGAIN: the next call is on its way */
-        return rc;
-    }
-
-    ctx->job.call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
-
-    return ngx_http_llama_session_call(r, ctx,
-                                       NGX_HTTP_LLAMA_SESSION_CALL_GET,
-                                       NULL, 0);
 }
 
 
