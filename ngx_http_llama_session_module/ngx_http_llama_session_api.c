@@ -92,7 +92,7 @@ static ngx_int_t ngx_http_llama_session_api_route(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
-static ngx_int_t ngx_http_llama_session_api_parse_slots(ngx_http_request_t *r,
+static ngx_int_t ngx_http_llama_session_api_parse_slot(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_list(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
@@ -121,8 +121,6 @@ static ngx_uint_t ngx_http_llama_session_api_mine(ngx_uint_t tenant,
 static ngx_uint_t ngx_http_llama_session_api_in_slot(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slots,
     ngx_http_llama_session_node_t *node);
-static ngx_int_t ngx_http_llama_session_api_read(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_take(ngx_http_request_t *r,
@@ -167,11 +165,11 @@ static ngx_http_llama_session_api_route_t
 
     { ngx_string("save"), 0, NGX_HTTP_POST, 1,
       NGX_HTTP_LLAMA_SESSION_API_SAVE, "POST", "save and clear are POSTs",
-      ngx_http_llama_session_api_parse_slots, ngx_http_llama_session_api_read },
+      ngx_http_llama_session_api_parse_slot, ngx_http_llama_session_api_slots },
 
     { ngx_string("clear"), 0, NGX_HTTP_POST, 1,
       NGX_HTTP_LLAMA_SESSION_API_CLEAR, "POST", "save and clear are POSTs",
-      ngx_http_llama_session_api_parse_slots, ngx_http_llama_session_api_read },
+      ngx_http_llama_session_api_parse_slot, ngx_http_llama_session_api_slots },
 
     { ngx_string("<id>"), 1, NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE, 0,
       NGX_HTTP_LLAMA_SESSION_API_ONE, "GET, HEAD, DELETE",
@@ -229,9 +227,10 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
 
 /*
- * The request is parsed first: its route, method and arguments; then a
- * refusal or a route without a body discards the body, and the route's
- * handler runs.
+ * The request is parsed first: its route, method and arguments.  A route
+ * with a body has it read whole (and ignored: a discard still running
+ * would take the client's read events from the slot calls' subrequests),
+ * then resume() runs its handler; the others and a refusal discard it.
  */
 
 static ngx_int_t
@@ -258,11 +257,16 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    if (rc != NGX_OK || !api->route->body) {
-        discard = ngx_http_discard_request_body(r);
-        if (discard != NGX_OK) {
-            return discard;
-        }
+    if (rc == NGX_OK && api->route->body) {
+        rc = ngx_http_read_client_request_body(r,
+                                           ngx_http_llama_session_api_resume);
+
+        return (rc >= NGX_HTTP_SPECIAL_RESPONSE) ? rc : NGX_DONE;
+    }
+
+    discard = ngx_http_discard_request_body(r);
+    if (discard != NGX_OK) {
+        return discard;
     }
 
     if (rc != NGX_OK) {
@@ -511,7 +515,7 @@ ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
 /* save and clear: the job's context and its slots (?slot=k: that alone) */
 
 static ngx_int_t
-ngx_http_llama_session_api_parse_slots(ngx_http_request_t *r,
+ngx_http_llama_session_api_parse_slot(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
     ngx_int_t                           n;
@@ -1217,36 +1221,13 @@ ngx_http_llama_session_api_in_slot(ngx_http_llama_session_zone_t *zone,
 
 
 /*
- * POST .../sessions/save and .../sessions/clear: the body is read whole
- * first (and ignored): a discard still running would take the client's
- * read events from the slot calls' subrequests; then resume() starts the
- * slots, one after the other
- */
-
-static ngx_int_t
-ngx_http_llama_session_api_read(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api)
-{
-    ngx_int_t  rc;
-
-    rc = ngx_http_read_client_request_body(r,
-                                           ngx_http_llama_session_api_resume);
-
-    if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
-        return rc;
-    }
-
-    return NGX_DONE;
-}
-
-
-/*
  * POST .../sessions/save and .../sessions/clear, slot after slot: take the
  * slot when it is free (wait for it up to llama_session_wait_timeout, then
  * 409), learn the backend's fingerprint if needed, ask GET /slots (idle?
  * tokens? restarted?), then save the session in it (when it changed since
  * its last save) or erase it.  A save takes the checks and the commit of
- * every other save.
+ * every other save.  Run by resume(), once the body is in and after each
+ * slot call.
  */
 
 static ngx_int_t
@@ -1653,6 +1634,7 @@ static void
 ngx_http_llama_session_api_resume(ngx_http_request_t *r)
 {
     ngx_int_t                      rc;
+    ngx_http_llama_session_api_t  *api;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
@@ -1667,7 +1649,8 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
 
     r->write_event_handler = ngx_http_request_empty_handler;
 
-    rc = ngx_http_llama_session_api_slots(r, ctx->api);
+    api = ctx->api;
+    rc = api->route->handler(r, api);
 
     if (rc == NGX_DONE) {
         return;
