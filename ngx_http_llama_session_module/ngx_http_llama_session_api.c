@@ -53,7 +53,7 @@ typedef ngx_int_t (*ngx_http_llama_session_api_pt)(ngx_http_request_t *r,
 
 typedef struct {
     ngx_str_t                            path;     /* after .../sessions/ */
-    ngx_uint_t                           id;       /* the path is the id */
+    ngx_uint_t                           id;       /* the rest is the id */
     ngx_uint_t                           methods;
     ngx_uint_t                           body;     /* it reads the body */
     ngx_uint_t                           op;
@@ -147,7 +147,7 @@ static cJSON *ngx_http_llama_session_api_str(cJSON *obj, const char *name,
  * The routes, by the part of the path after its last "/sessions/": the
  * methods (a 405 with Allow for the others), whether the route reads the
  * body (the others discard it), its arguments' parse and its handler.
- * <id>, last, takes any other path, and .../sessions?id=<id>.
+ * <id>, the last, takes any other path, and .../sessions?id=<id>.
  */
 
 static ngx_http_llama_session_api_route_t
