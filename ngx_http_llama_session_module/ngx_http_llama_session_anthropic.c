@@ -1289,7 +1289,7 @@ ngx_http_llama_session_anthropic_error(ngx_uint_t status, cJSON *reply)
     cJSON_AddStringToObject(out, "type", "error");
     err = cJSON_AddObjectToObject(out, "error");
     cJSON_AddStringToObject(err, "type",
-                            ngx_http_llama_session_anthropic_error_type(status));
+                          ngx_http_llama_session_anthropic_error_type(status));
     cJSON_AddStringToObject(err, "message",
                             message ? message
                             : (reply == NULL && status == NGX_HTTP_OK)

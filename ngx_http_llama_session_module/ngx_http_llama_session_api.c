@@ -12,7 +12,9 @@
  *   POST   .../sessions/clear     erase the slots
  *
  * <id> is a session key, or a client's id (with ?model= when the clients
- * send a model; the location's llama_session_namespace applies).
+ * send a model; the location's llama_session_namespace applies); an id
+ * that a path cannot carry goes in .../sessions?id=<id>.  The routes are
+ * the table ngx_http_llama_session_api_routes.
  */
 
 
@@ -45,47 +47,94 @@ typedef enum {
 } ngx_http_llama_session_api_e;
 
 
+typedef struct ngx_http_llama_session_api_s  ngx_http_llama_session_api_t;
+
+typedef ngx_int_t (*ngx_http_llama_session_api_pt)(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+
+
 typedef struct {
-    ngx_http_llama_session_ctx_t   *ctx;
-    ngx_uint_t                      op;
-    ngx_uint_t                      slot;
-    ngx_uint_t                      last;       /* the slot after the end */
-    cJSON                          *result;    /* the reply's slot list */
-    ngx_uint_t                      failed;
-    ngx_uint_t                      busy;       /* llama-server ran it */
-    ngx_uint_t                      tenant;     /* only its own sessions */
-    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
-} ngx_http_llama_session_api_t;
+    ngx_str_t                            path;     /* after .../sessions/ */
+    ngx_uint_t                           id;       /* the rest is the id */
+    ngx_uint_t                           methods;
+    ngx_uint_t                           body;     /* it reads the body */
+    ngx_uint_t                           op;
+    char                                *allow;
+    char                                *refusal;  /* the 405's message */
+    ngx_http_llama_session_api_pt        parse;    /* its arguments */
+    ngx_http_llama_session_api_pt        handler;
+} ngx_http_llama_session_api_route_t;
+
+
+/* a request to the API, parsed; for save and clear, the job too */
+
+struct ngx_http_llama_session_api_s {
+    ngx_http_llama_session_api_route_t  *route;
+    ngx_http_llama_session_zone_t       *zone;
+    ngx_http_llama_session_ctx_t        *ctx;
+    ngx_str_t                            id;
+    ngx_uint_t                           is_key;   /* the id is a key */
+    ngx_uint_t                           narrow;   /* ?model= with an id */
+    ngx_uint_t                           tenant;   /* only its own sessions */
+    ngx_str_t                            namespace;
+    u_char                               ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    ngx_uint_t                           slot;
+    ngx_uint_t                           last;     /* the slot after the end */
+    cJSON                               *result;   /* the reply's slot list */
+    ngx_uint_t                           failed;
+    char                                *message;  /* a refusal's */
+    char                                *allow;
+};
 
 
 static ngx_int_t ngx_http_llama_session_api_handler(ngx_http_request_t *r);
+static ngx_int_t ngx_http_llama_session_api_parse(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_route(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_parse_slot(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
 static ngx_int_t ngx_http_llama_session_api_list(ngx_http_request_t *r,
-    ngx_http_llama_session_zone_t *zone);
-static ngx_int_t ngx_http_llama_session_api_current(ngx_http_request_t *r,
-    ngx_http_llama_session_zone_t *zone);
-static ngx_int_t ngx_http_llama_session_api_one(ngx_http_request_t *r,
-    ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete);
-static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api);
-static void ngx_http_llama_session_api_start(ngx_http_request_t *r);
-static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
-static void ngx_http_llama_session_api_cleanup(void *data);
-static ngx_int_t ngx_http_llama_session_api_checked(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api);
-static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
-    ngx_http_llama_session_api_t *api, cJSON *item);
+static ngx_http_llama_session_node_t *ngx_http_llama_session_api_records(
+    ngx_http_request_t *r, ngx_http_llama_session_api_t *api,
+    ngx_http_llama_session_slot_t *slots, ngx_uint_t *found);
 static cJSON *ngx_http_llama_session_api_node(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_node_t *node,
     ngx_uint_t in_slot);
-static ngx_int_t ngx_http_llama_session_api_tenant(ngx_http_request_t *r,
-    u_char *ns);
-static off_t ngx_http_llama_session_api_bytes(
-    ngx_http_llama_session_node_t *nodes, ngx_uint_t n);
+static ngx_int_t ngx_http_llama_session_api_one(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_files(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api, ngx_http_llama_session_node_t *nodes,
+    ngx_uint_t n, ngx_http_llama_session_slot_t *slots);
+static ngx_int_t ngx_http_llama_session_api_current(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_backend(cJSON *backend,
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_sh_t *copy);
+static ngx_int_t ngx_http_llama_session_api_stats(cJSON *stats,
+    ngx_http_llama_session_sh_t *copy);
+static ngx_int_t ngx_http_llama_session_api_slot(cJSON *item,
+    ngx_http_llama_session_api_t *api, ngx_http_llama_session_sh_t *copy,
+    ngx_uint_t i);
 static ngx_uint_t ngx_http_llama_session_api_mine(ngx_uint_t tenant,
     u_char *ns, ngx_uint_t has, u_char *theirs);
 static ngx_uint_t ngx_http_llama_session_api_in_slot(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slots,
     ngx_http_llama_session_node_t *node);
+static ngx_int_t ngx_http_llama_session_api_slots(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_take(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_step(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_checked(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api, cJSON *item);
+static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
+static void ngx_http_llama_session_api_cleanup(void *data);
 static ngx_int_t ngx_http_llama_session_api_send(ngx_http_request_t *r,
     ngx_uint_t status, cJSON *json);
 static ngx_int_t ngx_http_llama_session_api_error(ngx_http_request_t *r,
@@ -94,6 +143,41 @@ static ngx_int_t ngx_http_llama_session_api_arg(ngx_http_request_t *r,
     char *name, ngx_str_t *value);
 static cJSON *ngx_http_llama_session_api_str(cJSON *obj, const char *name,
     u_char *data, size_t len);
+
+
+/*
+ * The routes, by the part of the path after its last "/sessions/": the
+ * methods (a 405 with Allow for the others), whether the route reads the
+ * body (the others discard it), its arguments' parse and its handler.
+ * <id>, the last, takes any other path, and .../sessions?id=<id>.
+ */
+
+static ngx_http_llama_session_api_route_t
+    ngx_http_llama_session_api_routes[] =
+{
+    { ngx_string(""), 0, NGX_HTTP_GET|NGX_HTTP_HEAD, 0,
+      NGX_HTTP_LLAMA_SESSION_API_LIST, "GET, HEAD",
+      "the session list is read with GET",
+      NULL, ngx_http_llama_session_api_list },
+
+    { ngx_string("current"), 0, NGX_HTTP_GET|NGX_HTTP_HEAD, 0,
+      NGX_HTTP_LLAMA_SESSION_API_CURRENT, "GET, HEAD",
+      "the slots are read with GET",
+      NULL, ngx_http_llama_session_api_current },
+
+    { ngx_string("save"), 0, NGX_HTTP_POST, 1,
+      NGX_HTTP_LLAMA_SESSION_API_SAVE, "POST", "save and clear are POSTs",
+      ngx_http_llama_session_api_parse_slot, ngx_http_llama_session_api_slots },
+
+    { ngx_string("clear"), 0, NGX_HTTP_POST, 1,
+      NGX_HTTP_LLAMA_SESSION_API_CLEAR, "POST", "save and clear are POSTs",
+      ngx_http_llama_session_api_parse_slot, ngx_http_llama_session_api_slots },
+
+    { ngx_string("<id>"), 1, NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE, 0,
+      NGX_HTTP_LLAMA_SESSION_API_ONE, "GET, HEAD, DELETE",
+      "a session is read with GET and deleted with DELETE",
+      ngx_http_llama_session_api_parse_id, ngx_http_llama_session_api_one }
+};
 
 
 static char *ngx_http_llama_session_slot_states[] = {
@@ -144,19 +228,18 @@ ngx_http_llama_session_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 }
 
 
+/*
+ * The request is parsed first: its route, method and arguments.  A route
+ * with a body has it read whole (and ignored: a discard still running
+ * would take the client's read events from the slot calls' subrequests),
+ * then resume() runs its handler; the others and a refusal discard it.
+ */
+
 static ngx_int_t
 ngx_http_llama_session_api_handler(ngx_http_request_t *r)
 {
-    u_char                             *p, *last, *s;
-    ngx_int_t                           rc, n;
-    ngx_str_t                           rest, id, arg;
-    ngx_pool_cleanup_t                 *cln;
-    ngx_http_llama_session_api_t       *api;
-    ngx_http_llama_session_zone_t      *zone;
-    ngx_http_llama_session_loc_conf_t  *llcf;
-
-    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-    zone = llcf->api_zone;
+    ngx_int_t                      rc, discard;
+    ngx_http_llama_session_api_t  *api;
 
     if (r != r->main) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
@@ -165,40 +248,117 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
         return NGX_HTTP_FORBIDDEN;
     }
 
-    if (zone->models) {
-        /* models=: the zone of the model that ?model= names */
+    api = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_api_t));
+    if (api == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
 
-        rc = ngx_http_llama_session_api_arg(r, "model", &id);
+    rc = ngx_http_llama_session_api_parse(r, api);
+
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    if (rc == NGX_OK && api->route->body) {
+        rc = ngx_http_read_client_request_body(r,
+                                           ngx_http_llama_session_api_resume);
+
+        return (rc >= NGX_HTTP_SPECIAL_RESPONSE) ? rc : NGX_DONE;
+    }
+
+    discard = ngx_http_discard_request_body(r);
+    if (discard != NGX_OK) {
+        return discard;
+    }
+
+    if (rc != NGX_OK) {
+        return ngx_http_llama_session_api_error(r, rc, api->message,
+                                                api->allow);
+    }
+
+    return api->route->handler(r, api);
+}
+
+
+/*
+ * The zone (in a set of models, the one ?model= names), the route, its
+ * method, the caller's tenant and the route's arguments: NGX_OK, NGX_ERROR
+ * or the status of a refusal, its message in api.
+ *
+ * The tenant: with llama_session_namespace in the API's location, every
+ * verb keeps to that namespace, as the requests do; without it the API
+ * is the operator's, over all.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_parse(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    ngx_int_t                           rc;
+    ngx_str_t                           value;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+    api->zone = llcf->api_zone;
+
+    if (api->zone->models) {
+        rc = ngx_http_llama_session_api_arg(r, "model", &value);
 
         if (rc == NGX_ERROR) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+            return NGX_ERROR;
         }
 
         if (rc == NGX_DECLINED) {
-            rc = ngx_http_discard_request_body(r);
-            if (rc != NGX_OK) {
-                return rc;
-            }
-
-            return ngx_http_llama_session_api_error(r, NGX_HTTP_BAD_REQUEST,
-                                  "this zone keeps the sessions of several "
-                                  "models: name one with ?model=", NULL);
+            api->message = "this zone keeps the sessions of several models: "
+                           "name one with ?model=";
+            return NGX_HTTP_BAD_REQUEST;
         }
 
-        zone = ngx_http_llama_session_models_find(zone->models, id.data,
-                                                  id.len);
-        if (zone == NULL) {
-            rc = ngx_http_discard_request_body(r);
-            if (rc != NGX_OK) {
-                return rc;
-            }
-
-            return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
-                                  "no sessions of this model", NULL);
+        api->zone = ngx_http_llama_session_models_find(api->zone->models,
+                                                       value.data, value.len);
+        if (api->zone == NULL) {
+            api->message = "no sessions of this model";
+            return NGX_HTTP_NOT_FOUND;
         }
     }
 
-    /* the part after the last "/sessions" */
+    rc = ngx_http_llama_session_api_route(r, api);
+    if (rc != NGX_OK) {
+        return rc;
+    }
+
+    if (!(r->method & api->route->methods)) {
+        api->message = api->route->refusal;
+        api->allow = api->route->allow;
+        return NGX_HTTP_NOT_ALLOWED;
+    }
+
+    if (llcf->namespace) {
+        api->tenant = 1;
+
+        if (ngx_http_complex_value(r, llcf->namespace, &api->namespace)
+            != NGX_OK
+            || ngx_http_llama_session_ns_digest(r, &api->namespace, api->ns)
+               != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return api->route->parse ? api->route->parse(r, api) : NGX_OK;
+}
+
+
+/* the route of the path's part after its last "/sessions" */
+
+static ngx_int_t
+ngx_http_llama_session_api_route(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    u_char                              *p, *last, *s;
+    ngx_int_t                            rc;
+    ngx_str_t                            rest;
+    ngx_http_llama_session_api_route_t  *route;
 
     last = r->uri.data + r->uri.len;
     s = NULL;
@@ -211,15 +371,10 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
     }
 
     if (s == NULL) {
-        rc = ngx_http_discard_request_body(r);
-        if (rc != NGX_OK) {
-            return rc;
-        }
-
-        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
-                                  "use .../sessions, .../sessions/current, "
-                                  ".../sessions/<id>, .../sessions/save or "
-                                  ".../sessions/clear", NULL);
+        api->message = "use .../sessions, .../sessions/current, "
+                       ".../sessions/<id>, .../sessions/save or "
+                       ".../sessions/clear";
+        return NGX_HTTP_NOT_FOUND;
     }
 
     rest.data = s + sizeof("/sessions") - 1;
@@ -230,175 +385,183 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
     }
 
     if (rest.len && rest.data[0] != '/') {
-        rc = ngx_http_discard_request_body(r);
-        if (rc != NGX_OK) {
-            return rc;
-        }
-
-        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
-                                                "no such resource", NULL);
+        api->message = "no such resource";
+        return NGX_HTTP_NOT_FOUND;
     }
 
-    if (rest.len == 0) {
-        rc = ngx_http_discard_request_body(r);
-        if (rc != NGX_OK) {
-            return rc;
-        }
+    rc = NGX_DECLINED;
 
-        rc = ngx_http_llama_session_api_arg(r, "id", &id);
+    if (rest.len) {
+        rest.data++;
+        rest.len--;
 
-        if (rc == NGX_ERROR) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        if (rc == NGX_OK) {
-            /*
-             * .../sessions?id=ID: an id that the path cannot carry (nginx
-             * resolves "/" and ".." in a path before the location is
-             * chosen); the argument is decoded once
-             */
-
-            if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE))) {
-                return ngx_http_llama_session_api_error(r,
-                                  NGX_HTTP_NOT_ALLOWED,
-                                  "a session is read with GET and "
-                                  "deleted with DELETE",
-                                  "GET, HEAD, DELETE");
-            }
-
-            return ngx_http_llama_session_api_one(r, zone, &id,
-                                                  r->method
-                                                  == NGX_HTTP_DELETE);
-        }
-
-        if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
-            return ngx_http_llama_session_api_error(r,
-                                  NGX_HTTP_NOT_ALLOWED,
-                                  "the session list is read with GET",
-                                  "GET, HEAD");
-        }
-
-        return ngx_http_llama_session_api_list(r, zone);
-    }
-
-    rest.data++;
-    rest.len--;
-
-    if (rest.len == 7 && ngx_strncmp(rest.data, "current", 7) == 0) {
-        rc = ngx_http_discard_request_body(r);
-        if (rc != NGX_OK) {
-            return rc;
-        }
-
-        if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
-            return ngx_http_llama_session_api_error(r,
-                                  NGX_HTTP_NOT_ALLOWED,
-                                  "the slots are read with GET", "GET, HEAD");
-        }
-
-        return ngx_http_llama_session_api_current(r, zone);
-    }
-
-    if ((rest.len == 4 && ngx_strncmp(rest.data, "save", 4) == 0)
-        || (rest.len == 5 && ngx_strncmp(rest.data, "clear", 5) == 0))
-    {
-        if (r->method != NGX_HTTP_POST) {
-            rc = ngx_http_discard_request_body(r);
-            if (rc != NGX_OK) {
-                return rc;
-            }
-
-            return ngx_http_llama_session_api_error(r,
-                                  NGX_HTTP_NOT_ALLOWED,
-                                  "save and clear are POSTs", "POST");
-        }
-
-        api = ngx_pcalloc(r->pool, sizeof(ngx_http_llama_session_api_t));
-        if (api == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        cln = ngx_pool_cleanup_add(r->pool, 0);
-        if (cln == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        cln->handler = ngx_http_llama_session_api_cleanup;
-        cln->data = api;
-
-        api->ctx = ngx_http_llama_session_create_ctx(r, zone);
-        if (api->ctx == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        api->ctx->api = api;
-        api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
-
-        rc = ngx_http_llama_session_api_tenant(r, api->ns);
-        if (rc == NGX_ERROR) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        api->tenant = (rc == NGX_OK);
-        api->op = (rest.len == 4) ? NGX_HTTP_LLAMA_SESSION_API_SAVE
-                                  : NGX_HTTP_LLAMA_SESSION_API_CLEAR;
-        api->last = ngx_http_llama_session_slots_usable(zone->sh);
-
-        /* ?slot=k: that slot alone */
-
-        if (ngx_http_arg(r, (u_char *) "slot", 4, &arg) == NGX_OK) {
-            n = ngx_atoi(arg.data, arg.len);
-
-            if (n == NGX_ERROR || (ngx_uint_t) n >= api->last) {
-                rc = ngx_http_discard_request_body(r);
-                if (rc != NGX_OK) {
-                    return rc;
-                }
-
-                return ngx_http_llama_session_api_error(r,
-                                  NGX_HTTP_BAD_REQUEST,
-                                  "no such slot", NULL);
-            }
-
-            api->slot = n;
-            api->last = n + 1;
-        }
-
+    } else {
         /*
-         * the body is read whole first (and ignored): a discard still
-         * running would take the client's read events from the slot
-         * calls' subrequests
+         * .../sessions?id=ID: an id that the path cannot carry (nginx
+         * resolves "/" and ".." in a path before the location is
+         * chosen); the argument is decoded once
          */
 
-        rc = ngx_http_read_client_request_body(r,
-                                          ngx_http_llama_session_api_start);
+        rc = ngx_http_llama_session_api_arg(r, "id", &api->id);
 
-        if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
-            return rc;
+        if (rc == NGX_ERROR) {
+            return NGX_ERROR;
+        }
+    }
+
+    for (route = ngx_http_llama_session_api_routes; !route->id; route++) {
+        if (rc != NGX_OK
+            && rest.len == route->path.len
+            && ngx_strncmp(rest.data, route->path.data, rest.len) == 0)
+        {
+            break;
+        }
+    }
+
+    if (route->id && rest.len) {
+        /* nginx decoded the path already: the id is taken as it is */
+        api->id = rest;
+    }
+
+    api->route = route;
+
+    return NGX_OK;
+}
+
+
+/*
+ * .../sessions/<id> and ?id=<id>: a key as the API lists it, or a
+ * client's id to derive the key from, in the request's context
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    u_char                        *p;
+    size_t                         skip;
+    ngx_int_t                      rc;
+    ngx_str_t                     *id;
+    ngx_uint_t                     i;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    id = &api->id;
+
+    if (id->len == 0) {
+        api->message = "no session id";
+        return NGX_HTTP_NOT_FOUND;
+    }
+
+    ctx = ngx_http_llama_session_create_ctx(r, api->zone);
+    if (ctx == NULL) {
+        return NGX_ERROR;
+    }
+
+    api->ctx = ctx;
+
+    /* a router's model zone: "<zone>@" and the key */
+
+    skip = (api->zone->prefix.len && id->len > api->zone->prefix.len
+            && ngx_strncmp(id->data, api->zone->prefix.data,
+                           api->zone->prefix.len) == 0)
+           ? api->zone->prefix.len : 0;
+
+    api->is_key = (id->len - skip > NGX_HTTP_LLAMA_SESSION_HASH_HEX + 1
+                   && id->len - skip <= NGX_HTTP_LLAMA_SESSION_SAFE_MAX + 1
+                                        + NGX_HTTP_LLAMA_SESSION_HASH_HEX
+                   && id->data[id->len - NGX_HTTP_LLAMA_SESSION_HASH_HEX - 1]
+                      == '-'
+                   && (skip || api->zone->prefix.len == 0));
+
+    for (i = skip; api->is_key && i < id->len; i++) {
+        p = &id->data[i];
+
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z')
+              || (*p >= '0' && *p <= '9') || *p == '-' || *p == '_'))
+        {
+            api->is_key = 0;
+        }
+    }
+
+    if (api->is_key) {
+        ngx_memcpy(ctx->key, id->data, id->len);
+        ctx->key_len = id->len;
+        return NGX_OK;
+    }
+
+    rc = ngx_http_llama_session_api_arg(r, "model", &ctx->model);
+
+    if (rc == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+    if (rc == NGX_OK) {
+        /* ?model= narrows the id's sessions to one model's */
+        api->narrow = 1;
+
+    } else if (api->zone->model.len) {
+        /* a router's model zone: its model */
+        ctx->model = api->zone->model;
+    }
+
+    ctx->id = *id;
+
+    if (ngx_http_llama_session_make_key(r, ctx, &api->namespace) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
+
+
+/* save and clear: the job's context and its slots (?slot=k: that alone) */
+
+static ngx_int_t
+ngx_http_llama_session_api_parse_slot(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    ngx_int_t                           n;
+    ngx_str_t                           arg;
+    ngx_pool_cleanup_t                 *cln;
+    ngx_http_llama_session_loc_conf_t  *llcf;
+
+    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_ERROR;
+    }
+
+    cln->handler = ngx_http_llama_session_api_cleanup;
+    cln->data = api;
+
+    api->ctx = ngx_http_llama_session_create_ctx(r, api->zone);
+    if (api->ctx == NULL) {
+        return NGX_ERROR;
+    }
+
+    api->ctx->api = api;
+    api->ctx->deadline = ngx_current_msec + llcf->wait_timeout;
+    api->last = ngx_http_llama_session_slots_usable(api->zone->sh);
+
+    api->result = cJSON_CreateArray();
+    if (api->result == NULL) {
+        return NGX_ERROR;
+    }
+
+    if (ngx_http_arg(r, (u_char *) "slot", 4, &arg) == NGX_OK) {
+        n = ngx_atoi(arg.data, arg.len);
+
+        if (n == NGX_ERROR || (ngx_uint_t) n >= api->last) {
+            api->message = "no such slot";
+            return NGX_HTTP_BAD_REQUEST;
         }
 
-        return NGX_DONE;
+        api->slot = n;
+        api->last = n + 1;
     }
 
-    rc = ngx_http_discard_request_body(r);
-    if (rc != NGX_OK) {
-        return rc;
-    }
-
-    if (r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD|NGX_HTTP_DELETE)) {
-
-        /* nginx decoded the path already: the id is taken as it is */
-
-        id = rest;
-
-        return ngx_http_llama_session_api_one(r, zone, &id,
-                                              r->method == NGX_HTTP_DELETE);
-    }
-
-    return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_ALLOWED,
-                                            "a session is read with GET and "
-                                            "deleted with DELETE",
-                                            "GET, HEAD, DELETE");
+    return NGX_OK;
 }
 
 
@@ -406,58 +569,29 @@ ngx_http_llama_session_api_handler(ngx_http_request_t *r)
 
 static ngx_int_t
 ngx_http_llama_session_api_list(ngx_http_request_t *r,
-    ngx_http_llama_session_zone_t *zone)
+    ngx_http_llama_session_api_t *api)
 {
-    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    off_t                           bytes;
     cJSON                          *json, *list, *item;
-    ngx_int_t                       rc;
-    ngx_uint_t                      i, n, tenant;
-    ngx_queue_t                    *q;
+    ngx_uint_t                      i, n;
     ngx_http_llama_session_sh_t    *sh;
-    ngx_http_llama_session_node_t  *nodes, *node;
+    ngx_http_llama_session_zone_t  *zone;
+    ngx_http_llama_session_node_t  *nodes;
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 
+    zone = api->zone;
     sh = zone->sh;
 
-    rc = ngx_http_llama_session_api_tenant(r, ns);
-    if (rc == NGX_ERROR) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    tenant = (rc == NGX_OK);
-
-    (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
-
-    /* a snapshot, most recently used first */
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    nodes = ngx_palloc(r->pool, (sh->files + 1)
-                                * sizeof(ngx_http_llama_session_node_t));
+    nodes = ngx_http_llama_session_api_records(r, api, slots, &n);
     if (nodes == NULL) {
-        ngx_shmtx_unlock(&zone->shpool->mutex);
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    n = 0;
+    /* a tenant's bytes are its files' */
 
-    for (q = ngx_queue_head(&sh->lru);
-         q != ngx_queue_sentinel(&sh->lru) && n < sh->files;
-         q = ngx_queue_next(q))
-    {
-        node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
-
-        if (node->saved
-            && ngx_http_llama_session_api_mine(tenant, ns, node->has_ns,
-                                               node->ns))
-        {
-            nodes[n++] = *node;
-        }
+    for (bytes = 0, i = 0; api->tenant && i < n; i++) {
+        bytes += nodes[i].bytes;
     }
-
-    ngx_memcpy(slots, sh->slots, sh->nslots * sizeof(slots[0]));
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
 
     json = cJSON_CreateObject();
     if (json == NULL) {
@@ -476,10 +610,8 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
             : cJSON_AddNullToObject(json, "fingerprint")) == NULL
         || cJSON_AddNumberToObject(json, "files", n) == NULL
         || cJSON_AddNumberToObject(json, "bytes",
-                                   tenant ? ngx_http_llama_session_api_bytes(
-                                                nodes, n)
-                                          : sh->bytes) == NULL
-        || (!tenant
+                                   api->tenant ? bytes : sh->bytes) == NULL
+        || (!api->tenant
             && (cJSON_AddNumberToObject(json, "base_files", sh->base_files)
                 == NULL
                 || cJSON_AddNumberToObject(json, "base_bytes", sh->base_bytes)
@@ -505,6 +637,91 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
     }
 
     return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+}
+
+
+/*
+ * A snapshot of the records the caller may see, and of the slots: for
+ * the list the saved sessions, most recently used first; for an id its
+ * records, for every backend configuration (a key names one session; a
+ * client's id every session under it: a chat, its title and tags
+ * requests, its subagents).
+ */
+
+static ngx_http_llama_session_node_t *
+ngx_http_llama_session_api_records(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api, ngx_http_llama_session_slot_t *slots,
+    ngx_uint_t *found)
+{
+    size_t                          klen;
+    ngx_uint_t                      k, n, max, one;
+    ngx_queue_t                    *q, *queue;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_ctx_t   *ctx;
+    ngx_http_llama_session_node_t  *nodes, *node;
+
+    ctx = api->ctx;
+    sh = api->zone->sh;
+    one = (api->route->op == NGX_HTTP_LLAMA_SESSION_API_ONE);
+
+    (void) ngx_http_llama_session_store_sync(api->zone, r->connection->log);
+
+    ngx_shmtx_lock(&api->zone->shpool->mutex);
+
+    max = one ? 64 : sh->files;
+
+    nodes = ngx_palloc(r->pool, (one ? 64 : sh->files + 1)
+                                * sizeof(ngx_http_llama_session_node_t));
+    if (nodes == NULL) {
+        ngx_shmtx_unlock(&api->zone->shpool->mutex);
+        return NULL;
+    }
+
+    n = 0;
+
+    for (k = 0; k < (one ? 2 : 1); k++) {
+        queue = k ? &sh->nofile : &sh->lru;
+
+        for (q = ngx_queue_head(queue);
+             q != ngx_queue_sentinel(queue) && n < max;
+             q = ngx_queue_next(q))
+        {
+            node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
+            klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+
+            /* the caller's (not another tenant's, even by its key) */
+
+            if (!ngx_http_llama_session_api_mine(api->tenant, api->ns,
+                                                 node->has_ns, node->ns)
+                || (!one && !node->saved)
+                || (one && api->is_key
+                    && (klen != ctx->key_len
+                        || ngx_memcmp(node->name, ctx->key, klen) != 0))
+                || (one && !api->is_key
+                    && (!node->has_idk
+                        || ngx_memcmp(node->idk, ctx->idk,
+                                      NGX_HTTP_LLAMA_SESSION_DIGEST) != 0
+                        || (api->narrow
+                            && (node->model_len
+                                != ngx_min(ctx->model.len,
+                                           NGX_HTTP_LLAMA_SESSION_MODEL_SHOW)
+                                || ngx_memcmp(node->model, ctx->model.data,
+                                              node->model_len) != 0)))))
+            {
+                continue;
+            }
+
+            nodes[n++] = *node;
+        }
+    }
+
+    ngx_memcpy(slots, sh->slots, sh->nslots * sizeof(slots[0]));
+
+    ngx_shmtx_unlock(&api->zone->shpool->mutex);
+
+    *found = n;
+
+    return nodes;
 }
 
 
@@ -564,33 +781,156 @@ ngx_http_llama_session_api_node(ngx_http_llama_session_zone_t *zone,
 }
 
 
+/* GET or DELETE .../sessions/<id> */
+
+static ngx_int_t
+ngx_http_llama_session_api_one(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    ngx_uint_t                      i, k, n, delete, used;
+    ngx_http_llama_session_node_t  *nodes, *node;
+    ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+
+    delete = (r->method == NGX_HTTP_DELETE);
+
+    nodes = ngx_http_llama_session_api_records(r, api, slots, &n);
+    if (nodes == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    /* a session in a slot may have no file yet: it is in use all the same */
+
+    for (i = 0, used = 0; delete && !used && i < n; i++) {
+        used = ngx_http_llama_session_in_use(api->zone, nodes[i].name,
+                                             nodes[i].name_len - 1
+                                             - NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    }
+
+    if (delete && !used && api->is_key && (!api->tenant || n)) {
+        used = ngx_http_llama_session_in_use(api->zone, api->ctx->key,
+                                             api->ctx->key_len);
+    }
+
+    if (used) {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+                                  "the session is in a slot or in use; "
+                                  "clear the slots or retry later", NULL);
+    }
+
+    /* only the records with a file from here on */
+
+    for (i = 0, k = 0; i < n; i++) {
+        if (nodes[i].saved) {
+            nodes[k++] = nodes[i];
+        }
+    }
+
+    n = k;
+
+    if (n == 0) {
+        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
+                                                "no saved session by that "
+                                                "id", NULL);
+    }
+
+    /* DELETE: the records lose their files, then the files go */
+
+    for (i = 0; delete && i < n; i++) {
+        ngx_shmtx_lock(&api->zone->shpool->mutex);
+
+        node = ngx_http_llama_session_lookup_name(api->zone, nodes[i].name,
+                                                  nodes[i].name_len);
+        if (node) {
+            ngx_http_llama_session_node_file(api->zone->sh, node, 0, 0);
+        }
+
+        ngx_shmtx_unlock(&api->zone->shpool->mutex);
+    }
+
+    for (i = 0; delete && i < n; i++) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "llama_session: deleting session \"%*s\" through "
+                      "the API", (size_t) nodes[i].name_len, nodes[i].name);
+
+        (void) ngx_http_llama_session_store_unlink(api->zone, nodes[i].name,
+                                                   nodes[i].name_len,
+                                                   r->connection->log);
+
+        /* its last turn's text, if a slot's turn file still has it */
+        ngx_http_llama_session_turn_forget(api->zone, nodes[i].name,
+                                         nodes[i].name_len - 1
+                                         - NGX_HTTP_LLAMA_SESSION_FP_LEN,
+                                         r->connection->log);
+    }
+
+    if (!api->is_key) {
+        /* the most recently used of the id's sessions */
+        api->ctx->key_len = nodes[0].name_len - 1
+                            - NGX_HTTP_LLAMA_SESSION_FP_LEN;
+        ngx_memcpy(api->ctx->key, nodes[0].name, api->ctx->key_len);
+    }
+
+    return ngx_http_llama_session_api_files(r, api, nodes, n, slots);
+}
+
+
+/* the reply: the id's files, or the ones a DELETE deleted */
+
+static ngx_int_t
+ngx_http_llama_session_api_files(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api, ngx_http_llama_session_node_t *nodes,
+    ngx_uint_t n, ngx_http_llama_session_slot_t *slots)
+{
+    cJSON       *json, *list, *item;
+    ngx_uint_t   i, delete;
+
+    delete = (r->method == NGX_HTTP_DELETE);
+
+    json = cJSON_CreateObject();
+    if (json == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    list = cJSON_AddArrayToObject(json, delete ? "deleted" : "files");
+
+    if (list == NULL
+        || ngx_http_llama_session_api_str(json, "key", api->ctx->key,
+                                          api->ctx->key_len) == NULL)
+    {
+        cJSON_Delete(json);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    for (i = 0; i < n; i++) {
+        item = ngx_http_llama_session_api_node(api->zone, &nodes[i],
+                   !delete
+                   && ngx_http_llama_session_api_in_slot(api->zone, slots,
+                                                         &nodes[i]));
+        if (item == NULL) {
+            cJSON_Delete(json);
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cJSON_AddItemToArray(list, item);
+    }
+
+    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+}
+
+
 /* GET .../sessions/current */
 
 static ngx_int_t
 ngx_http_llama_session_api_current(ngx_http_request_t *r,
-    ngx_http_llama_session_zone_t *zone)
+    ngx_http_llama_session_api_t *api)
 {
-    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t                          n;
-    cJSON                          *json, *list, *item, *backend, *stats,
-                                   *memory;
-    cJSON                          *file, *session;
-    u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
-    ngx_int_t                       rc;
-    ngx_uint_t                      i, waiting, has_node, pages, free_pages;
-    ngx_uint_t                      tenant, mine;
+    cJSON                          *json, *list, *item, *backend, *stats;
+    ngx_uint_t                      i, waiting, pages, free_pages;
     ngx_http_llama_session_sh_t    *sh, copy;
-    ngx_http_llama_session_node_t   node;
-    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
 
+    zone = api->zone;
     sh = zone->sh;
-
-    rc = ngx_http_llama_session_api_tenant(r, ns);
-    if (rc == NGX_ERROR) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    tenant = (rc == NGX_OK);
 
     ngx_shmtx_lock(&zone->shpool->mutex);
     copy = *sh;
@@ -623,36 +963,66 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
            == NULL
         || (backend = cJSON_AddObjectToObject(json, "backend")) == NULL
         || (stats = cJSON_AddObjectToObject(json, "stats")) == NULL
-        || (list = cJSON_AddArrayToObject(json, "slots")) == NULL)
+        || (list = cJSON_AddArrayToObject(json, "slots")) == NULL
+        || ngx_http_llama_session_api_backend(backend, zone, &copy) != NGX_OK
+        || ngx_http_llama_session_api_stats(stats, &copy) != NGX_OK)
     {
         goto failed;
     }
+
+    for (i = 0; i < zone->sh->nslots; i++) {
+        item = cJSON_CreateObject();
+        if (item == NULL) {
+            goto failed;
+        }
+
+        cJSON_AddItemToArray(list, item);
+
+        if (ngx_http_llama_session_api_slot(item, api, &copy, i) != NGX_OK) {
+            goto failed;
+        }
+    }
+
+    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
+
+failed:
+
+    cJSON_Delete(json);
+    return NGX_HTTP_INTERNAL_SERVER_ERROR;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_api_backend(cJSON *backend,
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_sh_t *copy)
+{
+    cJSON  *memory;
 
     if (zone->model.len
         && ngx_http_llama_session_api_str(backend, "model", zone->model.data,
                                           zone->model.len) == NULL)
     {
-        goto failed;
+        return NGX_ERROR;
     }
 
-    if (copy.fp_known) {
-        if (ngx_http_llama_session_api_str(backend, "fingerprint", copy.fp,
+    if (copy->fp_known) {
+        if (ngx_http_llama_session_api_str(backend, "fingerprint", copy->fp,
                                          NGX_HTTP_LLAMA_SESSION_FP_LEN)
             == NULL
             || ngx_http_llama_session_api_str(backend, "model_path",
-                                              copy.model_path,
-                                              copy.model_path_len) == NULL
-            || cJSON_AddNumberToObject(backend, "n_ctx", copy.n_ctx) == NULL
+                                              copy->model_path,
+                                              copy->model_path_len) == NULL
+            || cJSON_AddNumberToObject(backend, "n_ctx", copy->n_ctx) == NULL
             || cJSON_AddNumberToObject(backend, "total_slots",
-                                       copy.total_slots) == NULL)
+                                       copy->total_slots) == NULL)
         {
-            goto failed;
+            return NGX_ERROR;
         }
     }
 
-    if (copy.fp_known && copy.memory_known
-        && ngx_memcmp(copy.memory_fp, copy.fp, NGX_HTTP_LLAMA_SESSION_FP_LEN)
-           == 0)
+    if (copy->fp_known && copy->memory_known
+        && ngx_memcmp(copy->memory_fp, copy->fp,
+                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
     {
         /* what a slot file can bring back on this model (gguf.c) */
 
@@ -661,24 +1031,32 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
         if (memory == NULL
             || cJSON_AddStringToObject(memory, "kind",
                               ngx_http_llama_session_memory_name(
-                                                     copy.memory.kind))
+                                                     copy->memory.kind))
                == NULL
-            || (copy.memory.kind != NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN
+            || (copy->memory.kind != NGX_HTTP_LLAMA_SESSION_MEMORY_UNKNOWN
                 && cJSON_AddStringToObject(memory, "architecture",
-                                           (char *) copy.memory.arch)
+                                           (char *) copy->memory.arch)
                    == NULL)
-            || (copy.memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
+            || (copy->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
                 && cJSON_AddNumberToObject(memory, "sliding_window",
-                                           copy.memory.window)
+                                           copy->memory.window)
                    == NULL))
         {
-            goto failed;
+            return NGX_ERROR;
         }
     }
 
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_api_stats(cJSON *stats,
+    ngx_http_llama_session_sh_t *copy)
+{
 #define ngx_http_llama_session_api_stat(name)                                 \
-    if (cJSON_AddNumberToObject(stats, #name, copy.stats.name) == NULL) {    \
-        goto failed;                                                         \
+    if (cJSON_AddNumberToObject(stats, #name, copy->stats.name) == NULL) {   \
+        return NGX_ERROR;                                                    \
     }
 
     ngx_http_llama_session_api_stat(requests);
@@ -712,413 +1090,99 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
 
 #undef ngx_http_llama_session_api_stat
 
-    for (i = 0; i < zone->sh->nslots; i++) {
-        slot = &copy.slots[i];
-
-        item = cJSON_CreateObject();
-        if (item == NULL) {
-            goto failed;
-        }
-
-        cJSON_AddItemToArray(list, item);
-
-        mine = ngx_http_llama_session_api_mine(tenant, ns, slot->has_ns,
-                                               slot->ns);
-
-        /* another tenant's session: that the slot is used, no more */
-
-        if (cJSON_AddNumberToObject(item, "slot", i) == NULL
-            || cJSON_AddStringToObject(item, "state",
-                              (slot->state
-                               == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION && !mine)
-                              ? "other"
-                              : ngx_http_llama_session_slot_states[slot->state])
-               == NULL
-            || cJSON_AddBoolToObject(item, "busy", slot->busy) == NULL
-            || cJSON_AddBoolToObject(item, "changed_since_save",
-                                     mine && slot->dirty && slot->saveable)
-               == NULL)
-        {
-            goto failed;
-        }
-
-        if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION || !mine) {
-
-            if (cJSON_AddNullToObject(item, "session") == NULL
-                || cJSON_AddNullToObject(item, "file") == NULL)
-            {
-                goto failed;
-            }
-
-            continue;
-        }
-
-        has_node = 0;
-
-        if (copy.fp_known) {
-            n = ngx_http_llama_session_file_name(name, slot->key,
-                                                 slot->key_len, copy.fp);
-            has_node = (ngx_http_llama_session_node_info(zone, name, n, &node)
-                        == NGX_OK);
-        }
-
-        session = cJSON_AddObjectToObject(item, "session");
-
-        if (session == NULL
-            || ngx_http_llama_session_api_str(session, "key", slot->key,
-                                              slot->key_len) == NULL
-            || ngx_http_llama_session_api_str(session, "id",
-                                              has_node ? node.id : NULL,
-                                              has_node ? node.id_len : 0)
-               == NULL
-            || ngx_http_llama_session_api_str(session, "model",
-                                              has_node ? node.model : NULL,
-                                              has_node ? node.model_len : 0)
-               == NULL)
-        {
-            goto failed;
-        }
-
-        if (!slot->saveable) {
-            if (cJSON_AddNullToObject(item, "file") == NULL) {
-                goto failed;
-            }
-
-            continue;
-        }
-
-        file = cJSON_AddObjectToObject(item, "file");
-
-        if (file == NULL
-            || cJSON_AddBoolToObject(file, "saved",
-                                     has_node && node.saved) == NULL
-            || cJSON_AddNumberToObject(file, "bytes",
-                                       has_node ? node.bytes : 0) == NULL
-            || cJSON_AddNumberToObject(file, "tokens",
-                                       has_node ? node.tokens : 0) == NULL
-            || cJSON_AddNumberToObject(file, "saved_at",
-                                       has_node ? node.saved_at : 0) == NULL)
-        {
-            goto failed;
-        }
-    }
-
-    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
-
-failed:
-
-    cJSON_Delete(json);
-    return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    return NGX_OK;
 }
 
 
-/* GET or DELETE .../sessions/<id> */
+/* slot i of the snapshot: what it holds, and the session's file */
 
 static ngx_int_t
-ngx_http_llama_session_api_one(ngx_http_request_t *r,
-    ngx_http_llama_session_zone_t *zone, ngx_str_t *id, ngx_uint_t delete)
+ngx_http_llama_session_api_slot(cJSON *item, ngx_http_llama_session_api_t *api,
+    ngx_http_llama_session_sh_t *copy, ngx_uint_t i)
 {
-    u_char                             *p;
-    u_char                              mine[NGX_HTTP_LLAMA_SESSION_DIGEST];
-    size_t                              klen, skip;
-    cJSON                              *json, *list, *item;
-    ngx_int_t                           rc;
-    ngx_str_t                           ns;
-    ngx_uint_t                          i, k, n, is_key, narrow, tenant;
-    ngx_queue_t                        *q, *queue;
-    ngx_http_llama_session_ctx_t       *ctx;
-    ngx_http_llama_session_node_t      *nodes, *node;
-    ngx_http_llama_session_loc_conf_t  *llcf;
-    ngx_http_llama_session_slot_t       slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    cJSON                          *file, *session;
+    ngx_uint_t                      has_node, mine;
+    ngx_http_llama_session_node_t   node;
+    ngx_http_llama_session_slot_t  *slot;
 
-    if (id->len == 0) {
-        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
-                                                "no session id", NULL);
-    }
+    slot = &copy->slots[i];
 
-    ctx = ngx_http_llama_session_create_ctx(r, zone);
-    if (ctx == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
+    mine = ngx_http_llama_session_api_mine(api->tenant, api->ns, slot->has_ns,
+                                           slot->ns);
 
-    rc = ngx_http_llama_session_api_tenant(r, mine);
-    if (rc == NGX_ERROR) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
+    /* another tenant's session: that the slot is used, no more */
 
-    tenant = (rc == NGX_OK);
-
-    /* a key as the API lists it, or a client's id to derive the key from */
-
-    /* a router's model zone: "<zone>@" and the key */
-
-    skip = (zone->prefix.len && id->len > zone->prefix.len
-            && ngx_strncmp(id->data, zone->prefix.data, zone->prefix.len)
-               == 0)
-           ? zone->prefix.len : 0;
-
-    narrow = 0;
-
-    is_key = (id->len - skip > NGX_HTTP_LLAMA_SESSION_HASH_HEX + 1
-              && id->len - skip <= NGX_HTTP_LLAMA_SESSION_SAFE_MAX + 1
-                                   + NGX_HTTP_LLAMA_SESSION_HASH_HEX
-              && id->data[id->len - NGX_HTTP_LLAMA_SESSION_HASH_HEX - 1]
-                 == '-'
-              && (skip || zone->prefix.len == 0));
-
-    for (i = skip; is_key && i < id->len; i++) {
-        p = &id->data[i];
-
-        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z')
-              || (*p >= '0' && *p <= '9') || *p == '-' || *p == '_'))
-        {
-            is_key = 0;
-        }
-    }
-
-    if (is_key) {
-        ngx_memcpy(ctx->key, id->data, id->len);
-        ctx->key_len = id->len;
-
-    } else {
-        llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-
-        ngx_str_null(&ns);
-
-        if (llcf->namespace
-            && ngx_http_complex_value(r, llcf->namespace, &ns) != NGX_OK)
-        {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        rc = ngx_http_llama_session_api_arg(r, "model", &ctx->model);
-
-        if (rc == NGX_ERROR) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        if (rc == NGX_OK) {
-            /* ?model= narrows the id's sessions to one model's */
-            narrow = 1;
-
-        } else if (zone->model.len) {
-            /* a router's model zone: its model */
-            ctx->model = zone->model;
-        }
-
-        ctx->id = *id;
-
-        if (ngx_http_llama_session_make_key(r, ctx, &ns) != NGX_OK) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-    }
-
-    (void) ngx_http_llama_session_store_sync(zone, r->connection->log);
-
-    /* its files, for every backend configuration */
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    nodes = ngx_palloc(r->pool, 64 * sizeof(ngx_http_llama_session_node_t));
-    if (nodes == NULL) {
-        ngx_shmtx_unlock(&zone->shpool->mutex);
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    /*
-     * a key names one session; a client's id every session under it (a
-     * chat, its title and tags requests, its subagents), in the request's
-     * namespace
-     */
-
-    n = 0;
-
-    for (k = 0; k < 2; k++) {
-        queue = k ? &zone->sh->nofile : &zone->sh->lru;
-
-        for (q = ngx_queue_head(queue);
-             q != ngx_queue_sentinel(queue) && n < 64;
-             q = ngx_queue_next(q))
-        {
-            node = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
-            klen = node->name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
-
-            if (!ngx_http_llama_session_api_mine(tenant, mine, node->has_ns,
-                                                 node->ns))
-            {
-                /* another tenant's, even by its key */
-                continue;
-            }
-
-            if (is_key ? (klen != ctx->key_len
-                          || ngx_memcmp(node->name, ctx->key, klen) != 0)
-                       : (!node->has_idk
-                          || ngx_memcmp(node->idk, ctx->idk,
-                                        NGX_HTTP_LLAMA_SESSION_DIGEST) != 0
-                          || (narrow
-                              && (node->model_len
-                                  != ngx_min(ctx->model.len,
-                                        NGX_HTTP_LLAMA_SESSION_MODEL_SHOW)
-                                  || ngx_memcmp(node->model, ctx->model.data,
-                                                node->model_len) != 0))))
-            {
-                continue;
-            }
-
-            nodes[n++] = *node;
-        }
-    }
-
-    ngx_memcpy(slots, zone->sh->slots, zone->sh->nslots * sizeof(slots[0]));
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    /* a session in a slot may have no file yet: it is in use all the same */
-
-    for (i = 0; delete && i < n; i++) {
-        klen = nodes[i].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
-
-        if (ngx_http_llama_session_in_use(zone, nodes[i].name, klen)) {
-            return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
-                                  "the session is in a slot or in use; "
-                                  "clear the slots or retry later", NULL);
-        }
-    }
-
-    if (delete && is_key && (!tenant || n)
-        && ngx_http_llama_session_in_use(zone, ctx->key, ctx->key_len))
+    if (cJSON_AddNumberToObject(item, "slot", i) == NULL
+        || cJSON_AddStringToObject(item, "state",
+                          (slot->state
+                           == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION && !mine)
+                          ? "other"
+                          : ngx_http_llama_session_slot_states[slot->state])
+           == NULL
+        || cJSON_AddBoolToObject(item, "busy", slot->busy) == NULL
+        || cJSON_AddBoolToObject(item, "changed_since_save",
+                                 mine && slot->dirty && slot->saveable)
+           == NULL)
     {
-        return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
-                                  "the session is in a slot or in use; "
-                                  "clear the slots or retry later", NULL);
-    }
-
-    /* only the records with a file from here on */
-
-    for (i = 0, k = 0; i < n; i++) {
-        if (nodes[i].saved) {
-            nodes[k++] = nodes[i];
-        }
-    }
-
-    n = k;
-
-    if (n == 0) {
-        return ngx_http_llama_session_api_error(r, NGX_HTTP_NOT_FOUND,
-                                                "no saved session by that "
-                                                "id", NULL);
-    }
-
-    for (i = 0; delete && i < n; i++) {
-        ngx_shmtx_lock(&zone->shpool->mutex);
-
-        node = ngx_http_llama_session_lookup_name(zone, nodes[i].name,
-                                                  nodes[i].name_len);
-        if (node) {
-            ngx_http_llama_session_node_file(zone->sh, node, 0, 0);
-        }
-
-        ngx_shmtx_unlock(&zone->shpool->mutex);
-    }
-
-    if (!is_key) {
-        /* the most recently used of the id's sessions */
-        ctx->key_len = nodes[0].name_len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN;
-        ngx_memcpy(ctx->key, nodes[0].name, ctx->key_len);
-    }
-
-    json = cJSON_CreateObject();
-    if (json == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    list = cJSON_AddArrayToObject(json, delete ? "deleted" : "files");
-
-    if (list == NULL
-        || ngx_http_llama_session_api_str(json, "key", ctx->key,
-                                          ctx->key_len) == NULL)
-    {
-        cJSON_Delete(json);
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
-    }
-
-    for (i = 0; i < n; i++) {
-        if (delete) {
-            ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                          "llama_session: deleting session \"%*s\" through "
-                          "the API", (size_t) nodes[i].name_len,
-                          nodes[i].name);
-
-            (void) ngx_http_llama_session_store_unlink(zone, nodes[i].name,
-                                                       nodes[i].name_len,
-                                                       r->connection->log);
-
-            /* its last turn's text, if a slot's turn file still has it */
-            ngx_http_llama_session_turn_forget(zone, nodes[i].name,
-                                         nodes[i].name_len - 1
-                                         - NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                                         r->connection->log);
-        }
-
-        item = ngx_http_llama_session_api_node(zone, &nodes[i],
-                   !delete
-                   && ngx_http_llama_session_api_in_slot(zone, slots,
-                                                         &nodes[i]));
-        if (item == NULL) {
-            cJSON_Delete(json);
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        cJSON_AddItemToArray(list, item);
-    }
-
-    return ngx_http_llama_session_api_send(r, NGX_HTTP_OK, json);
-}
-
-
-/*
- * The caller's tenant: with llama_session_namespace in the API's location,
- * every verb keeps to that namespace (NGX_OK, its digest in ns), as the
- * requests do; without it the API is the operator's, over all
- * (NGX_DECLINED).
- */
-
-static ngx_int_t
-ngx_http_llama_session_api_tenant(ngx_http_request_t *r, u_char *ns)
-{
-    ngx_str_t                           value;
-    ngx_http_llama_session_loc_conf_t  *llcf;
-
-    llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
-
-    if (llcf->namespace == NULL) {
-        return NGX_DECLINED;
-    }
-
-    if (ngx_http_complex_value(r, llcf->namespace, &value) != NGX_OK) {
         return NGX_ERROR;
     }
 
-    return ngx_http_llama_session_ns_digest(r, &value, ns);
-}
-
-
-/* the bytes of the records' files */
-
-static off_t
-ngx_http_llama_session_api_bytes(ngx_http_llama_session_node_t *nodes,
-    ngx_uint_t n)
-{
-    off_t       bytes;
-    ngx_uint_t  i;
-
-    bytes = 0;
-
-    for (i = 0; i < n; i++) {
-        bytes += nodes[i].bytes;
+    if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION || !mine) {
+        return (cJSON_AddNullToObject(item, "session") == NULL
+                || cJSON_AddNullToObject(item, "file") == NULL)
+               ? NGX_ERROR : NGX_OK;
     }
 
-    return bytes;
+    has_node = 0;
+
+    if (copy->fp_known) {
+        n = ngx_http_llama_session_file_name(name, slot->key, slot->key_len,
+                                             copy->fp);
+        has_node = (ngx_http_llama_session_node_info(api->zone, name, n,
+                                                     &node)
+                    == NGX_OK);
+    }
+
+    session = cJSON_AddObjectToObject(item, "session");
+
+    if (session == NULL
+        || ngx_http_llama_session_api_str(session, "key", slot->key,
+                                          slot->key_len) == NULL
+        || ngx_http_llama_session_api_str(session, "id",
+                                          has_node ? node.id : NULL,
+                                          has_node ? node.id_len : 0)
+           == NULL
+        || ngx_http_llama_session_api_str(session, "model",
+                                          has_node ? node.model : NULL,
+                                          has_node ? node.model_len : 0)
+           == NULL)
+    {
+        return NGX_ERROR;
+    }
+
+    if (!slot->saveable) {
+        return (cJSON_AddNullToObject(item, "file") == NULL)
+               ? NGX_ERROR : NGX_OK;
+    }
+
+    file = cJSON_AddObjectToObject(item, "file");
+
+    if (file == NULL
+        || cJSON_AddBoolToObject(file, "saved", has_node && node.saved)
+           == NULL
+        || cJSON_AddNumberToObject(file, "bytes",
+                                   has_node ? node.bytes : 0) == NULL
+        || cJSON_AddNumberToObject(file, "tokens",
+                                   has_node ? node.tokens : 0) == NULL
+        || cJSON_AddNumberToObject(file, "saved_at",
+                                   has_node ? node.saved_at : 0) == NULL)
+    {
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
 }
 
 
@@ -1164,179 +1228,48 @@ ngx_http_llama_session_api_in_slot(ngx_http_llama_session_zone_t *zone,
  * 409), learn the backend's fingerprint if needed, ask GET /slots (idle?
  * tokens? restarted?), then save the session in it (when it changed since
  * its last save) or erase it.  A save takes the checks and the commit of
- * every other save.
+ * every other save.  Run by resume(), once the body is in and after each
+ * slot call.
  */
 
 static ngx_int_t
 ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api)
 {
-    cJSON                         *json, *item;
+    cJSON                         *json;
     ngx_int_t                      rc;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = api->ctx;
 
-    if (api->result == NULL) {
-        api->result = cJSON_CreateArray();
-        if (api->result == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-    }
-
-    for ( ;; ) {
-
-        if (api->slot >= api->last) {
-            break;
-        }
+    while (api->slot < api->last) {
 
         ctx->job->slot = api->slot;
 
-        if (!ctx->job->acquired || ctx->job->released) {
-            if (ngx_http_llama_session_try_slot(ctx->zone, ctx->job)
-                != NGX_OK)
-            {
+        rc = (!ctx->job->acquired || ctx->job->released)
+             ? ngx_http_llama_session_api_take(r, api)
+             : ngx_http_llama_session_api_step(r, api);
 
-                if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
-                    /* a request or an idle save has it: try again soon */
-                    goto again;
-                }
+        if (rc == NGX_AGAIN) {
+            goto wait;
+        }
 
-                return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
+        if (rc == NGX_BUSY) {
+            goto again;
+        }
+
+        if (rc == NGX_DONE) {
+            break;
+        }
+
+        if (rc == NGX_ABORT) {
+            return ngx_http_llama_session_api_error(r, NGX_HTTP_CONFLICT,
                                   "a slot stayed busy with requests, retry "
                                   "later", NULL);
-            }
-
-            ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ngx_http_llama_session_job_state(ctx,
-               NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ctx->job->slots_checked = 0;
-            ctx->job->restarted = 0;
-            ctx->job->slot_tokens = -1;
-            ctx->job->slot_task = -1;
-
-            if (api->tenant
-                && !ngx_http_llama_session_slot_of_tenant(ctx->zone,
-                                                          api->slot, api->ns))
-            {
-                /* a tenant saves and clears its own sessions only */
-                ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
-                api->slot++;
-                continue;
-            }
         }
 
-        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
-
-            if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                && !ctx->job->save_pending)
-            {
-                ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
-                api->slot++;
-                continue;
-            }
-
-            if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
-                && !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp))
-            {
-                ngx_http_llama_session_job_state(ctx,
-                   NGX_HTTP_LLAMA_SESSION_ST_PROPS);
-                rc = ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
-                                             NULL, 0);
-
-            } else {
-                ngx_http_llama_session_job_state(ctx,
-                   NGX_HTTP_LLAMA_SESSION_ST_CHECK);
-                rc = ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_GET,
-                                             NULL, 0);
-            }
-
-            if (rc != NGX_AGAIN) {
-                return rc;
-            }
-
-            goto wait;
-        }
-
-        if (!ctx->job->call_done) {
-            goto wait;
-        }
-
-        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
-            || ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
-        {
-            rc = ngx_http_llama_session_learn(r, ctx);
-
-            if (rc == NGX_AGAIN) {
-                goto wait;
-            }
-
-            if (rc == NGX_ERROR) {
-                api->failed = 1;
-                ngx_http_llama_session_job_state(ctx,
-                   NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-                ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
-                break;
-            }
-
-            if (rc != NGX_OK) {
-                return rc;
-            }
-
-            ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
-            ngx_http_llama_session_job_state(ctx,
-               NGX_HTTP_LLAMA_SESSION_ST_CHECK);
-
-            rc = ngx_http_llama_session_call(r, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_CALL_GET,
-                                             NULL, 0);
-            if (rc != NGX_AGAIN) {
-                return rc;
-            }
-
-            goto wait;
-        }
-
-        if (ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
-            rc = ngx_http_llama_session_reprime_next(r, ctx);
-
-            if (rc == NGX_AGAIN) {
-                goto wait;
-            }
-
+        if (rc != NGX_OK) {
             return rc;
-        }
-
-        if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
-            rc = ngx_http_llama_session_api_checked(r, api);
-
-            if (rc == NGX_AGAIN) {
-                goto wait;
-            }
-
-            if (rc == NGX_BUSY) {
-                goto again;
-            }
-
-            if (rc != NGX_DECLINED) {
-                return rc;
-            }
-
-            /* nothing to do on this slot */
-            continue;
-        }
-
-        item = cJSON_CreateObject();
-        if (item == NULL) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
-        }
-
-        cJSON_AddItemToArray(api->result, item);
-
-        if (ngx_http_llama_session_api_done(r, api, item) != NGX_OK) {
-            return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
     }
 
@@ -1348,7 +1281,7 @@ ngx_http_llama_session_api_slots(ngx_http_request_t *r,
     }
 
     cJSON_AddItemToObject(json,
-                          api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
+                          api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE
                           ? "saved" : "cleared", api->result);
     api->result = NULL;
 
@@ -1368,6 +1301,146 @@ wait:
     r->write_event_handler = ngx_http_llama_session_api_resume;
 
     return NGX_DONE;
+}
+
+
+/*
+ * The slot, taken when it is free, its job begun anew and its first step
+ * made; NGX_BUSY: try again soon; NGX_ABORT: it stayed busy.  Another
+ * tenant's slot is given back and passed over.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_take(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = api->ctx;
+
+    if (ngx_http_llama_session_try_slot(ctx->zone, ctx->job) != NGX_OK) {
+        /* a request or an idle save has it */
+        return ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0)
+               ? NGX_BUSY : NGX_ABORT;
+    }
+
+    ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
+    ctx->job->slots_checked = 0;
+    ctx->job->restarted = 0;
+    ctx->job->slot_tokens = -1;
+    ctx->job->slot_task = -1;
+
+    if (api->tenant
+        && !ngx_http_llama_session_slot_of_tenant(ctx->zone, api->slot,
+                                                  api->ns))
+    {
+        /* a tenant saves and clears its own sessions only */
+        ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        api->slot++;
+        return NGX_OK;
+    }
+
+    return ngx_http_llama_session_api_step(r, api);
+}
+
+
+/*
+ * The taken slot's next step: its first call, GET /slots (GET /props and
+ * GET /v1/models first when a save needs the backend's fingerprint), then
+ * the save or the erase.  NGX_OK: on to the next step or slot; NGX_AGAIN:
+ * a call is on its way; NGX_BUSY: try again soon; NGX_DONE: no slot more
+ * (the backend failed the fingerprint's calls); else an HTTP status.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_step(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    cJSON                         *item;
+    ngx_int_t                      rc;
+    ngx_uint_t                     save;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    ctx = api->ctx;
+    save = (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE);
+
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE
+        && save && !ctx->job->save_pending)
+    {
+        ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        api->slot++;
+        return NGX_OK;
+    }
+
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE
+        && save && !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp))
+    {
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_PROPS,
+                                           NULL, 0);
+    }
+
+    if (ctx->job->call != NGX_HTTP_LLAMA_SESSION_CALL_NONE
+        && !ctx->job->call_done)
+    {
+        return NGX_AGAIN;
+    }
+
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
+        || ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
+    {
+        rc = ngx_http_llama_session_learn(r, ctx);
+
+        if (rc == NGX_ERROR) {
+            api->failed = 1;
+            ngx_http_llama_session_job_state(ctx,
+               NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
+            ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                           NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            return NGX_DONE;
+        }
+
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
+    }
+
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_NONE) {
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                           NULL, 0);
+    }
+
+    if (ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
+        return ngx_http_llama_session_reprime_next(r, ctx);
+    }
+
+    if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_GET) {
+        rc = ngx_http_llama_session_api_checked(r, api);
+
+        /* NGX_DECLINED: nothing to do on this slot */
+        return (rc == NGX_DECLINED) ? NGX_OK : rc;
+    }
+
+    item = cJSON_CreateObject();
+    if (item == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cJSON_AddItemToArray(api->result, item);
+
+    if (ngx_http_llama_session_api_done(r, api, item) != NGX_OK) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    return NGX_OK;
 }
 
 
@@ -1401,7 +1474,8 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         api->failed = 1;
         ngx_http_llama_session_job_state(ctx,
            NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
         api->slot++;
         return NGX_DECLINED;
     }
@@ -1417,7 +1491,8 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         /* llama-server runs the slot, or may start a request on it */
         ngx_http_llama_session_job_state(ctx,
            NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-        ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+        ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
 
         if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) < 0) {
             return NGX_BUSY;
@@ -1432,14 +1507,15 @@ ngx_http_llama_session_api_checked(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
+    if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
 
         if (!ngx_http_llama_session_may_save(ctx)) {
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
-            ngx_http_llama_session_release(ctx->zone, ctx->job, ctx->job->restarted
-                                          ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
-                                          : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
+            ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                      ctx->job->restarted
+                                      ? NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN
+                                      : NGX_HTTP_LLAMA_SESSION_SLOT_SESSION);
             api->slot++;
             return NGX_DECLINED;
         }
@@ -1480,7 +1556,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         return NGX_ERROR;
     }
 
-    if (api->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
+    if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
 
         if (ngx_http_llama_session_save_done(r->connection->log, ctx,
                                              NGX_HTTP_LLAMA_SESSION_SAVE_API,
@@ -1557,31 +1633,11 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 }
 
 
-/* the body of a save or a clear is in: the slots, one after the other */
-
-static void
-ngx_http_llama_session_api_start(ngx_http_request_t *r)
-{
-    ngx_int_t                      rc;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-    rc = ngx_http_llama_session_api_slots(r, ctx->api);
-
-    if (rc == NGX_DONE) {
-        /* the request lives on across its slot calls */
-        return;
-    }
-
-    ngx_http_finalize_request(r, rc);
-}
-
-
 static void
 ngx_http_llama_session_api_resume(ngx_http_request_t *r)
 {
     ngx_int_t                      rc;
+    ngx_http_llama_session_api_t  *api;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
@@ -1596,7 +1652,8 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
 
     r->write_event_handler = ngx_http_request_empty_handler;
 
-    rc = ngx_http_llama_session_api_slots(r, ctx->api);
+    api = ctx->api;
+    rc = api->route->handler(r, api);
 
     if (rc == NGX_DONE) {
         return;

@@ -883,7 +883,8 @@ ngx_http_llama_session_job_finish(ngx_http_llama_session_ctx_t *ctx)
                       "llama_session: the request of session \"%*s\" ended "
                       "during a %s of slot %ui, whose content is unknown now",
                       ctx->key_len, ctx->key,
-                      ctx->job->load_file ? "restore" : "erase", ctx->job->slot);
+                      ctx->job->load_file ? "restore" : "erase",
+                      ctx->job->slot);
     }
 
     ngx_http_llama_session_release(ctx->zone, ctx->job, state);

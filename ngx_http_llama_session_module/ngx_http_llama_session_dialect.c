@@ -40,7 +40,8 @@
 static ngx_http_llama_session_dialect_t  ngx_http_llama_session_dialects[] = {
 
     /* OpenAI's chat completions: llama-server's own */
-    { ngx_string("/chat/completions"), 0, 0, ngx_http_llama_session_chat_members,
+    { ngx_string("/chat/completions"), 0, 0,
+      ngx_http_llama_session_chat_members,
       "/v1/chat/completions", NGX_HTTP_LLAMA_SESSION_PRIME_CHAT,
       NULL, NULL, NULL, NULL, 0, 0, 1, 0, 0 },
 

@@ -59,7 +59,8 @@ ngx_http_llama_session_backend_error(ngx_http_request_t *r,
 
     /* a failed call leaves a slot nobody can vouch for */
 
-    ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+    ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                   NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
     ngx_http_llama_session_wake_local();
 
     if (ctx->job->call_status == NGX_HTTP_SERVICE_UNAVAILABLE) {

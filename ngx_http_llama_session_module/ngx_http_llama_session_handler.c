@@ -649,7 +649,8 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
                                            NULL, 0);
     }
 
-    if (!ctx->job->queued && ctx->zone->sh->nslots > 1 && ctx->dialect->unpinned)
+    if (!ctx->job->queued && ctx->zone->sh->nslots > 1
+        && ctx->dialect->unpinned)
     {
         /*
          * llama-server's Anthropic and transcription conversions drop
@@ -800,7 +801,8 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
 
     if (rc == NGX_ERROR) {
         return ngx_http_llama_session_backend_error(r, ctx,
-                (char *) ngx_http_llama_session_call_name(ctx->job->call)->data);
+                (char *)
+                    ngx_http_llama_session_call_name(ctx->job->call)->data);
     }
 
     if (rc != NGX_OK) {
@@ -833,7 +835,8 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
                       "of zone \"%V\", session \"%*s\" is not sent there",
                       ctx->job->slot, &ctx->zone->name, ctx->key_len, ctx->key);
 
-        ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+        ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                       NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
         ngx_http_llama_session_wake_local();
 
         return ngx_http_llama_session_error(r, ctx,
@@ -870,7 +873,8 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     }
 
     if (ctx->job->load_file
-        && ngx_http_llama_session_file_size(ctx->zone, ctx->job->fp, ctx->key, ctx->key_len,
+        && ngx_http_llama_session_file_size(ctx->zone, ctx->job->fp,
+                                            ctx->key, ctx->key_len,
                                             &bytes, &tokens) == NGX_OK
         && ngx_http_llama_session_cost_reprefill(ctx, bytes, tokens,
                                                  &ctx->job->est_restore_ms,
@@ -988,7 +992,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
          */
 
         if ((ngx_msec_int_t) (ngx_current_msec - ctx->deadline) >= 0) {
-            ngx_http_llama_session_release(ctx->zone, ctx->job, NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
+            ngx_http_llama_session_release(ctx->zone, ctx->job,
+                                           NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
             ngx_http_llama_session_wake_local();
 
             return ngx_http_llama_session_error(r, ctx,
@@ -1179,7 +1184,8 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     /* whatever runs now leaves the slot holding this session's tokens */
 
-    ngx_http_llama_session_job_slot_set(ctx, NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
+    ngx_http_llama_session_job_slot_set(ctx,
+                                        NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
                                     ctx->key, ctx->key_len, 1);
 
     ctx->swap_ms = ngx_current_msec - ctx->swap_start;

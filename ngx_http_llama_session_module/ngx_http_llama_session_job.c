@@ -433,7 +433,9 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
     /* a 400 for a file the zone never knew is no error: it may not exist */
 
     if (ctx->job->call_status != NGX_HTTP_BAD_REQUEST
-        || ngx_http_llama_session_file_known(ctx->zone, ctx->job->fp, key, len) != -1)
+        || ngx_http_llama_session_file_known(ctx->zone, ctx->job->fp, key,
+                                             len)
+           != -1)
     {
         ngx_http_llama_session_stat(&ctx->zone->sh->stats.restore_errors);
     }

@@ -123,7 +123,9 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
         if (!slot->busy && ngx_queue_empty(&sh->waiters)) {
             grant = 1;
 
-        } else if (ngx_http_llama_session_enqueue_locked(zone, job, ask) != NGX_OK) {
+        } else if (ngx_http_llama_session_enqueue_locked(zone, job, ask)
+                   != NGX_OK)
+        {
             return NGX_DECLINED;
         }
 

@@ -287,7 +287,8 @@ ngx_http_llama_session_parse_props(ngx_http_request_t *r,
 
     ctx->job->props_model.len = ngx_min(ngx_strlen(path->valuestring),
                                    NGX_HTTP_LLAMA_SESSION_PATH_SHOW);
-    ctx->job->props_model.data = ngx_pnalloc(r->pool, ctx->job->props_model.len);
+    ctx->job->props_model.data = ngx_pnalloc(r->pool,
+                                             ctx->job->props_model.len);
     if (ctx->job->props_model.data == NULL) {
         cJSON_Delete(json);
         return NGX_ERROR;

@@ -291,7 +291,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
             == NGX_OK)
         {
             /* in use: the base goes to the front of the queue */
-            ngx_http_llama_session_job_remember(ctx, ctx->base_key, ctx->base_len,
+            ngx_http_llama_session_job_remember(ctx, ctx->base_key,
+                                                ctx->base_len,
                                             &ngx_http_llama_session_base_id);
             ngx_http_llama_session_warm_used(r, ctx);
 
@@ -401,7 +402,8 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
             == NGX_OK)
         {
             ctx->warm->base_built = 1;
-            ngx_http_llama_session_job_remember(ctx, ctx->base_key, ctx->base_len,
+            ngx_http_llama_session_job_remember(ctx, ctx->base_key,
+                                                ctx->base_len,
                                             &ngx_http_llama_session_base_id);
             ngx_http_llama_session_stat(&ctx->zone->sh->stats.bases);
 
