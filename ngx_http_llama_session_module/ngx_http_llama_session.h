@@ -544,7 +544,7 @@ struct ngx_http_llama_session_zone_s {
     ngx_http_llama_session_sh_t    *sh;
     ngx_slab_pool_t                *shpool;
 
-    /* deletes a file of the store (store.c), for shm.c's full index */
+    /* deletes a file of the store (store.c), for index.c's full index */
     ngx_int_t                     (*unlink)(ngx_http_llama_session_zone_t *zone,
                                       u_char *name, size_t len,
                                       ngx_log_t *log);

@@ -298,7 +298,7 @@ fallback:
 
     /*
      * an image, audio or a file, on a backend that refused to save one:
-     * such a session stays in its slot while another can go (shm.c); the
+     * such a session stays in its slot while another can go (sched.c); the
      * messages are walked for it only there
      */
 

@@ -1086,7 +1086,7 @@ ngx_http_llama_session_zone_add(ngx_conf_t *cf,
     zone->name = *name;
     zone->shm_zone = shm_zone;
 
-    /* shm.c drops a file whose record it must recycle through the store */
+    /* index.c drops a file whose record it must recycle through the store */
     zone->unlink = ngx_http_llama_session_store_unlink;
     zone->cycle = cf->cycle;
     zone->group = zone;
