@@ -60,9 +60,22 @@ static void ngx_http_llama_session_anthropic_billing(char *text);
 static cJSON *ngx_http_llama_session_anthropic_system(cJSON *system);
 static ngx_int_t ngx_http_llama_session_anthropic_message(cJSON *msg,
     cJSON *out);
+static ngx_int_t ngx_http_llama_session_anthropic_tool_use(cJSON *block,
+    cJSON *calls);
+static ngx_int_t ngx_http_llama_session_anthropic_tool_result(cJSON *block,
+    cJSON *results);
+static char *ngx_http_llama_session_anthropic_join(cJSON *blocks, char *type,
+    char *member);
 static cJSON *ngx_http_llama_session_anthropic_image(cJSON *block);
+static void ngx_http_llama_session_anthropic_params(cJSON *in, cJSON *out);
 static ngx_int_t ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
+static ngx_int_t ngx_http_llama_session_anthropic_chunk(ngx_http_request_t *r,
+    ngx_http_llama_session_conv_t *c, cJSON *json);
+static ngx_int_t ngx_http_llama_session_anthropic_start(ngx_http_request_t *r,
+    ngx_http_llama_session_conv_t *c, cJSON *json);
+static ngx_int_t ngx_http_llama_session_anthropic_end(ngx_http_request_t *r,
+    ngx_http_llama_session_conv_t *c);
 static ngx_int_t ngx_http_llama_session_anthropic_whole(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
 static cJSON *ngx_http_llama_session_anthropic_error(ngx_uint_t status,
@@ -203,13 +216,8 @@ ngx_http_llama_session_anthropic_prime(ngx_http_request_t *r, ngx_buf_t *b,
 static cJSON *
 ngx_http_llama_session_anthropic_chat(cJSON *in)
 {
-    char        *type;
-    cJSON       *out, *messages, *msg, *tools, *tool, *t, *f, *item, *oai;
-    cJSON       *thinking, *budget, *tc;
-    ngx_uint_t   i;
-
-    static char  *same[] = { "temperature", "top_p", "top_k", "stream",
-                             "chat_template_kwargs", NULL };
+    char   *type;
+    cJSON  *out, *messages, *msg, *tools, *tool, *t, *f, *item, *oai, *tc;
 
     messages = cJSON_GetObjectItemCaseSensitive(in, "messages");
 
@@ -309,52 +317,7 @@ ngx_http_llama_session_anthropic_chat(cJSON *in)
         }
     }
 
-    item = cJSON_GetObjectItemCaseSensitive(in, "stop_sequences");
-    if (item) {
-        cJSON_AddItemToObject(out, "stop", cJSON_Duplicate(item, 1));
-    }
-
-    /* max_tokens is required in Anthropic's API; llama-server's default */
-
-    item = cJSON_GetObjectItemCaseSensitive(in, "max_tokens");
-    cJSON_AddItemToObject(out, "max_tokens",
-                          item ? cJSON_Duplicate(item, 1)
-                               : cJSON_CreateNumber(4096));
-
-    for (i = 0; same[i]; i++) {
-        item = cJSON_GetObjectItemCaseSensitive(in, same[i]);
-        if (item) {
-            cJSON_AddItemToObject(out, same[i], cJSON_Duplicate(item, 1));
-        }
-    }
-
-    /*
-     * a stream's first event carries the prompt's tokens, as llama-server's
-     * own /v1/messages gives them in message_start (clients count their
-     * context by it): llama-server puts its timings in every chunk then
-     */
-
-    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(in, "stream"))) {
-        cJSON_AddTrueToObject(out, "timings_per_token");
-    }
-
-    thinking = cJSON_GetObjectItemCaseSensitive(in, "thinking");
-    type = cJSON_GetStringValue(
-               cJSON_GetObjectItemCaseSensitive(thinking, "type"));
-
-    if (type && ngx_strcmp(type, "enabled") == 0) {
-        budget = cJSON_GetObjectItemCaseSensitive(thinking, "budget_tokens");
-        cJSON_AddNumberToObject(out, "thinking_budget_tokens",
-                                cJSON_IsNumber(budget) ? budget->valuedouble
-                                                       : 10000);
-    }
-
-    type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(
-               cJSON_GetObjectItemCaseSensitive(in, "metadata"), "user_id"));
-
-    if (type && type[0]) {
-        cJSON_AddStringToObject(out, "__metadata_user_id", type);
-    }
+    ngx_http_llama_session_anthropic_params(in, out);
 
     return out;
 
@@ -484,12 +447,8 @@ ngx_http_llama_session_anthropic_system(cJSON *system)
 static ngx_int_t
 ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
 {
-    char        *role, *type, *text, *reasoning, *p;
-    cJSON       *content, *block, *parts, *calls, *results, *m, *call, *f;
-    cJSON       *input, *rc, *c, *rparts, *img;
-    u_char      *q;
-    size_t       len, rlen, rpos;
-    ngx_uint_t   images;
+    char   *role, *type, *reasoning;
+    cJSON  *content, *block, *parts, *calls, *results, *m, *img;
 
     role = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(msg, "role"));
     content = cJSON_GetObjectItemCaseSensitive(msg, "content");
@@ -512,26 +471,16 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
     calls = cJSON_CreateArray();
     results = cJSON_CreateArray();
 
-    if (parts == NULL || calls == NULL || results == NULL) {
-        goto failed;
-    }
-
     /* the reasoning of all thinking blocks, joined */
 
-    rlen = 0;
+    reasoning = ngx_http_llama_session_anthropic_join(content, "thinking",
+                                                      "thinking");
 
-    cJSON_ArrayForEach(block, content) {
-        type = cJSON_GetStringValue(
-                   cJSON_GetObjectItemCaseSensitive(block, "type"));
-        text = cJSON_GetStringValue(
-                   cJSON_GetObjectItemCaseSensitive(block, "thinking"));
-
-        if (type && ngx_strcmp(type, "thinking") == 0 && text) {
-            rlen += ngx_strlen(text);
-        }
+    if (parts == NULL || calls == NULL || results == NULL
+        || reasoning == NULL)
+    {
+        goto failed;
     }
-
-    reasoning = NULL;
 
     cJSON_ArrayForEach(block, content) {
         type = cJSON_GetStringValue(
@@ -544,28 +493,6 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
         if (ngx_strcmp(type, "text") == 0) {
             cJSON_AddItemToArray(parts, cJSON_Duplicate(block, 1));
 
-        } else if (ngx_strcmp(type, "thinking") == 0) {
-            text = cJSON_GetStringValue(
-                       cJSON_GetObjectItemCaseSensitive(block, "thinking"));
-
-            if (reasoning == NULL) {
-                reasoning = cJSON_malloc(rlen + 1);
-                if (reasoning == NULL) {
-                    goto failed;
-                }
-
-                reasoning[0] = '\0';
-                rpos = 0;
-            }
-
-            /* appended at its end: linear, however many blocks */
-
-            if (text) {
-                len = ngx_strlen(text);
-                ngx_memcpy(reasoning + rpos, text, len + 1);
-                rpos += len;
-            }
-
         } else if (ngx_strcmp(type, "image") == 0) {
             img = ngx_http_llama_session_anthropic_image(block);
             if (img) {
@@ -573,119 +500,23 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
             }
 
         } else if (ngx_strcmp(type, "tool_use") == 0) {
-            call = cJSON_CreateObject();
-            if (call == NULL) {
+            if (ngx_http_llama_session_anthropic_tool_use(block, calls)
+                != NGX_OK)
+            {
                 goto failed;
-            }
-
-            cJSON_AddItemToArray(calls, call);
-
-            cJSON_AddStringToObject(call, "id",
-                ngx_http_llama_session_anthropic_str(block, "id"));
-            cJSON_AddStringToObject(call, "type", "function");
-
-            f = cJSON_AddObjectToObject(call, "function");
-            if (f == NULL) {
-                goto failed;
-            }
-
-            cJSON_AddStringToObject(f, "name",
-                ngx_http_llama_session_anthropic_str(block, "name"));
-
-            input = cJSON_GetObjectItemCaseSensitive(block, "input");
-            p = input ? cJSON_PrintUnformatted(input) : NULL;
-            cJSON_AddStringToObject(f, "arguments", p ? p : "{}");
-
-            if (p) {
-                cJSON_free(p);
             }
 
         } else if (ngx_strcmp(type, "tool_result") == 0) {
-            m = cJSON_CreateObject();
-            if (m == NULL) {
+            if (ngx_http_llama_session_anthropic_tool_result(block, results)
+                != NGX_OK)
+            {
                 goto failed;
             }
-
-            cJSON_AddItemToArray(results, m);
-            cJSON_AddStringToObject(m, "role", "tool");
-
-            cJSON_AddStringToObject(m, "tool_call_id",
-                ngx_http_llama_session_anthropic_str(block, "tool_use_id"));
-
-            rc = cJSON_GetObjectItemCaseSensitive(block, "content");
-
-            if (cJSON_IsString(rc)) {
-                cJSON_AddStringToObject(m, "content", rc->valuestring);
-                continue;
-            }
-
-            if (!cJSON_IsArray(rc)) {
-                cJSON_AddStringToObject(m, "content", "");
-                continue;
-            }
-
-            /* text only: one string; with images: the parts */
-
-            rparts = cJSON_CreateArray();
-            if (rparts == NULL) {
-                goto failed;
-            }
-
-            images = 0;
-            len = 0;
-
-            cJSON_ArrayForEach(c, rc) {
-                type = cJSON_GetStringValue(
-                           cJSON_GetObjectItemCaseSensitive(c, "type"));
-
-                if (type && ngx_strcmp(type, "text") == 0) {
-                    text = cJSON_GetStringValue(
-                               cJSON_GetObjectItemCaseSensitive(c, "text"));
-                    text = text ? text : "";
-                    len += ngx_strlen(text);
-
-                    f = cJSON_CreateObject();
-                    cJSON_AddItemToArray(rparts, f);
-                    cJSON_AddStringToObject(f, "type", "text");
-                    cJSON_AddStringToObject(f, "text", text);
-
-                } else if (type && ngx_strcmp(type, "image") == 0) {
-                    images = 1;
-                    img = ngx_http_llama_session_anthropic_image(c);
-                    if (img) {
-                        cJSON_AddItemToArray(rparts, img);
-                    }
-                }
-            }
-
-            if (images) {
-                cJSON_AddItemToObject(m, "content", rparts);
-                continue;
-            }
-
-            p = cJSON_malloc(len + 1);
-            if (p == NULL) {
-                cJSON_Delete(rparts);
-                goto failed;
-            }
-
-            q = (u_char *) p;
-
-            cJSON_ArrayForEach(c, rparts) {
-                text = cJSON_GetStringValue(
-                           cJSON_GetObjectItemCaseSensitive(c, "text"));
-                q = ngx_cpymem(q, text, ngx_strlen(text));
-            }
-
-            *q = '\0';
-            cJSON_Delete(rparts);
-            cJSON_AddStringToObject(m, "content", p);
-            cJSON_free(p);
         }
     }
 
     if (cJSON_GetArraySize(parts) || cJSON_GetArraySize(calls)
-        || (reasoning && reasoning[0]))
+        || reasoning[0])
     {
         m = cJSON_CreateObject();
         if (m == NULL) {
@@ -708,13 +539,9 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
             calls = NULL;
         }
 
-        if (reasoning && reasoning[0]) {
+        if (reasoning[0]) {
             cJSON_AddStringToObject(m, "reasoning_content", reasoning);
         }
-    }
-
-    if (reasoning) {
-        cJSON_free(reasoning);
     }
 
     /* the tool messages after it, in order (each taken off the front) */
@@ -724,6 +551,7 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
                                                              results->child));
     }
 
+    cJSON_free(reasoning);
     cJSON_Delete(parts);
     cJSON_Delete(calls);
     cJSON_Delete(results);
@@ -732,11 +560,190 @@ ngx_http_llama_session_anthropic_message(cJSON *msg, cJSON *out)
 
 failed:
 
+    if (reasoning) {
+        cJSON_free(reasoning);
+    }
+
     cJSON_Delete(parts);
     cJSON_Delete(calls);
     cJSON_Delete(results);
 
     return NGX_ERROR;
+}
+
+
+/* a tool_use block as a tool call, its input the arguments' JSON text */
+
+static ngx_int_t
+ngx_http_llama_session_anthropic_tool_use(cJSON *block, cJSON *calls)
+{
+    char   *p;
+    cJSON  *call, *f, *input;
+
+    call = cJSON_CreateObject();
+    if (call == NULL) {
+        return NGX_ERROR;
+    }
+
+    cJSON_AddItemToArray(calls, call);
+
+    cJSON_AddStringToObject(call, "id",
+        ngx_http_llama_session_anthropic_str(block, "id"));
+    cJSON_AddStringToObject(call, "type", "function");
+
+    f = cJSON_AddObjectToObject(call, "function");
+    if (f == NULL) {
+        return NGX_ERROR;
+    }
+
+    cJSON_AddStringToObject(f, "name",
+        ngx_http_llama_session_anthropic_str(block, "name"));
+
+    input = cJSON_GetObjectItemCaseSensitive(block, "input");
+    p = input ? cJSON_PrintUnformatted(input) : NULL;
+    cJSON_AddStringToObject(f, "arguments", p ? p : "{}");
+
+    if (p) {
+        cJSON_free(p);
+    }
+
+    return NGX_OK;
+}
+
+
+/* a tool_result block as a "tool" message */
+
+static ngx_int_t
+ngx_http_llama_session_anthropic_tool_result(cJSON *block, cJSON *results)
+{
+    char        *type, *text;
+    cJSON       *m, *rc, *c, *rparts, *f, *img;
+    ngx_uint_t   images;
+
+    m = cJSON_CreateObject();
+    if (m == NULL) {
+        return NGX_ERROR;
+    }
+
+    cJSON_AddItemToArray(results, m);
+    cJSON_AddStringToObject(m, "role", "tool");
+
+    cJSON_AddStringToObject(m, "tool_call_id",
+        ngx_http_llama_session_anthropic_str(block, "tool_use_id"));
+
+    rc = cJSON_GetObjectItemCaseSensitive(block, "content");
+
+    if (cJSON_IsString(rc)) {
+        cJSON_AddStringToObject(m, "content", rc->valuestring);
+        return NGX_OK;
+    }
+
+    if (!cJSON_IsArray(rc)) {
+        cJSON_AddStringToObject(m, "content", "");
+        return NGX_OK;
+    }
+
+    /* text only: one string; with images: the parts */
+
+    rparts = cJSON_CreateArray();
+    if (rparts == NULL) {
+        return NGX_ERROR;
+    }
+
+    images = 0;
+
+    cJSON_ArrayForEach(c, rc) {
+        type = cJSON_GetStringValue(
+                   cJSON_GetObjectItemCaseSensitive(c, "type"));
+
+        if (type && ngx_strcmp(type, "text") == 0) {
+            text = cJSON_GetStringValue(
+                       cJSON_GetObjectItemCaseSensitive(c, "text"));
+
+            f = cJSON_CreateObject();
+            cJSON_AddItemToArray(rparts, f);
+            cJSON_AddStringToObject(f, "type", "text");
+            cJSON_AddStringToObject(f, "text", text ? text : "");
+
+        } else if (type && ngx_strcmp(type, "image") == 0) {
+            images = 1;
+            img = ngx_http_llama_session_anthropic_image(c);
+            if (img) {
+                cJSON_AddItemToArray(rparts, img);
+            }
+        }
+    }
+
+    if (images) {
+        cJSON_AddItemToObject(m, "content", rparts);
+        return NGX_OK;
+    }
+
+    cJSON_Delete(rparts);
+
+    text = ngx_http_llama_session_anthropic_join(rc, "text", "text");
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    cJSON_AddStringToObject(m, "content", text);
+    cJSON_free(text);
+
+    return NGX_OK;
+}
+
+
+/*
+ * the string members "member" of the blocks of type "type", joined in
+ * cJSON's allocator (the string goes into a message): counted, then
+ * copied, linear however many blocks; NULL: no memory
+ */
+
+static char *
+ngx_http_llama_session_anthropic_join(cJSON *blocks, char *type,
+    char *member)
+{
+    char        *p, *t, *text;
+    cJSON       *block;
+    size_t       len;
+    u_char      *q;
+    ngx_uint_t   copy;
+
+    p = NULL;
+    q = NULL;
+    len = 0;
+
+    for (copy = 0; copy < 2; copy++) {
+        cJSON_ArrayForEach(block, blocks) {
+            t = ngx_http_llama_session_anthropic_str(block, "type");
+            text = cJSON_GetStringValue(
+                       cJSON_GetObjectItemCaseSensitive(block, member));
+
+            if (ngx_strcmp(t, type) != 0 || text == NULL) {
+                continue;
+            }
+
+            if (copy) {
+                q = ngx_cpymem(q, text, ngx_strlen(text));
+
+            } else {
+                len += ngx_strlen(text);
+            }
+        }
+
+        if (!copy) {
+            p = cJSON_malloc(len + 1);
+            if (p == NULL) {
+                return NULL;
+            }
+
+            q = (u_char *) p;
+        }
+    }
+
+    *q = '\0';
+
+    return p;
 }
 
 
@@ -799,6 +806,70 @@ ngx_http_llama_session_anthropic_image(cJSON *block)
     cJSON_free(p);
 
     return part;
+}
+
+
+/*
+ * the request's members after its messages and tools: the stop sequences,
+ * max_tokens, sampling, the thinking budget, the metadata's user
+ */
+
+static void
+ngx_http_llama_session_anthropic_params(cJSON *in, cJSON *out)
+{
+    char        *type;
+    cJSON       *item, *thinking, *budget;
+    ngx_uint_t   i;
+
+    static char  *same[] = { "temperature", "top_p", "top_k", "stream",
+                             "chat_template_kwargs", NULL };
+
+    item = cJSON_GetObjectItemCaseSensitive(in, "stop_sequences");
+    if (item) {
+        cJSON_AddItemToObject(out, "stop", cJSON_Duplicate(item, 1));
+    }
+
+    /* max_tokens is required in Anthropic's API; llama-server's default */
+
+    item = cJSON_GetObjectItemCaseSensitive(in, "max_tokens");
+    cJSON_AddItemToObject(out, "max_tokens",
+                          item ? cJSON_Duplicate(item, 1)
+                               : cJSON_CreateNumber(4096));
+
+    for (i = 0; same[i]; i++) {
+        item = cJSON_GetObjectItemCaseSensitive(in, same[i]);
+        if (item) {
+            cJSON_AddItemToObject(out, same[i], cJSON_Duplicate(item, 1));
+        }
+    }
+
+    /*
+     * a stream's first event carries the prompt's tokens, as llama-server's
+     * own /v1/messages gives them in message_start (clients count their
+     * context by it): llama-server puts its timings in every chunk then
+     */
+
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(in, "stream"))) {
+        cJSON_AddTrueToObject(out, "timings_per_token");
+    }
+
+    thinking = cJSON_GetObjectItemCaseSensitive(in, "thinking");
+    type = cJSON_GetStringValue(
+               cJSON_GetObjectItemCaseSensitive(thinking, "type"));
+
+    if (type && ngx_strcmp(type, "enabled") == 0) {
+        budget = cJSON_GetObjectItemCaseSensitive(thinking, "budget_tokens");
+        cJSON_AddNumberToObject(out, "thinking_budget_tokens",
+                                cJSON_IsNumber(budget) ? budget->valuedouble
+                                                       : 10000);
+    }
+
+    type = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(
+               cJSON_GetObjectItemCaseSensitive(in, "metadata"), "user_id"));
+
+    if (type && type[0]) {
+        cJSON_AddStringToObject(out, "__metadata_user_id", type);
+    }
 }
 
 
@@ -912,20 +983,73 @@ ngx_http_llama_session_anthropic_whole(ngx_http_request_t *r,
 
 
 /*
- * One SSE event of llama-server's chat stream: Anthropic's events for
- * it.  Each content kind is a block of its own, opened when its first
- * delta comes and closed when another kind's does (a tool call when the
- * next one starts), as Anthropic streams them: one block at a time.
+ * One SSE event of llama-server's chat stream: Anthropic's events for its
+ * chunk, for the error it reports, or at the stream's end its last ones
  */
 
 static ngx_int_t
 ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len)
 {
+    cJSON                               *json, *err;
+    ngx_int_t                            rc;
+    ngx_http_llama_session_anthropic_t  *a;
+
+    a = c->data;
+
+    if (a->done) {
+        return NGX_OK;
+    }
+
+    if (data == NULL || (len == 6 && ngx_strncmp(data, "[DONE]", 6) == 0)) {
+        return ngx_http_llama_session_anthropic_end(r, c);
+    }
+
+    json = ngx_http_llama_session_json_tree(data, len);
+
+    if (json == NULL) {
+        return NGX_OK;
+    }
+
+    err = cJSON_GetObjectItemCaseSensitive(json, "error");
+
+    if (err == NULL) {
+        rc = ngx_http_llama_session_anthropic_chunk(r, c, json);
+        cJSON_Delete(json);
+        return rc;
+    }
+
+    /* llama-server failed the request in its stream */
+
+    if (ngx_http_llama_session_anthropic_close(r, c) != NGX_OK) {
+        cJSON_Delete(json);
+        return NGX_ERROR;
+    }
+
+    a->done = 1;
+
+    err = ngx_http_llama_session_anthropic_error(
+              NGX_HTTP_INTERNAL_SERVER_ERROR, json);
+    cJSON_Delete(json);
+
+    return ngx_http_llama_session_anthropic_sse(r, c, "error", err);
+}
+
+
+/*
+ * A chunk of the stream.  Each content kind is a block of its own, opened
+ * when its first delta comes and closed when another kind's does (a tool
+ * call when the next one starts), as Anthropic streams them: one block at
+ * a time.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_anthropic_chunk(ngx_http_request_t *r,
+    ngx_http_llama_session_conv_t *c, cJSON *json)
+{
     char                                *text;
-    cJSON                               *json, *choice, *delta, *calls, *call;
-    cJSON                               *index, *f, *start, *message, *usage;
-    cJSON                               *ping, *err;
+    cJSON                               *choice, *delta, *calls, *call;
+    cJSON                               *index, *f;
     ngx_int_t                            i;
     ngx_uint_t                           k;
     ngx_http_llama_session_anthropic_t  *a;
@@ -944,81 +1068,20 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
 
     a = c->data;
 
-    if (a->done) {
-        return NGX_OK;
-    }
-
-    if (data == NULL || (len == 6 && ngx_strncmp(data, "[DONE]", 6) == 0)) {
-        goto done;
-    }
-
-    json = ngx_http_llama_session_json_tree(data, len);
-
-    if (json == NULL) {
-        return NGX_OK;
-    }
-
-    err = cJSON_GetObjectItemCaseSensitive(json, "error");
-
-    if (err) {
-        /* llama-server failed the request in its stream */
-
-        if (ngx_http_llama_session_anthropic_close(r, c) != NGX_OK) {
-            cJSON_Delete(json);
-            return NGX_ERROR;
-        }
-
-        a->done = 1;
-
-        err = ngx_http_llama_session_anthropic_error(
-                  NGX_HTTP_INTERNAL_SERVER_ERROR, json);
-        cJSON_Delete(json);
-
-        return ngx_http_llama_session_anthropic_sse(r, c, "error", err);
-    }
-
     ngx_http_llama_session_conv_stats(c, json);
 
-    if (!a->started
-        && ngx_http_llama_session_anthropic_bare(json) == NGX_OK)
-    {
-        /*
-         * llama-server's first chunk names the role alone; the prompt's
-         * figures come with the next one (timings_per_token): so does
-         * message_start
-         */
-
-        cJSON_Delete(json);
-        return NGX_OK;
-    }
-
     if (!a->started) {
-        ngx_http_llama_session_anthropic_names(a, json);
+        if (ngx_http_llama_session_anthropic_bare(json) == NGX_OK) {
+            /*
+             * llama-server's first chunk names the role alone; the
+             * prompt's figures come with the next one (timings_per_token):
+             * so does message_start
+             */
 
-        start = cJSON_CreateObject();
-        cJSON_AddStringToObject(start, "type", "message_start");
-        message = cJSON_AddObjectToObject(start, "message");
-        cJSON_AddStringToObject(message, "id", (char *) a->id);
-        cJSON_AddStringToObject(message, "type", "message");
-        cJSON_AddStringToObject(message, "role", "assistant");
-        cJSON_AddArrayToObject(message, "content");
-        cJSON_AddStringToObject(message, "model", (char *) a->model);
-        cJSON_AddNullToObject(message, "stop_reason");
-        cJSON_AddNullToObject(message, "stop_sequence");
-        usage = cJSON_AddObjectToObject(message, "usage");
-        ngx_http_llama_session_anthropic_usage(c, usage);
+            return NGX_OK;
+        }
 
-        a->started = 1;
-
-        ping = cJSON_CreateObject();
-        cJSON_AddStringToObject(ping, "type", "ping");
-
-        if (ngx_http_llama_session_anthropic_sse(r, c, "message_start", start)
-            != NGX_OK
-            || ngx_http_llama_session_anthropic_sse(r, c, "ping", ping)
-               != NGX_OK)
-        {
-            cJSON_Delete(json);
+        if (ngx_http_llama_session_anthropic_start(r, c, json) != NGX_OK) {
             return NGX_ERROR;
         }
     }
@@ -1044,10 +1107,11 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
                                                     kinds[k].field, text)
                    != NGX_OK))
         {
-            cJSON_Delete(json);
             return NGX_ERROR;
         }
     }
+
+    /* the tool calls: a block each, its arguments input_json_delta */
 
     calls = cJSON_GetObjectItemCaseSensitive(delta, "tool_calls");
 
@@ -1062,7 +1126,6 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
                                       NGX_HTTP_LLAMA_SESSION_BLOCK_TOOL, call)
                 != NGX_OK)
             {
-                cJSON_Delete(json);
                 return NGX_ERROR;
             }
 
@@ -1078,7 +1141,6 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
                                                       "partial_json", text)
                != NGX_OK)
         {
-            cJSON_Delete(json);
             return NGX_ERROR;
         }
     }
@@ -1089,13 +1151,62 @@ ngx_http_llama_session_anthropic_event(ngx_http_request_t *r,
         a->stop_reason = ngx_http_llama_session_anthropic_stop(f);
     }
 
-    cJSON_Delete(json);
-
     return NGX_OK;
+}
 
-done:
 
-    /* the stream's end: the last block closed, the stop and the usage */
+/* message_start, with the prompt's usage, and a ping */
+
+static ngx_int_t
+ngx_http_llama_session_anthropic_start(ngx_http_request_t *r,
+    ngx_http_llama_session_conv_t *c, cJSON *json)
+{
+    cJSON                               *start, *message, *usage, *ping;
+    ngx_http_llama_session_anthropic_t  *a;
+
+    a = c->data;
+
+    ngx_http_llama_session_anthropic_names(a, json);
+
+    start = cJSON_CreateObject();
+    cJSON_AddStringToObject(start, "type", "message_start");
+    message = cJSON_AddObjectToObject(start, "message");
+    cJSON_AddStringToObject(message, "id", (char *) a->id);
+    cJSON_AddStringToObject(message, "type", "message");
+    cJSON_AddStringToObject(message, "role", "assistant");
+    cJSON_AddArrayToObject(message, "content");
+    cJSON_AddStringToObject(message, "model", (char *) a->model);
+    cJSON_AddNullToObject(message, "stop_reason");
+    cJSON_AddNullToObject(message, "stop_sequence");
+    usage = cJSON_AddObjectToObject(message, "usage");
+    ngx_http_llama_session_anthropic_usage(c, usage);
+
+    a->started = 1;
+
+    ping = cJSON_CreateObject();
+    cJSON_AddStringToObject(ping, "type", "ping");
+
+    if (ngx_http_llama_session_anthropic_sse(r, c, "message_start", start)
+        != NGX_OK)
+    {
+        cJSON_Delete(ping);
+        return NGX_ERROR;
+    }
+
+    return ngx_http_llama_session_anthropic_sse(r, c, "ping", ping);
+}
+
+
+/* the stream's end: the last block closed, the stop and the usage */
+
+static ngx_int_t
+ngx_http_llama_session_anthropic_end(ngx_http_request_t *r,
+    ngx_http_llama_session_conv_t *c)
+{
+    cJSON                               *ev, *delta, *usage;
+    ngx_http_llama_session_anthropic_t  *a;
+
+    a = c->data;
 
     if (!a->started) {
         /* nothing came: an error, not an empty message */
@@ -1112,25 +1223,25 @@ done:
 
     a->done = 1;
 
-    start = cJSON_CreateObject();
-    cJSON_AddStringToObject(start, "type", "message_delta");
-    delta = cJSON_AddObjectToObject(start, "delta");
+    ev = cJSON_CreateObject();
+    cJSON_AddStringToObject(ev, "type", "message_delta");
+    delta = cJSON_AddObjectToObject(ev, "delta");
     cJSON_AddStringToObject(delta, "stop_reason",
                             a->stop_reason ? a->stop_reason : "end_turn");
     cJSON_AddNullToObject(delta, "stop_sequence");
-    usage = cJSON_AddObjectToObject(start, "usage");
+    usage = cJSON_AddObjectToObject(ev, "usage");
     ngx_http_llama_session_anthropic_usage(c, usage);
 
-    if (ngx_http_llama_session_anthropic_sse(r, c, "message_delta", start)
+    if (ngx_http_llama_session_anthropic_sse(r, c, "message_delta", ev)
         != NGX_OK)
     {
         return NGX_ERROR;
     }
 
-    start = cJSON_CreateObject();
-    cJSON_AddStringToObject(start, "type", "message_stop");
+    ev = cJSON_CreateObject();
+    cJSON_AddStringToObject(ev, "type", "message_stop");
 
-    return ngx_http_llama_session_anthropic_sse(r, c, "message_stop", start);
+    return ngx_http_llama_session_anthropic_sse(r, c, "message_stop", ev);
 }
 
 

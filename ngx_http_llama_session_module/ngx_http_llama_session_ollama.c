@@ -72,6 +72,15 @@ static cJSON *ngx_http_llama_session_ollama_messages(cJSON *messages);
 static void ngx_http_llama_session_ollama_options(cJSON *in, cJSON *out);
 static ngx_int_t ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
+static ngx_int_t ngx_http_llama_session_ollama_calls(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, cJSON *calls);
+static ngx_int_t ngx_http_llama_session_ollama_append(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, ngx_uint_t i, char *piece);
+static void ngx_http_llama_session_ollama_reason(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, cJSON *finish);
+static void ngx_http_llama_session_ollama_text(
+    ngx_http_llama_session_ollama_t *o, cJSON *line, cJSON *content,
+    cJSON *reasoning);
 static ngx_int_t ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len);
 static cJSON *ngx_http_llama_session_ollama_object(ngx_http_request_t *r,
@@ -719,15 +728,10 @@ static ngx_int_t
 ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
     ngx_http_llama_session_conv_t *c, u_char *data, size_t len)
 {
-    cJSON      *json, *choices, *choice, *delta, *content, *reasoning;
-    cJSON      *finish, *calls, *call, *index, *f, *name, *args, *mine, *mf;
-    cJSON      *line, *msg;
-    u_char     *joined;
-    size_t      n, m;
-    ngx_int_t   rc;
-    ngx_uint_t  i;
-    ngx_http_llama_session_ollama_t      *o;
-    ngx_http_llama_session_ollama_arg_t  *arg;
+    cJSON                            *json, *choices, *choice, *delta;
+    cJSON                            *content, *reasoning, *line;
+    ngx_int_t                         rc;
+    ngx_http_llama_session_ollama_t  *o;
 
     o = c->data;
 
@@ -755,19 +759,9 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
     choices = cJSON_GetObjectItemCaseSensitive(json, "choices");
     choice = cJSON_GetArrayItem(choices, 0);
     delta = cJSON_GetObjectItemCaseSensitive(choice, "delta");
-    finish = cJSON_GetObjectItemCaseSensitive(choice, "finish_reason");
 
-    if (cJSON_IsString(finish)) {
-        o->done_reason.len = ngx_strlen(finish->valuestring);
-        o->done_reason.data = ngx_pnalloc(r->pool, o->done_reason.len);
-        if (o->done_reason.data) {
-            ngx_memcpy(o->done_reason.data, finish->valuestring,
-                       o->done_reason.len);
-
-        } else {
-            o->done_reason.len = 0;
-        }
-    }
+    ngx_http_llama_session_ollama_reason(r, o,
+                    cJSON_GetObjectItemCaseSensitive(choice, "finish_reason"));
 
     content = cJSON_GetObjectItemCaseSensitive(delta, "content");
     reasoning = cJSON_GetObjectItemCaseSensitive(delta, "reasoning_content");
@@ -781,7 +775,37 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
 
     /* tool calls come in pieces: put together, sent with the last line */
 
-    calls = cJSON_GetObjectItemCaseSensitive(delta, "tool_calls");
+    rc = ngx_http_llama_session_ollama_calls(r, o,
+                         cJSON_GetObjectItemCaseSensitive(delta, "tool_calls"));
+
+    if (rc == NGX_OK
+        && ((cJSON_IsString(content) && content->valuestring[0])
+            || (cJSON_IsString(reasoning) && reasoning->valuestring[0])))
+    {
+        line = ngx_http_llama_session_ollama_object(r, o, 0);
+        ngx_http_llama_session_ollama_text(o, line, content, reasoning);
+
+        rc = ngx_http_llama_session_conv_emit(r, c, line, 1);
+    }
+
+    cJSON_Delete(json);
+
+    return rc;
+}
+
+
+/*
+ * a delta's pieces of tool calls, each to its call (by its index, else
+ * the last; a new one when it comes with its name)
+ */
+
+static ngx_int_t
+ngx_http_llama_session_ollama_calls(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, cJSON *calls)
+{
+    cJSON                                *call, *index, *f, *name, *args;
+    cJSON                                *mine, *mf;
+    ngx_http_llama_session_ollama_arg_t  *arg;
 
     cJSON_ArrayForEach(call, calls) {
         index = cJSON_GetObjectItemCaseSensitive(call, "index");
@@ -792,7 +816,7 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
         if (o->tool_calls == NULL) {
             o->tool_calls = cJSON_CreateArray();
             if (o->tool_calls == NULL) {
-                break;
+                return NGX_OK;
             }
         }
 
@@ -813,7 +837,6 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                               "llama_session: a reply with more than %d tool "
                               "calls, not translated for Ollama",
                               NGX_HTTP_LLAMA_SESSION_OLLAMA_CALLS);
-                cJSON_Delete(json);
                 return NGX_ERROR;
             }
 
@@ -827,14 +850,12 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                 o->args = ngx_array_create(r->pool, 4,
                                    sizeof(ngx_http_llama_session_ollama_arg_t));
                 if (o->args == NULL) {
-                    cJSON_Delete(json);
                     return NGX_ERROR;
                 }
             }
 
             arg = ngx_array_push(o->args);
             if (arg == NULL) {
-                cJSON_Delete(json);
                 return NGX_ERROR;
             }
 
@@ -849,88 +870,121 @@ ngx_http_llama_session_ollama_event(ngx_http_request_t *r,
                                                   name->valuestring));
         }
 
-        /*
-         * the piece goes at the end of the call's buffer, which doubles as
-         * it fills: linear in the arguments, however many pieces
-         */
-
-        i = ngx_http_llama_session_ollama_index(o, mine);
-
-        if (cJSON_IsString(args) && o->args && i < o->args->nelts) {
-            arg = &((ngx_http_llama_session_ollama_arg_t *) o->args->elts)[i];
-            m = ngx_strlen(args->valuestring);
-
-            if (arg->len + m > NGX_HTTP_LLAMA_SESSION_OLLAMA_ARGS) {
-                ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                              "llama_session: a tool call's arguments are "
-                              "too large to translate for Ollama");
-                cJSON_Delete(json);
-                return NGX_ERROR;
-            }
-
-            if (arg->len + m > arg->size) {
-                n = ngx_max(2 * (arg->len + m), 256);
-
-                joined = ngx_palloc(r->pool, n);
-                if (joined == NULL) {
-                    cJSON_Delete(json);
-                    return NGX_ERROR;
-                }
-
-                if (arg->len) {
-                    ngx_memcpy(joined, arg->data, arg->len);
-                }
-
-                if (arg->data) {
-                    ngx_pfree(r->pool, arg->data);
-                }
-
-                arg->data = joined;
-                arg->size = n;
-            }
-
-            ngx_memcpy(arg->data + arg->len, args->valuestring, m);
-            arg->len += m;
+        if (cJSON_IsString(args)
+            && ngx_http_llama_session_ollama_append(r, o,
+                                  ngx_http_llama_session_ollama_index(o, mine),
+                                  args->valuestring)
+               != NGX_OK)
+        {
+            return NGX_ERROR;
         }
     }
 
-    rc = NGX_OK;
+    return NGX_OK;
+}
 
-    if ((cJSON_IsString(content) && content->valuestring[0])
-        || (cJSON_IsString(reasoning) && reasoning->valuestring[0]))
-    {
-        line = ngx_http_llama_session_ollama_object(r, o, 0);
 
-        if (line) {
-            if (o->kind == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT) {
-                msg = cJSON_GetObjectItemCaseSensitive(line, "message");
-                cJSON_ReplaceItemInObjectCaseSensitive(msg, "content",
-                                 cJSON_CreateString(cJSON_IsString(content)
-                                                    ? content->valuestring
-                                                    : ""));
-                if (cJSON_IsString(reasoning)) {
-                    cJSON_AddStringToObject(msg, "thinking",
-                                            reasoning->valuestring);
-                }
+/*
+ * a piece of the arguments of call i, at the end of its buffer, which
+ * doubles as it fills: linear in the arguments, however many pieces
+ */
 
-            } else {
-                cJSON_ReplaceItemInObjectCaseSensitive(line, "response",
-                                 cJSON_CreateString(cJSON_IsString(content)
-                                                    ? content->valuestring
-                                                    : ""));
-                if (cJSON_IsString(reasoning)) {
-                    cJSON_AddStringToObject(line, "thinking",
-                                            reasoning->valuestring);
-                }
-            }
-        }
+static ngx_int_t
+ngx_http_llama_session_ollama_append(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, ngx_uint_t i, char *piece)
+{
+    u_char                               *joined;
+    size_t                                n, m;
+    ngx_http_llama_session_ollama_arg_t  *arg;
 
-        rc = ngx_http_llama_session_conv_emit(r, c, line, 1);
+    if (o->args == NULL || i >= o->args->nelts) {
+        return NGX_OK;
     }
 
-    cJSON_Delete(json);
+    arg = &((ngx_http_llama_session_ollama_arg_t *) o->args->elts)[i];
+    m = ngx_strlen(piece);
 
-    return rc;
+    if (arg->len + m > NGX_HTTP_LLAMA_SESSION_OLLAMA_ARGS) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "llama_session: a tool call's arguments are "
+                      "too large to translate for Ollama");
+        return NGX_ERROR;
+    }
+
+    if (arg->len + m > arg->size) {
+        n = ngx_max(2 * (arg->len + m), 256);
+
+        joined = ngx_palloc(r->pool, n);
+        if (joined == NULL) {
+            return NGX_ERROR;
+        }
+
+        if (arg->len) {
+            ngx_memcpy(joined, arg->data, arg->len);
+        }
+
+        if (arg->data) {
+            ngx_pfree(r->pool, arg->data);
+        }
+
+        arg->data = joined;
+        arg->size = n;
+    }
+
+    ngx_memcpy(arg->data + arg->len, piece, m);
+    arg->len += m;
+
+    return NGX_OK;
+}
+
+
+/* a finish_reason kept: the last line's done_reason */
+
+static void
+ngx_http_llama_session_ollama_reason(ngx_http_request_t *r,
+    ngx_http_llama_session_ollama_t *o, cJSON *finish)
+{
+    if (!cJSON_IsString(finish)) {
+        return;
+    }
+
+    o->done_reason.len = ngx_strlen(finish->valuestring);
+    o->done_reason.data = ngx_pnalloc(r->pool, o->done_reason.len);
+
+    if (o->done_reason.data) {
+        ngx_memcpy(o->done_reason.data, finish->valuestring,
+                   o->done_reason.len);
+
+    } else {
+        o->done_reason.len = 0;
+    }
+}
+
+
+/* the text of a line: a chat's message's content, a generate's response */
+
+static void
+ngx_http_llama_session_ollama_text(ngx_http_llama_session_ollama_t *o,
+    cJSON *line, cJSON *content, cJSON *reasoning)
+{
+    cJSON  *item;
+
+    if (line == NULL) {
+        return;
+    }
+
+    item = (o->kind == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT)
+           ? cJSON_GetObjectItemCaseSensitive(line, "message") : line;
+
+    cJSON_ReplaceItemInObjectCaseSensitive(item,
+                             (o->kind == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT)
+                             ? "content" : "response",
+                             cJSON_CreateString(cJSON_IsString(content)
+                                                ? content->valuestring : ""));
+
+    if (cJSON_IsString(reasoning)) {
+        cJSON_AddStringToObject(item, "thinking", reasoning->valuestring);
+    }
 }
 
 
@@ -943,8 +997,7 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
     u_char                           *p;
     cJSON                            *json, *err, *message, *choice, *msg;
     cJSON                            *content, *reasoning, *line, *calls;
-    cJSON                            *list, *item, *emb, *out, *finish;
-    size_t                            n;
+    cJSON                            *list, *item, *emb, *out;
     ngx_http_llama_session_ollama_t  *o;
 
     o = c->data;
@@ -1012,20 +1065,13 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
     msg = cJSON_GetObjectItemCaseSensitive(choice, "message");
     content = cJSON_GetObjectItemCaseSensitive(msg, "content");
     reasoning = cJSON_GetObjectItemCaseSensitive(msg, "reasoning_content");
-    finish = cJSON_GetObjectItemCaseSensitive(choice, "finish_reason");
 
     if (content == NULL) {
         content = cJSON_GetObjectItemCaseSensitive(choice, "text");
     }
 
-    if (cJSON_IsString(finish)) {
-        n = ngx_strlen(finish->valuestring);
-        o->done_reason.data = ngx_pnalloc(r->pool, n);
-        if (o->done_reason.data) {
-            ngx_memcpy(o->done_reason.data, finish->valuestring, n);
-            o->done_reason.len = n;
-        }
-    }
+    ngx_http_llama_session_ollama_reason(r, o,
+                    cJSON_GetObjectItemCaseSensitive(choice, "finish_reason"));
 
     calls = cJSON_GetObjectItemCaseSensitive(msg, "tool_calls");
 
@@ -1034,28 +1080,7 @@ ngx_http_llama_session_ollama_whole(ngx_http_request_t *r,
     }
 
     line = ngx_http_llama_session_ollama_object(r, o, 1);
-
-    if (line) {
-        if (o->kind == NGX_HTTP_LLAMA_SESSION_OLLAMA_CHAT) {
-            item = cJSON_GetObjectItemCaseSensitive(line, "message");
-            cJSON_ReplaceItemInObjectCaseSensitive(item, "content",
-                             cJSON_CreateString(cJSON_IsString(content)
-                                                ? content->valuestring : ""));
-            if (cJSON_IsString(reasoning)) {
-                cJSON_AddStringToObject(item, "thinking",
-                                        reasoning->valuestring);
-            }
-
-        } else {
-            cJSON_ReplaceItemInObjectCaseSensitive(line, "response",
-                             cJSON_CreateString(cJSON_IsString(content)
-                                                ? content->valuestring : ""));
-            if (cJSON_IsString(reasoning)) {
-                cJSON_AddStringToObject(line, "thinking",
-                                        reasoning->valuestring);
-            }
-        }
-    }
+    ngx_http_llama_session_ollama_text(o, line, content, reasoning);
 
     cJSON_Delete(json);
 
