@@ -524,6 +524,11 @@ struct ngx_http_llama_session_zone_s {
                                                    a save writes */
     ngx_msec_t                      save_idle;  /* 0: off */
     ngx_uint_t                      reprime;    /* reprime=on */
+    ngx_uint_t                      shared;     /* shared=on: the store is
+                                                   the owners' of a model */
+    ngx_str_t                       tmp;        /* a save's temporary
+                                                   file's suffix: ".tmp",
+                                                   shared: ".<crc>.tmp" */
     ngx_event_t                     idle_ev;    /* this worker's */
     ngx_http_core_loc_conf_t       *log_conf;   /* the first location with
                                                    the zone: its error_log

@@ -362,7 +362,7 @@ ngx_http_llama_session_call_body(ngx_http_request_t *r,
         return b;
     }
 
-    blen = sizeof("{\"filename\":\"..bin.tmp\"}") - 1 + len
+    blen = sizeof("{\"filename\":\"..bin.12345678.tmp\"}") - 1 + len
            + NGX_HTTP_LLAMA_SESSION_FP_LEN
            + sizeof(",\"model\":\"\"") + NGX_HTTP_LLAMA_SESSION_MODEL_SHOW;
 
@@ -384,13 +384,16 @@ ngx_http_llama_session_call_body(ngx_http_request_t *r,
     } else {
         /* a save to a temporary file, renamed once checked (store.c) */
 
-        b->last = ngx_sprintf(b->last, "{\"filename\":\"%*s.%*s.bin%s\"",
+        b->last = ngx_sprintf(b->last, "{\"filename\":\"%*s.%*s.bin\"",
                               len, key,
                               (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                              ctx->job->fp,
-                              (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
-                               && ctx->zone->store.len)
-                              ? ".tmp" : "");
+                              ctx->job->fp);
+
+        if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && ctx->zone->store.len)
+        {
+            b->last--;
+            b->last = ngx_sprintf(b->last, "%V\"", &ctx->zone->tmp);
+        }
 
         if (model) {
             b->last = ngx_sprintf(b->last, ",\"model\":\"%V\"", model);

@@ -424,6 +424,13 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
         /* the disk's speed, for when a restore pays (cost.c) */
         ngx_http_llama_session_cost_restore(ctx->zone, ctx->job->fp, bytes, ms);
 
+        if (ctx->zone->shared && tokens) {
+            /* another owner's file, maybe: indexed from now on */
+            ngx_http_llama_session_file_saved(ctx->zone, ctx->job, key, len,
+                                              key == ctx->base_key, 1,
+                                              tokens, bytes);
+        }
+
         return NGX_OK;
     }
 

@@ -623,21 +623,27 @@ ngx_http_llama_session_zone_save_idle(ngx_conf_t *cf,
 
 /* reprime=: the last turn made the slot's before each save (reprime.c) */
 
+/* reprime=on|off, shared=on|off: a flag of the zone, at its offset */
+
 static ngx_int_t
-ngx_http_llama_session_zone_reprime(ngx_conf_t *cf,
+ngx_http_llama_session_zone_flag(ngx_conf_t *cf,
     ngx_http_llama_session_zone_param_t *param,
     ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
 {
+    ngx_uint_t  *flag;
+
+    flag = (ngx_uint_t *) ((u_char *) zc + param->offset);
+
     if (ngx_strcmp(arg->data, "on") == 0) {
-        zc->zone.reprime = 1;
+        *flag = 1;
 
     } else if (ngx_strcmp(arg->data, "off") == 0) {
-        zc->zone.reprime = 0;
+        *flag = 0;
 
     } else {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "invalid value \"%V\": \"reprime=\" is "
-                           "\"on\" or \"off\"", value);
+                           "invalid value \"%V\": \"%V\" is "
+                           "\"on\" or \"off\"", value, &param->name);
         return NGX_ERROR;
     }
 
@@ -724,8 +730,12 @@ static ngx_http_llama_session_zone_param_t  ngx_http_llama_session_params[] = {
             "the store's disk, such as 2g" },
     { ngx_string("save_idle="), ngx_http_llama_session_zone_save_idle,
       0, 0, 0, NULL },
-    { ngx_string("reprime="), ngx_http_llama_session_zone_reprime,
-      0, 0, 0, NULL },
+    { ngx_string("reprime="), ngx_http_llama_session_zone_flag,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.reprime),
+      0, 0, NULL },
+    { ngx_string("shared="), ngx_http_llama_session_zone_flag,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.shared),
+      0, 0, NULL },
     { ngx_string("backend="), ngx_http_llama_session_zone_deprecated,
       0, 0, 0, NULL },
     { ngx_string("api_key="), ngx_http_llama_session_zone_deprecated,
@@ -835,12 +845,15 @@ ngx_http_llama_session_zone_check(ngx_conf_t *cf,
         if (store->len && zp[i]->store.len == store->len
             && ngx_strncmp(zp[i]->store.data, store->data, store->len) == 0
             && (!(zc->model.len || zc->models)
-                || !ngx_http_llama_session_by_router(zp[i])))
+                || !ngx_http_llama_session_by_router(zp[i]))
+            && !(zc->zone.shared && zp[i]->shared))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zones \"%V\" and \"%V\" have "
                                "the same store \"%V\": one folder per "
-                               "llama-server", &zp[i]->name, name, store);
+                               "llama-server, or \"shared=on\" on each "
+                               "when their llama-servers run one model",
+                               &zp[i]->name, name, store);
             return NGX_ERROR;
         }
     }
@@ -1085,6 +1098,25 @@ ngx_http_llama_session_zone_add(ngx_conf_t *cf,
 
     zone->name = *name;
     zone->shm_zone = shm_zone;
+
+    /*
+     * a save's temporary file: the zone's own in a shared store, so that
+     * no owner's start or save takes another's half-written file
+     */
+
+    if (zone->shared) {
+        zone->tmp.data = ngx_pnalloc(cf->pool, sizeof(".12345678.tmp") - 1);
+        if (zone->tmp.data == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        zone->tmp.len = ngx_sprintf(zone->tmp.data, ".%08xD.tmp",
+                                    ngx_crc32_short(name->data, name->len))
+                        - zone->tmp.data;
+
+    } else {
+        ngx_str_set(&zone->tmp, ".tmp");
+    }
 
     /* index.c drops a file whose record it must recycle through the store */
     zone->unlink = ngx_http_llama_session_store_unlink;

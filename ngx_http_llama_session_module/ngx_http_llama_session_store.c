@@ -103,7 +103,7 @@ static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
 
 /*
  * Is "name" a session file of the zone, "<key>.<8 hex>.bin" (or ".bin.tmp",
- * ".bin.old")?  A zone of a router's model knows its own by their prefix
+ * ".bin.<zone's crc32>.tmp" in a shared store, ".bin.old")?  A zone of a router's model knows its own by their prefix
  * ("<zone>@"); the others have no "@" in their keys.
  * Returns NGX_OK for .bin, NGX_AGAIN for .bin.tmp, NGX_DONE for .bin.old,
  * NGX_DECLINED otherwise; *base is the length of "<key>.<fp>".
@@ -115,9 +115,16 @@ ngx_http_llama_session_store_name(ngx_http_llama_session_zone_t *zone,
 {
     size_t      i, b, start;
     ngx_int_t   rc;
+    ngx_str_t  *t;
 
-    if (len > 8 && ngx_strncmp(name + len - 8, ".bin.tmp", 8) == 0) {
-        b = len - 8;
+    t = &zone->tmp;
+
+    if (len > 4 + t->len && ngx_strncmp(name + len - t->len, t->data, t->len)
+                            == 0
+        && ngx_strncmp(name + len - t->len - 4, ".bin", 4) == 0)
+    {
+        /* this zone's temporary file (another owner's is not its own) */
+        b = len - t->len - 4;
         rc = NGX_AGAIN;
 
     } else if (len > 8 && ngx_strncmp(name + len - 8, ".bin.old", 8) == 0) {
@@ -1335,7 +1342,8 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
     n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
 
     ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
-    ngx_snprintf(from, sizeof(from), "%V/%*s.bin.tmp%Z", store, n, name);
+    ngx_snprintf(from, sizeof(from), "%V/%*s.bin%V%Z", store, n, name,
+                 &ctx->zone->tmp);
     ngx_snprintf(old, sizeof(old), "%V/%*s.bin.old%Z", store, n, name);
 
     if (ngx_link_info(from, &fi) == NGX_FILE_ERROR) {
@@ -1426,8 +1434,8 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
 
     n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
 
-    ngx_snprintf(file, sizeof(file), "%V/%*s.bin.tmp%Z", &ctx->zone->store,
-                 n, name);
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin%V%Z", &ctx->zone->store,
+                 n, name, &ctx->zone->tmp);
 
     if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
         && ngx_errno != NGX_ENOENT)
@@ -1597,9 +1605,14 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
 
     rc = ngx_http_llama_session_file_known(ctx->zone, ctx->job->fp, key, len);
 
-    if (rc != -1) {
+    if (rc == 1 || (rc == 0 && !ctx->zone->shared)) {
         return rc;
     }
+
+    /*
+     * not known to the zone, or, in a shared store, known to have no file
+     * here: another owner may have saved it since; the folder says
+     */
 
     store = &ctx->zone->store;
 

@@ -182,6 +182,13 @@ my @bad = (
       . "llama_session_zone zone=b:1m store=%%DIR%%;",
       qr/llama_session zones "a" and "b" have the same store/,
       'two zones, one store' ],
+    [ "llama_session_zone zone=a:1m store=%%DIR%% shared=on;\n"
+      . "llama_session_zone zone=b:1m store=%%DIR%%;",
+      qr/llama_session zones "a" and "b" have the same store "[^"]+": one folder per llama-server, or "shared=on" on each/,
+      'two zones, one store, shared=on on one only' ],
+    [ 'llama_session_zone zone=a:1m shared=yes;',
+      qr/invalid value "shared=yes": "shared=" is "on" or "off"/,
+      'bad shared=' ],
     [ 'llama_session_zone zone=a:1m model=m;',
       qr/zone "a" with "model=" needs "store="/,
       'model= without store=' ],
