@@ -4,7 +4,8 @@
 # of one model write one folder, three owner zones, a front that routes
 # each session by "hash $llama_session_key consistent".  An owner whose
 # llama-server goes down: its sessions go to the others, and their next
-# turns restore the files it saved (they do not start fresh).
+# turns restore the files it saved (with a folder per llama-server, as
+# before, they start fresh: 0 cached of ~700 tokens).
 
 use strict;
 use warnings;
@@ -119,7 +120,7 @@ for my $sid (@sessions) {
     push @bad, "$sid still on $gone" if $r->{backend} eq $gone;
     push @bad, "$sid on $r->{backend}: $r->{action}, $r->{cached} cached of "
                . "$prev{$sid}"
-        if $r->{cached} < 0.9 * $prev{$sid};
+        if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $prev{$sid};
 }
 is_deeply(\@bad, [], "llama-server $gone down: its $moved sessions restore "
           . 'their files on the other owners') or diag join "\n", @bad;
