@@ -51,9 +51,9 @@ EOF
 $conf .= <<"EOF";
     upstream backends {
         hash \$llama_session_key consistent;
-        server 127.0.0.1:$port{a} max_fails=1 fail_timeout=30s;
-        server 127.0.0.1:$port{b} max_fails=1 fail_timeout=30s;
-        server 127.0.0.1:$port{c} max_fails=1 fail_timeout=30s;
+        server 127.0.0.1:$port{a} max_fails=1 fail_timeout=3s;
+        server 127.0.0.1:$port{b} max_fails=1 fail_timeout=3s;
+        server 127.0.0.1:$port{c} max_fails=1 fail_timeout=3s;
     }
 
     server {
@@ -124,6 +124,27 @@ for my $sid (@sessions) {
 }
 is_deeply(\@bad, [], "llama-server $gone down: its $moved sessions restore "
           . 'their files on the other owners') or diag join "\n", @bad;
+
+# the owner comes back (a new llama-server on its port): its sessions
+# return to it and restore the state they saved on the others, with the
+# turn served there
+my %moved = map { $_ => $prev{$_} } grep { $backend{$_} eq $gone } @sessions;
+sleep 3;
+$t->llama(name => $gone, ctx => 8192, slots => "$dir/slots",
+          port => $t->{llama_port}{$gone});
+sleep 4;
+@bad = ();
+for my $sid (sort keys %moved) {
+    my $r = turn($sid);
+    push @bad, "$sid on $r->{backend}, not back on $gone"
+        if $r->{backend} ne $gone;
+    push @bad, "$sid: $r->{action}, $r->{cached} cached of $r->{prompt}"
+        if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $r->{prompt}
+           || $r->{cached} <= $moved{$sid};
+}
+is_deeply(\@bad, [], "llama-server $gone back: its sessions return and "
+          . 'restore the state saved on the other owners (more than they '
+          . 'left)') or diag join "\n", @bad;
 $t->allow_alerts(qr/connect\(\) failed/);
 
 $t->stop;
