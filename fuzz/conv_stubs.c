@@ -20,6 +20,14 @@ volatile ngx_str_t                ngx_cached_http_log_iso8601 =
 
 
 
+ngx_uint_t
+ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
+{
+    fuzz_unexpected("ngx_http_llama_session_uri_ends");
+    return 0;
+}
+
+
 ngx_int_t
 ngx_http_llama_session_read_body(ngx_http_request_t *r, size_t max,
     ngx_str_t *body)

@@ -150,15 +150,6 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 }
 
 
-ngx_uint_t
-ngx_http_llama_session_dialect_endpoint(ngx_http_request_t *r,
-    ngx_array_t *endpoints)
-{
-    fuzz_unexpected("ngx_http_llama_session_dialect_endpoint");
-    return 0;
-}
-
-
 void
 ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx)
 {

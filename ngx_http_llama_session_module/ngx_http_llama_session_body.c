@@ -19,7 +19,6 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_canon.h"
-#include "ngx_http_llama_session_dialect.h"
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
@@ -199,7 +198,7 @@ ngx_http_llama_session_uses_slot(ngx_http_request_t *r,
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    if (!ngx_http_llama_session_dialect_endpoint(r, llcf->endpoints)
+    if (!ngx_http_llama_session_is_endpoint(r, llcf->endpoints)
         || r->method != NGX_HTTP_POST)
     {
 
@@ -1925,4 +1924,56 @@ refused:
                   ctx->model.data, ctx->model.len > 64 ? "..." : "");
 
     return NGX_DECLINED;
+}
+
+
+/* does the request's path end with suffix, trailing slashes aside? */
+
+ngx_uint_t
+ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
+{
+    ngx_str_t  s;
+
+    s.data = (u_char *) suffix;
+    s.len = ngx_strlen(suffix);
+
+    return ngx_http_llama_session_path_ends(r, &s);
+}
+
+
+ngx_uint_t
+ngx_http_llama_session_path_ends(ngx_http_request_t *r, ngx_str_t *suffix)
+{
+    ngx_str_t  uri;
+
+    uri = r->uri;
+
+    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
+        uri.len--;
+    }
+
+    return uri.len >= suffix->len
+           && ngx_strncmp(uri.data + uri.len - suffix->len, suffix->data,
+                          suffix->len) == 0;
+}
+
+
+/* is the path one of the location's llama_session_endpoints? */
+
+ngx_uint_t
+ngx_http_llama_session_is_endpoint(ngx_http_request_t *r,
+    ngx_array_t *endpoints)
+{
+    ngx_str_t   *s;
+    ngx_uint_t   i;
+
+    s = endpoints->elts;
+
+    for (i = 0; i < endpoints->nelts; i++) {
+        if (ngx_http_llama_session_path_ends(r, &s[i])) {
+            return 1;
+        }
+    }
+
+    return 0;
 }

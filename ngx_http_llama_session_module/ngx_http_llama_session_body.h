@@ -29,6 +29,12 @@ ngx_int_t ngx_http_llama_session_make_key(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_str_t *ns);
 void ngx_http_llama_session_key_prefix(ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_sha256_free(void);
+ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
+    char *suffix);
+ngx_uint_t ngx_http_llama_session_path_ends(ngx_http_request_t *r,
+    ngx_str_t *suffix);
+ngx_uint_t ngx_http_llama_session_is_endpoint(ngx_http_request_t *r,
+    ngx_array_t *endpoints);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_BODY_H_INCLUDED_ */

@@ -746,34 +746,3 @@ ngx_http_llama_session_conv_write(ngx_http_request_t *r,
 
     return NGX_OK;
 }
-
-
-/* does the request's path end with suffix, trailing slashes aside? */
-
-ngx_uint_t
-ngx_http_llama_session_uri_ends(ngx_http_request_t *r, char *suffix)
-{
-    ngx_str_t  s;
-
-    s.data = (u_char *) suffix;
-    s.len = ngx_strlen(suffix);
-
-    return ngx_http_llama_session_path_ends(r, &s);
-}
-
-
-ngx_uint_t
-ngx_http_llama_session_path_ends(ngx_http_request_t *r, ngx_str_t *suffix)
-{
-    ngx_str_t  uri;
-
-    uri = r->uri;
-
-    while (uri.len > 1 && uri.data[uri.len - 1] == '/') {
-        uri.len--;
-    }
-
-    return uri.len >= suffix->len
-           && ngx_strncmp(uri.data + uri.len - suffix->len, suffix->data,
-                          suffix->len) == 0;
-}

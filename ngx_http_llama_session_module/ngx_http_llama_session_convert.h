@@ -60,10 +60,6 @@ struct ngx_http_llama_session_conv_s {
 
 
 ngx_int_t ngx_http_llama_session_conv_init(ngx_conf_t *cf);
-ngx_uint_t ngx_http_llama_session_uri_ends(ngx_http_request_t *r,
-    char *suffix);
-ngx_uint_t ngx_http_llama_session_path_ends(ngx_http_request_t *r,
-    ngx_str_t *suffix);
 ngx_http_llama_session_conv_t *ngx_http_llama_session_conv_create(
     ngx_http_request_t *r, ngx_http_llama_session_ctx_t *ctx, char *api);
 ngx_int_t ngx_http_llama_session_conv_request(ngx_http_request_t *r,

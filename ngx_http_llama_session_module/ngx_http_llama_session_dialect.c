@@ -23,7 +23,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_dialect.h"
 #include "ngx_http_llama_session_anthropic.h"
-#include "ngx_http_llama_session_convert.h"
+#include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_ollama.h"
 
 
@@ -161,27 +161,6 @@ ngx_http_llama_session_dialect(ngx_http_request_t *r,
 
     /* the last row: no dialect of its own */
     return d;
-}
-
-
-/* is the path one of the location's llama_session_endpoints? */
-
-ngx_uint_t
-ngx_http_llama_session_dialect_endpoint(ngx_http_request_t *r,
-    ngx_array_t *endpoints)
-{
-    ngx_str_t   *s;
-    ngx_uint_t   i;
-
-    s = endpoints->elts;
-
-    for (i = 0; i < endpoints->nelts; i++) {
-        if (ngx_http_llama_session_path_ends(r, &s[i])) {
-            return 1;
-        }
-    }
-
-    return 0;
 }
 
 

@@ -17,8 +17,6 @@
 ngx_http_llama_session_dialect_t *ngx_http_llama_session_dialect(
     ngx_http_request_t *r, ngx_http_llama_session_loc_conf_t *llcf);
 ngx_str_t *ngx_http_llama_session_dialect_endpoints(void);
-ngx_uint_t ngx_http_llama_session_dialect_endpoint(ngx_http_request_t *r,
-    ngx_array_t *endpoints);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_DIALECT_H_INCLUDED_ */
