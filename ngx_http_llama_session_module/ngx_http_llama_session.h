@@ -278,6 +278,19 @@ typedef struct {
 } ngx_http_llama_session_waiter_t;
 
 
+/*
+ * Which store file (shared=on): the one a zone took a session in from, or
+ * saved it to; another owner's save makes another file (a rename), so a
+ * file of another identity is newer.  uniq 0: there was no file.
+ */
+
+typedef struct {
+    ngx_file_uniq_t                 uniq;
+    off_t                           size;
+    time_t                          mtime;
+} ngx_http_llama_session_fid_t;
+
+
 /* a session's state for one backend configuration: "<key>.<fp>" */
 
 typedef struct {
@@ -303,6 +316,9 @@ typedef struct {
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    u_char                          has_seen;   /* shared=on: seen known */
+    ngx_http_llama_session_fid_t    seen;       /* the file its slot state
+                                                   came from or went to */
 } ngx_http_llama_session_node_t;
 
 
@@ -337,6 +353,8 @@ typedef struct {
     ngx_atomic_uint_t               media_unsaved; /* saves refused */
     ngx_atomic_uint_t               reprime_tokens; /* evaluated by them */
     ngx_atomic_uint_t               reprefills; /* a restore cost more */
+    ngx_atomic_uint_t               newer_saves; /* shared=on: not kept */
+    ngx_atomic_uint_t               newer_hits; /* ... restored instead */
 } ngx_http_llama_session_stats_t;
 
 
@@ -726,6 +744,10 @@ typedef struct {
     unsigned                        save_pending:1;
     unsigned                        save_failed:1;
     unsigned                        media_refused:1; /* the save: 501 */
+    unsigned                        superseded:1; /* shared=on: the store
+                                                   held a newer state */
+    unsigned                        stale:1;    /* shared=on: the hit's
+                                                   slot state was older */
     unsigned                        load_file:1;
     unsigned                        restarted:1;
     unsigned                        slots_checked:1; /* GET /slots vouched */

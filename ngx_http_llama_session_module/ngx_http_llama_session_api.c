@@ -1087,6 +1087,8 @@ ngx_http_llama_session_api_stats(cJSON *stats,
     ngx_http_llama_session_api_stat(media_unsaved);
     ngx_http_llama_session_api_stat(reprime_tokens);
     ngx_http_llama_session_api_stat(reprefills);
+    ngx_http_llama_session_api_stat(newer_saves);
+    ngx_http_llama_session_api_stat(newer_hits);
 
 #undef ngx_http_llama_session_api_stat
 
@@ -1543,6 +1545,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 {
     off_t                          bytes;
     double                         ms;
+    ngx_int_t                      rc;
     ngx_uint_t                     tokens, state;
     ngx_http_llama_session_ctx_t  *ctx;
 
@@ -1558,12 +1561,21 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 
     if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
 
-        if (ngx_http_llama_session_save_done(r->connection->log, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_SAVE_API,
-                                             ctx->job->out_key,
-                                                 ctx->job->out_len)
-            == NGX_OK)
-        {
+        rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                              NGX_HTTP_LLAMA_SESSION_SAVE_API,
+                                              ctx->job->out_key,
+                                              ctx->job->out_len);
+
+        if (rc == NGX_DECLINED) {
+            /* shared=on: the store holds another owner's newer state */
+            if (ngx_http_llama_session_api_str(item, "key", ctx->job->out_key,
+                                               ctx->job->out_len) == NULL
+                || cJSON_AddTrueToObject(item, "newer_in_store") == NULL)
+            {
+                return NGX_ERROR;
+            }
+
+        } else if (rc == NGX_OK) {
             if (ngx_http_llama_session_api_str(item, "key", ctx->job->out_key,
                                                ctx->job->out_len) == NULL
                 || cJSON_AddNumberToObject(item, "tokens",

@@ -756,7 +756,19 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
         return ngx_http_llama_session_route(r, ctx);
     }
 
-    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT
+        && ngx_http_llama_session_store_newer(r, ctx))
+    {
+        /*
+         * shared=on: another owner served the session since this slot
+         * took it in (the front sent it elsewhere a while) and saved it:
+         * its file is newer than the slot, it is restored
+         */
+
+        ngx_http_llama_session_slot_stale(ctx);
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.newer_hits);
+
+    } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
         if (!ctx->verify) {
             return ngx_http_llama_session_proxy(r, ctx);
         }
@@ -1047,6 +1059,8 @@ static ngx_int_t
 ngx_http_llama_session_saved(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_int_t  rc;
+
     if (ctx->job->call_status == 0) {
         /* llama-server may have died in the middle: its file stays whole */
         ngx_http_llama_session_store_drop_tmp(r->connection->log, ctx,
@@ -1055,14 +1069,17 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
         return ngx_http_llama_session_backend_error(r, ctx, "save");
     }
 
-    if (ngx_http_llama_session_save_done(r->connection->log, ctx,
-                                         NGX_HTTP_LLAMA_SESSION_SAVE_SWAP,
-                                         ctx->job->out_key, ctx->job->out_len)
-        != NGX_OK)
-    {
-        /* the session's previous file, if any, stays as it was */
+    rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                          NGX_HTTP_LLAMA_SESSION_SAVE_SWAP,
+                                          ctx->job->out_key,
+                                          ctx->job->out_len);
+    if (rc != NGX_OK) {
+        /*
+         * the session's previous file, if any, stays as it was; shared=on,
+         * NGX_DECLINED: another owner's newer one (job->superseded)
+         */
         ctx->job->save_pending = 0;
-        ctx->job->save_failed = 1;
+        ctx->job->save_failed = (rc != NGX_DECLINED);
     }
 
     return ngx_http_llama_session_load(r, ctx);
@@ -1203,7 +1220,11 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     p = out;
     last = out + sizeof(out);
 
-    if (ctx->job->out_len == 0) {
+    if (ctx->job->stale) {
+        p = ngx_slprintf(p, last, "its own older state (another owner "
+                         "saved a newer one since)");
+
+    } else if (ctx->job->out_len == 0) {
         p = ngx_slprintf(p, last, "nothing known");
 
     } else if (ctx->job->save_pending) {
@@ -1217,6 +1238,8 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
                          ctx->job->out_len, ctx->job->out_key,
                          ctx->job->media_refused
                          ? "llama-server cannot save its media"
+                         : ctx->job->superseded
+                         ? "another owner saved a newer state, it stays"
                          : ctx->job->save_failed ? "the save failed"
                          : (ctx->job->out_len == sizeof("default") - 1
                             && ngx_strncmp(ctx->job->out_key, "default",

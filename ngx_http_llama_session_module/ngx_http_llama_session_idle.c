@@ -565,6 +565,7 @@ static void
 ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
     ngx_http_llama_session_idle_t *idle)
 {
+    ngx_int_t                      rc;
     ngx_uint_t                     reason;
     ngx_http_llama_session_ctx_t  *ctx;
 
@@ -579,10 +580,15 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
     reason = ctx->zone->sh->unloading ? NGX_HTTP_LLAMA_SESSION_SAVE_UNLOAD
                                       : NGX_HTTP_LLAMA_SESSION_SAVE_IDLE;
 
-    if (ngx_http_llama_session_save_done(r->connection->log, ctx, reason,
-                                         ctx->job->out_key, ctx->job->out_len)
-        == NGX_OK)
-    {
+    rc = ngx_http_llama_session_save_done(r->connection->log, ctx, reason,
+                                          ctx->job->out_key,
+                                          ctx->job->out_len);
+
+    if (rc == NGX_DECLINED) {
+        /* shared=on: another owner's newer state stays, no failure */
+        idle->failed = 0;
+
+    } else if (rc == NGX_OK) {
         idle->failed = 0;
 
         ngx_http_llama_session_stat(&ctx->zone->sh->stats.idle_saves);

@@ -186,6 +186,71 @@ ngx_http_llama_session_file_saved(ngx_http_llama_session_zone_t *zone,
 
 
 /*
+ * shared=on: the store file the slot's state of the session came from or
+ * went to (fid->uniq 0: there was none); NULL: the store could not be
+ * read, nothing is known (no order is kept for the session then)
+ */
+
+void
+ngx_http_llama_session_file_seen(ngx_http_llama_session_zone_t *zone,
+    u_char *fp, u_char *key, size_t len, ngx_http_llama_session_fid_t *fid)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_http_llama_session_node_t  *node;
+
+    n = ngx_http_llama_session_file_name(name, key, len, fp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_lookup(zone->sh, name, n,
+                                         ngx_crc32_short(name, n));
+    if (node) {
+        node->has_seen = (fid != NULL);
+
+        if (fid) {
+            node->seen = *fid;
+        }
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/*
+ * shared=on: is the file in the store now (fid) another than the one the
+ * slot's state came from or went to?  Then another owner saved the
+ * session since, and its state is newer than the slot's.  0 when the
+ * zone knows nothing of it.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_file_newer(ngx_http_llama_session_zone_t *zone,
+    u_char *fp, u_char *key, size_t len, ngx_http_llama_session_fid_t *fid)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_uint_t                      newer;
+    ngx_http_llama_session_node_t  *node;
+
+    n = ngx_http_llama_session_file_name(name, key, len, fp);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_lookup(zone->sh, name, n,
+                                         ngx_crc32_short(name, n));
+
+    newer = node && node->has_seen
+            && (node->seen.uniq != fid->uniq || node->seen.size != fid->size
+                || node->seen.mtime != fid->mtime);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return newer;
+}
+
+
+/*
  * records a session (the request's, or its base: id "base"), with its id
  * and model for the API; a record in use goes to the front of its queue
  */

@@ -36,6 +36,11 @@ ngx_int_t ngx_http_llama_session_file_size(
 void ngx_http_llama_session_file_saved(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, u_char *key, size_t len,
     ngx_uint_t is_base, ngx_uint_t saved, ngx_uint_t tokens, off_t bytes);
+void ngx_http_llama_session_file_seen(ngx_http_llama_session_zone_t *zone,
+    u_char *fp, u_char *key, size_t len, ngx_http_llama_session_fid_t *fid);
+ngx_uint_t ngx_http_llama_session_file_newer(
+    ngx_http_llama_session_zone_t *zone, u_char *fp, u_char *key, size_t len,
+    ngx_http_llama_session_fid_t *fid);
 void ngx_http_llama_session_remember(ngx_http_llama_session_zone_t *zone,
     u_char *fp, u_char *key, size_t len, ngx_http_llama_session_record_t *rec);
 ngx_uint_t ngx_http_llama_session_base_used(

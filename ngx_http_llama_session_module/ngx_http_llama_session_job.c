@@ -213,6 +213,23 @@ ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
 
 
 /*
+ * shared=on: the slot holds the session, but another owner saved a newer
+ * state of it since (slot_newer()): no hit after all, the slot's state is
+ * not saved, the session comes back from the newer file.
+ */
+
+void
+ngx_http_llama_session_slot_stale(ngx_http_llama_session_ctx_t *ctx)
+{
+    ctx->verify = 0;
+    ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
+    ctx->job->stale = 1;
+    ctx->job->save_pending = 0;
+    ctx->job->out_len = 0;
+}
+
+
+/*
  * May the slot be saved?  Only after a GET /slots in the same hold of the
  * slot showed it idle, holding tokens, and llama-server not restarted:
  * else the state may be empty, or another session's.
@@ -243,6 +260,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
 {
     off_t        bytes;
     double       ms;
+    ngx_int_t    rc;
     ngx_uint_t   tokens;
     const char  *what;
 
@@ -265,10 +283,23 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
                           "of session \"%*s\" from slot %ui, nothing is "
                           "kept of it", what, len, key, ctx->job->slot);
 
-        } else if (ngx_http_llama_session_store_commit(log, ctx, key, len,
-                                                       bytes)
-                   == NGX_OK)
+        } else if ((rc = ngx_http_llama_session_store_commit(log, ctx, key,
+                                                             len, bytes,
+                                                             tokens))
+                   == NGX_DECLINED)
         {
+            /*
+             * shared=on: another owner saved a newer state of the session
+             * meanwhile; nothing of the slot's is to be kept, now or later
+             */
+
+            ngx_http_llama_session_slot_saved(ctx->zone, ctx->job->slot, key,
+                                              len);
+            ngx_http_llama_session_stat(&ctx->zone->sh->stats.newer_saves);
+
+            return NGX_DECLINED;
+
+        } else if (rc == NGX_OK) {
             if (key == ctx->job->out_key) {
                 ctx->job->saved_tokens = tokens;
                 ctx->job->saved_bytes = bytes;

@@ -17,6 +17,7 @@ void ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state);
 ngx_uint_t ngx_http_llama_session_slots_verdict(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_slot_stale(ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_restore_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);

@@ -69,6 +69,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_MEMORY,
     NGX_HTTP_LLAMA_SESSION_M_REPREFILLS,
     NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED,
+    NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER,
     NGX_HTTP_LLAMA_SESSION_M_FAMILIES
 } ngx_http_llama_session_family_e;
 
@@ -164,7 +165,11 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
     { "media_unsaved_total", "counter",
       "Saves llama-server refused because the slot holds an image or audio "
       "it cannot serialise (501): the session stays in its slot while it "
-      "can, else it is prefilled again." }
+      "can, else it is prefilled again." },
+    { "shared_newer_total", "counter",
+      "shared=on: another owner had saved the session since this zone's "
+      "slot took it in: a save not kept (at=\"save\"), a hit restored "
+      "from the newer file instead (at=\"hit\")." }
 };
 
 
@@ -239,6 +244,10 @@ static ngx_http_llama_session_counter_t  ngx_http_llama_session_counts[] = {
       offsetof(ngx_http_llama_session_sh_t, stats.reprefills) },
     { NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED, "",
       offsetof(ngx_http_llama_session_sh_t, stats.media_unsaved) },
+    { NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER, ",at=\"save\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.newer_saves) },
+    { NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER, ",at=\"hit\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.newer_hits) },
     { 0, NULL, 0 }
 };
 

@@ -62,6 +62,12 @@ static void ngx_http_llama_session_store_chain(
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
+static ngx_int_t ngx_http_llama_session_store_superseded(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, u_char *to,
+    ngx_uint_t tokens);
+static ngx_uint_t ngx_http_llama_session_store_tokens(
+    ngx_http_llama_session_zone_t *zone, u_char *fp, u_char *key, size_t len,
+    ngx_log_t *log);
 static int ngx_libc_cdecl ngx_http_llama_session_found_cmp(const void *one,
     const void *two);
 static void ngx_http_llama_session_doomed_handler(ngx_event_t *ev);
@@ -1324,14 +1330,18 @@ ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
 
 ngx_int_t
 ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size)
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size,
+    ngx_uint_t tokens)
 {
-    u_char           from[NGX_MAX_PATH], to[NGX_MAX_PATH], old[NGX_MAX_PATH];
-    u_char           name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t           n;
-    ngx_str_t       *store;
-    ngx_uint_t       aside;
-    ngx_file_info_t  fi;
+    u_char                        from[NGX_MAX_PATH], to[NGX_MAX_PATH];
+    u_char                        old[NGX_MAX_PATH];
+    u_char                        name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                        n;
+    ngx_int_t                     rc;
+    ngx_str_t                    *store;
+    ngx_uint_t                    aside;
+    ngx_file_info_t               fi;
+    ngx_http_llama_session_fid_t  fid;
 
     store = &ctx->zone->store;
 
@@ -1362,6 +1372,16 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         return NGX_ERROR;
     }
 
+    if (ctx->zone->shared && key != ctx->base_key) {
+        rc = ngx_http_llama_session_store_superseded(log, ctx, key, len, to,
+                                                     tokens);
+
+        if (rc != NGX_OK) {
+            (void) ngx_delete_file(from);
+            return rc;
+        }
+    }
+
     aside = (ngx_rename_file(to, old) != NGX_FILE_ERROR);
 
     if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
@@ -1375,6 +1395,16 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
         }
 
         return NGX_ERROR;
+    }
+
+    if (ctx->zone->shared) {
+        /* the file the slot's state went to: the rename keeps it */
+        fid.uniq = ngx_file_uniq(&fi);
+        fid.size = ngx_file_size(&fi);
+        fid.mtime = ngx_file_mtime(&fi);
+
+        ngx_http_llama_session_file_seen(ctx->zone, ctx->job->fp, key, len,
+                                         &fid);
     }
 
     if (aside && ctx->request && !ctx->api && !ctx->job->own
@@ -1393,6 +1423,101 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
     }
 
     return NGX_OK;
+}
+
+
+/*
+ * shared=on: may this save replace the session's file?  Not when another
+ * owner saved the session since this zone's slot took it in (a file of
+ * another identity) with more tokens than the slot holds: a later turn
+ * of the conversation, which stays, and the slot's is dropped
+ * (NGX_DECLINED).  With fewer, the other owner's save was of an older
+ * turn (its idle save after the session had moved on): it is replaced.
+ * NGX_ERROR: the folder cannot be read.  The look and the rename are two
+ * steps: two owners committing one session between them both write whole
+ * files, the last rename wins.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_store_superseded(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, u_char *to,
+    ngx_uint_t tokens)
+{
+    ngx_err_t                     err;
+    ngx_uint_t                    theirs;
+    ngx_file_info_t               fi;
+    ngx_http_llama_session_fid_t  fid;
+
+    if (ngx_link_info(to, &fi) == NGX_FILE_ERROR) {
+        err = ngx_errno;
+
+        if (err == NGX_ENOENT) {
+            /* none (or deleted by another owner's eviction) */
+            return NGX_OK;
+        }
+
+        ngx_log_error(NGX_LOG_ERR, log, err,
+                      ngx_link_info_n " \"%s\" failed: the store of zone "
+                      "\"%V\" cannot be read", to, &ctx->zone->name);
+        return NGX_ERROR;
+    }
+
+    if (!ngx_is_file(&fi)) {
+        /* not a file: the rename's own checks refuse it */
+        return NGX_OK;
+    }
+
+    fid.uniq = ngx_file_uniq(&fi);
+    fid.size = ngx_file_size(&fi);
+    fid.mtime = ngx_file_mtime(&fi);
+
+    if (!ngx_http_llama_session_file_newer(ctx->zone, ctx->job->fp, key, len,
+                                           &fid))
+    {
+        return NGX_OK;
+    }
+
+    theirs = ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
+                                                 key, len, log);
+
+    if (theirs <= tokens) {
+        ngx_log_error(NGX_LOG_INFO, log, 0,
+                      "llama_session: another owner saved session \"%*s\" "
+                      "since slot %ui of zone \"%V\" took it in, %ui tokens "
+                      "against the slot's %ui: replaced",
+                      len, key, ctx->job->slot, &ctx->zone->name, theirs,
+                      tokens);
+        return NGX_OK;
+    }
+
+    ngx_log_error(NGX_LOG_NOTICE, log, 0,
+                  "llama_session: another owner saved session \"%*s\" "
+                  "since slot %ui of zone \"%V\" took it in, %ui tokens "
+                  "against the slot's %ui: its newer file stays, the slot's "
+                  "older state is not kept",
+                  len, key, ctx->job->slot, &ctx->zone->name, theirs, tokens);
+
+    ctx->job->superseded = 1;
+
+    return NGX_DECLINED;
+}
+
+
+/* the tokens a session's .json gives its file, 0: unknown */
+
+static ngx_uint_t
+ngx_http_llama_session_store_tokens(ngx_http_llama_session_zone_t *zone,
+    u_char *fp, u_char *key, size_t len, ngx_log_t *log)
+{
+    ngx_http_llama_session_found_t  f;
+
+    ngx_memzero(&f, sizeof(ngx_http_llama_session_found_t));
+
+    f.len = ngx_http_llama_session_file_name(f.name, key, len, fp);
+
+    ngx_http_llama_session_store_read_meta(zone, &f, log);
+
+    return f.tokens;
 }
 
 
@@ -1598,21 +1723,35 @@ ngx_uint_t
 ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
-    u_char           *path;
-    ngx_int_t         rc;
-    ngx_str_t        *store;
-    ngx_file_info_t   fi;
+    u_char                        *path;
+    ngx_int_t                      rc;
+    ngx_str_t                     *store;
+    ngx_file_info_t                fi;
+    ngx_http_llama_session_fid_t   fid;
 
     rc = ngx_http_llama_session_file_known(ctx->zone, ctx->job->fp, key, len);
 
-    if (rc == 1 || (rc == 0 && !ctx->zone->shared)) {
+    if (ctx->zone->shared && ctx->zone->store.len) {
+        /*
+         * another owner may have saved the session since, or deleted its
+         * file: the folder says, and which file the slot takes it from
+         * orders this owner's next save of it against theirs
+         */
+
+        rc = ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp, key,
+                                              len, &fid, r->connection->log);
+
+        ngx_http_llama_session_file_seen(ctx->zone, ctx->job->fp, key, len,
+                                         (rc == NGX_ERROR) ? NULL : &fid);
+
+        return rc == NGX_OK;
+    }
+
+    if (rc != -1) {
         return rc;
     }
 
-    /*
-     * not known to the zone, or, in a shared store, known to have no file
-     * here: another owner may have saved it since; the folder says
-     */
+    /* not known to the zone: the folder says */
 
     store = &ctx->zone->store;
 
@@ -1633,6 +1772,97 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     /* a regular file: a link is never restored (nor committed) */
 
     return ngx_link_info(path, &fi) != NGX_FILE_ERROR && ngx_is_file(&fi);
+}
+
+
+/*
+ * shared=on: which file the store holds for the session now.  NGX_OK: a
+ * regular file, fid says which; NGX_DECLINED: none (nor a link, which is
+ * never restored), fid zeroed; NGX_ERROR: the folder cannot be read (a
+ * shared file system gone), logged.
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_fid(ngx_http_llama_session_zone_t *zone,
+    u_char *fp, u_char *key, size_t len, ngx_http_llama_session_fid_t *fid,
+    ngx_log_t *log)
+{
+    u_char           path[NGX_MAX_PATH];
+    u_char           name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t           n;
+    ngx_err_t        err;
+    ngx_file_info_t  fi;
+
+    ngx_memzero(fid, sizeof(ngx_http_llama_session_fid_t));
+
+    n = ngx_http_llama_session_file_name(name, key, len, fp);
+
+    ngx_snprintf(path, sizeof(path), "%V/%*s.bin%Z", &zone->store, n, name);
+
+    if (ngx_link_info(path, &fi) == NGX_FILE_ERROR) {
+        err = ngx_errno;
+
+        if (err == NGX_ENOENT || err == NGX_ENOTDIR) {
+            return NGX_DECLINED;
+        }
+
+        ngx_log_error(NGX_LOG_ERR, log, err,
+                      ngx_link_info_n " \"%s\" failed: the store of zone "
+                      "\"%V\" cannot be read, the session starts fresh",
+                      path, &zone->name);
+        return NGX_ERROR;
+    }
+
+    if (!ngx_is_file(&fi)) {
+        return NGX_DECLINED;
+    }
+
+    fid->uniq = ngx_file_uniq(&fi);
+    fid->size = ngx_file_size(&fi);
+    fid->mtime = ngx_file_mtime(&fi);
+
+    return NGX_OK;
+}
+
+
+/*
+ * shared=on, a hit: has another owner saved a later turn of the session
+ * since the slot took it in (the front sent the session elsewhere a
+ * while)?  Then the file is restored instead.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_store_newer(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_fid_t  fid;
+
+    if (!ctx->zone->shared || ctx->zone->store.len == 0
+        || ctx->default_session
+        || !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp)
+        || ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp, ctx->key,
+                                            ctx->key_len, &fid,
+                                            r->connection->log)
+           != NGX_OK)
+    {
+        return 0;
+    }
+
+    if (!ngx_http_llama_session_file_newer(ctx->zone, ctx->job->fp,
+                                           ctx->key, ctx->key_len, &fid))
+    {
+        return 0;
+    }
+
+    /*
+     * another owner's file: newer when it holds more than the slot's last
+     * prompt (a later turn; its own idle save of an older turn is not)
+     */
+
+    return ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
+                                               ctx->key, ctx->key_len,
+                                               r->connection->log)
+           > ctx->prev_tokens;
 }
 
 

@@ -16,7 +16,8 @@
 ngx_int_t ngx_http_llama_session_store_sync(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size);
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size,
+    ngx_uint_t tokens);
 void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
@@ -41,6 +42,11 @@ ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
 void ngx_http_llama_session_store_saved(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
     ngx_uint_t tokens, off_t bytes);
+ngx_int_t ngx_http_llama_session_store_fid(
+    ngx_http_llama_session_zone_t *zone, u_char *fp, u_char *key, size_t len,
+    ngx_http_llama_session_fid_t *fid, ngx_log_t *log);
+ngx_uint_t ngx_http_llama_session_store_newer(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 ngx_uint_t ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_store_unlink(
