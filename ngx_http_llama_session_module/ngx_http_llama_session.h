@@ -317,8 +317,12 @@ typedef struct {
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          has_seen;   /* shared=on: seen known */
+    u_char                          has_meta;   /* ... and meta */
     ngx_http_llama_session_fid_t    seen;       /* the file its slot state
                                                    came from or went to */
+    ngx_http_llama_session_fid_t    meta;       /* its .json as the zone
+                                                   left it: another owner's
+                                                   use changes it */
 } ngx_http_llama_session_node_t;
 
 
@@ -547,6 +551,9 @@ struct ngx_http_llama_session_zone_s {
     ngx_str_t                       tmp;        /* a save's temporary
                                                    file's suffix: ".tmp",
                                                    shared: ".<crc>.tmp" */
+    ngx_str_t                       old;        /* a previous file's, set
+                                                   aside: ".old", shared:
+                                                   ".<crc>.old" */
     ngx_event_t                     idle_ev;    /* this worker's */
     ngx_http_core_loc_conf_t       *log_conf;   /* the first location with
                                                    the zone: its error_log

@@ -251,6 +251,79 @@ ngx_http_llama_session_file_newer(ngx_http_llama_session_zone_t *zone,
 
 
 /*
+ * shared=on: the session's .json as this zone left it (written by its
+ * save, or its time set when the zone took the session in)
+ */
+
+void
+ngx_http_llama_session_file_meta(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_http_llama_session_fid_t *fid)
+{
+    ngx_http_llama_session_node_t  *node;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_lookup(zone->sh, name, len,
+                                         ngx_crc32_short(name, len));
+    if (node) {
+        node->has_meta = 1;
+        node->meta = *fid;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+}
+
+
+/*
+ * shared=on: a file eviction picked, whose .json is now "fid": did
+ * another owner use the session since this zone did (a .json other than
+ * the zone left it, or for a file the zone only found in the folder, one
+ * changed after "since")?  Then the file stays, counted again and most
+ * recently used, and 1 is returned; 0: it may go.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_file_kept(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_evicted_t *e, ngx_http_llama_session_fid_t *fid,
+    time_t since)
+{
+    ngx_uint_t                      kept;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_node_t  *node;
+
+    sh = zone->sh;
+    kept = 0;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    node = ngx_http_llama_session_lookup(sh, e->name, e->len,
+                                         ngx_crc32_short(e->name, e->len));
+
+    if (node && !node->saved
+        && (node->has_meta
+            ? (node->meta.uniq != fid->uniq || node->meta.mtime != fid->mtime
+               || node->meta.size != fid->size)
+            : fid->mtime >= since))
+    {
+        kept = 1;
+
+        node->has_meta = 1;
+        node->meta = *fid;
+        node->used_at = ngx_time();
+
+        /* at the front of the queue of files */
+        ngx_http_llama_session_node_file(sh, node, 1, e->bytes);
+
+        sh->stats.evictions--;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return kept;
+}
+
+
+/*
  * records a session (the request's, or its base: id "base"), with its id
  * and model for the API; a record in use goes to the front of its queue
  */
@@ -600,6 +673,8 @@ ngx_http_llama_session_rbtree_insert(ngx_rbtree_node_t *temp,
  * kind.  When the zone is full, the least recently used record without
  * a file is forgotten, else the oldest with one, and its file is deleted
  * (an eviction): the folder never holds files the zone does not count.
+ * In a shared store the file stays (other owners may count it; min_free
+ * bounds the folder), and the next scan may index it again.
  */
 
 ngx_http_llama_session_node_t *
@@ -642,7 +717,7 @@ ngx_http_llama_session_node(ngx_http_llama_session_zone_t *zone,
 
         sn = ngx_queue_data(q, ngx_http_llama_session_node_t, lru);
 
-        if (sn->saved && zone->store.len) {
+        if (sn->saved && zone->store.len && !zone->shared) {
             /*
              * the index cannot hold every file: the least recently used
              * file goes with its record (renamed aside, cut and unlinked

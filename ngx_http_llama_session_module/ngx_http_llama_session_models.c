@@ -250,8 +250,8 @@ ngx_http_llama_session_models_write(ngx_http_llama_session_zone_t *zone,
     ngx_memcpy(line, model, len);
     line[len] = LF;
 
-    if (ngx_http_llama_session_store_write(&zone->store, name, line, len + 1,
-                                           log)
+    if (ngx_http_llama_session_store_write(&zone->store, name, &zone->tmp,
+                                           line, len + 1, log)
         != NGX_OK)
     {
         ngx_log_error(NGX_LOG_ERR, log, 0,

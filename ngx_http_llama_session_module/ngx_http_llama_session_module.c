@@ -1049,6 +1049,7 @@ ngx_http_llama_session_zone_add(ngx_conf_t *cf,
     ngx_http_llama_session_zone_t *tz, ngx_str_t *name, size_t size,
     ngx_str_t *model)
 {
+    uint32_t                         crc;
     ngx_uint_t                       i;
     ngx_shm_zone_t                  *shm_zone;
     ngx_http_llama_session_zone_t   *zone, **zp;
@@ -1100,22 +1101,34 @@ ngx_http_llama_session_zone_add(ngx_conf_t *cf,
     zone->shm_zone = shm_zone;
 
     /*
-     * a save's temporary file: the zone's own in a shared store, so that
-     * no owner's start or save takes another's half-written file
+     * a save's temporary file and the previous file it sets aside: the
+     * zone's own in a shared store (by its host's name and its own), so
+     * that no owner's start or save takes another's
      */
 
     if (zone->shared) {
-        zone->tmp.data = ngx_pnalloc(cf->pool, sizeof(".12345678.tmp") - 1);
+        zone->tmp.data = ngx_pnalloc(cf->pool, 2 * sizeof(".12345678.tmp"));
         if (zone->tmp.data == NULL) {
             return NGX_CONF_ERROR;
         }
 
-        zone->tmp.len = ngx_sprintf(zone->tmp.data, ".%08xD.tmp",
-                                    ngx_crc32_short(name->data, name->len))
+        ngx_crc32_init(crc);
+        ngx_crc32_update(&crc, cf->cycle->hostname.data,
+                         cf->cycle->hostname.len);
+        ngx_crc32_update(&crc, (u_char *) "/", 1);
+        ngx_crc32_update(&crc, name->data, name->len);
+        ngx_crc32_final(crc);
+
+        zone->tmp.len = ngx_sprintf(zone->tmp.data, ".%08xD.tmp", crc)
                         - zone->tmp.data;
+
+        zone->old.data = zone->tmp.data + zone->tmp.len;
+        zone->old.len = ngx_sprintf(zone->old.data, ".%08xD.old", crc)
+                        - zone->old.data;
 
     } else {
         ngx_str_set(&zone->tmp, ".tmp");
+        ngx_str_set(&zone->old, ".old");
     }
 
     /* index.c drops a file whose record it must recycle through the store */

@@ -23,6 +23,14 @@
 #include <cjson/cJSON.h>
 
 
+/*
+ * shared=on: a file a zone only found in the folder is not evicted while
+ * another owner may be using it: within this many seconds of its .json's
+ * last change (a save's, or a take-in's touch)
+ */
+#define NGX_HTTP_LLAMA_SESSION_SHARED_GRACE  600
+
+
 typedef struct {
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t                          len;
@@ -65,6 +73,9 @@ static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
 static ngx_int_t ngx_http_llama_session_store_superseded(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, u_char *to,
     ngx_uint_t tokens);
+static ngx_uint_t ngx_http_llama_session_store_evictable(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_evicted_t *e,
+    ngx_log_t *log);
 static ngx_uint_t ngx_http_llama_session_store_tokens(
     ngx_http_llama_session_zone_t *zone, u_char *fp, u_char *key, size_t len,
     ngx_log_t *log);
@@ -108,9 +119,10 @@ static int ngx_libc_cdecl ngx_http_llama_session_name_cmp(const void *one,
 
 
 /*
- * Is "name" a session file of the zone, "<key>.<8 hex>.bin" (or ".bin.tmp",
- * ".bin.<zone's crc32>.tmp" in a shared store, ".bin.old")?  A zone of a router's model knows its own by their prefix
- * ("<zone>@"); the others have no "@" in their keys.
+ * Is "name" a session file of the zone, "<key>.<8 hex>.bin" (or ".bin.tmp"
+ * and ".bin.old"; in a shared store ".bin.<crc32>.tmp" and ".bin.<crc32>.old"
+ * of the zone's host and name)?  A zone of a router's model knows its own
+ * by their prefix ("<zone>@"); the others have no "@" in their keys.
  * Returns NGX_OK for .bin, NGX_AGAIN for .bin.tmp, NGX_DONE for .bin.old,
  * NGX_DECLINED otherwise; *base is the length of "<key>.<fp>".
  */
@@ -133,8 +145,14 @@ ngx_http_llama_session_store_name(ngx_http_llama_session_zone_t *zone,
         b = len - t->len - 4;
         rc = NGX_AGAIN;
 
-    } else if (len > 8 && ngx_strncmp(name + len - 8, ".bin.old", 8) == 0) {
-        b = len - 8;
+    } else if (len > 4 + zone->old.len
+               && ngx_strncmp(name + len - zone->old.len, zone->old.data,
+                              zone->old.len) == 0
+               && ngx_strncmp(name + len - zone->old.len - 4, ".bin", 4)
+                  == 0)
+    {
+        /* set aside by this zone's save (another owner's is its own) */
+        b = len - zone->old.len - 4;
         rc = NGX_DONE;
 
     } else if (len > 4 && ngx_strncmp(name + len - 4, ".bin", 4) == 0) {
@@ -1068,31 +1086,36 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
 
     ngx_snprintf(file, sizeof(file), "%*s.json%Z", len, name);
 
-    rc = ngx_http_llama_session_store_write(&zone->store, file,
+    rc = ngx_http_llama_session_store_write(&zone->store, file, &zone->tmp,
                                             (u_char *) text,
                                             ngx_strlen(text), log);
     cJSON_free(text);
+
+    if (rc == NGX_OK && zone->shared) {
+        ngx_http_llama_session_store_used(zone, name, len, 0, log);
+    }
 
     return rc;
 }
 
 
 /*
- * "<folder>/<name>" written whole: through "<name>.tmp", created anew,
- * never through a link nor over another's file, then renamed over;
- * failures logged
+ * "<folder>/<name>" written whole: through "<name><tmp_suffix>" (the
+ * zone's: ".tmp", or its own in a shared store), created anew, never
+ * through a link nor over another's file, then renamed over; failures
+ * logged
  */
 
 ngx_int_t
 ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
-    u_char *text, size_t len, ngx_log_t *log)
+    ngx_str_t *tmp_suffix, u_char *text, size_t len, ngx_log_t *log)
 {
     u_char    file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
     ssize_t   n;
     ngx_fd_t  fd;
 
     ngx_snprintf(file, sizeof(file), "%V/%s%Z", folder, name);
-    ngx_snprintf(tmp, sizeof(tmp), "%V/%s.tmp%Z", folder, name);
+    ngx_snprintf(tmp, sizeof(tmp), "%V/%s%V%Z", folder, name, tmp_suffix);
 
     (void) ngx_delete_file(tmp);
 
@@ -1354,7 +1377,8 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
     ngx_snprintf(from, sizeof(from), "%V/%*s.bin%V%Z", store, n, name,
                  &ctx->zone->tmp);
-    ngx_snprintf(old, sizeof(old), "%V/%*s.bin.old%Z", store, n, name);
+    ngx_snprintf(old, sizeof(old), "%V/%*s.bin%V%Z", store, n, name,
+                 &ctx->zone->old);
 
     if (ngx_link_info(from, &fi) == NGX_FILE_ERROR) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
@@ -1529,8 +1553,8 @@ ngx_http_llama_session_store_drop_old(ngx_log_t *log,
 {
     u_char  file[NGX_MAX_PATH];
 
-    ngx_snprintf(file, sizeof(file), "%V/%*s.bin.old%Z", &ctx->zone->store,
-                 ctx->job->old_len, ctx->job->old_name);
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin%V%Z", &ctx->zone->store,
+                 ctx->job->old_len, ctx->job->old_name, &ctx->zone->old);
 
     ctx->job->old_len = 0;
 
@@ -1594,6 +1618,12 @@ ngx_http_llama_session_store_evict(ngx_log_t *log,
                                           NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
 
     for (i = 0; i < n; i++) {
+        if (zone->shared
+            && !ngx_http_llama_session_store_evictable(zone, &out[i], log))
+        {
+            continue;
+        }
+
         ngx_log_error(NGX_LOG_INFO, log, 0,
                       "llama_session: evicted session \"%*s\" (%O bytes) to "
                       "keep zone \"%V\" within max_files=%ui max_size=%O",
@@ -1603,6 +1633,98 @@ ngx_http_llama_session_store_evict(ngx_log_t *log,
         (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
                                                    out[i].len, log);
     }
+}
+
+
+/*
+ * shared=on: may the zone delete a file eviction picked?  Not when another
+ * owner used the session since this zone did: its .json, which each save
+ * writes and each owner's take-in touches (store_used()), is not as this
+ * zone left it; for a file the zone only found in the folder, when the
+ * .json changed within NGX_HTTP_LLAMA_SESSION_SHARED_GRACE.  Such a file
+ * stays, the zone's most recently used.  A file without a .json goes.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_store_evictable(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_evicted_t *e, ngx_log_t *log)
+{
+    u_char                        file[NGX_MAX_PATH];
+    ngx_file_info_t               fi;
+    ngx_http_llama_session_fid_t  fid;
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, e->len,
+                 e->name);
+
+    if (ngx_link_info(file, &fi) == NGX_FILE_ERROR || !ngx_is_file(&fi)) {
+        return 1;
+    }
+
+    fid.uniq = ngx_file_uniq(&fi);
+    fid.size = ngx_file_size(&fi);
+    fid.mtime = ngx_file_mtime(&fi);
+
+    if (!ngx_http_llama_session_file_kept(zone, e, &fid,
+                                  ngx_time() - NGX_HTTP_LLAMA_SESSION_SHARED_GRACE))
+    {
+        return 1;
+    }
+
+    ngx_log_error(NGX_LOG_INFO, log, 0,
+                  "llama_session: session \"%*s\" of the shared store is "
+                  "not evicted: another owner used it since zone \"%V\" "
+                  "did", e->len, e->name, &zone->name);
+
+    return 0;
+}
+
+
+/*
+ * shared=on: the session's .json as this zone leaves it, recorded: after
+ * its save wrote it, or when the zone takes the session in ("touch": its
+ * time set to now, which other owners' eviction sees).  Its own file
+ * only: a link is never followed.
+ */
+
+void
+ngx_http_llama_session_store_used(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_uint_t touch, ngx_log_t *log)
+{
+    u_char                        file[NGX_MAX_PATH];
+    time_t                        now;
+    ngx_file_info_t               fi;
+    ngx_http_llama_session_fid_t  fid;
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, len,
+                 name);
+
+    if (ngx_link_info(file, &fi) == NGX_FILE_ERROR || !ngx_is_file(&fi)) {
+        return;
+    }
+
+    if (touch) {
+        /* a time it does not have: a save in this second changed it too */
+        now = ngx_time();
+
+        if (ngx_file_mtime(&fi) >= now) {
+            now = ngx_file_mtime(&fi) + 1;
+        }
+
+        if (ngx_set_file_time(file, NGX_INVALID_FILE, now) != NGX_OK) {
+            /* another user's .json: other owners will not see this use */
+            ngx_log_error(NGX_LOG_INFO, log, ngx_errno,
+                          ngx_set_file_time_n " \"%s\" failed", file);
+
+        } else if (ngx_link_info(file, &fi) == NGX_FILE_ERROR) {
+            return;
+        }
+    }
+
+    fid.uniq = ngx_file_uniq(&fi);
+    fid.size = ngx_file_size(&fi);
+    fid.mtime = ngx_file_mtime(&fi);
+
+    ngx_http_llama_session_file_meta(zone, name, len, &fid);
 }
 
 
@@ -1625,7 +1747,7 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
 {
     off_t                              avail, file, min, need, freed;
     u_char                             path[NGX_MAX_PATH];
-    ngx_uint_t                         i, n, bpt, level;
+    ngx_uint_t                         i, n, bpt, level, deleted;
     ngx_http_llama_session_zone_t     *zone;
     ngx_http_llama_session_evicted_t   out[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
 
@@ -1685,8 +1807,17 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
     n = ngx_http_llama_session_evict_pick(zone, key, len, need, out,
                                           NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
     freed = 0;
+    deleted = 0;
 
     for (i = 0; i < n; i++) {
+        if (zone->shared
+            && !ngx_http_llama_session_store_evictable(zone, &out[i], log))
+        {
+            continue;
+        }
+
+        deleted++;
+
         ngx_log_error(NGX_LOG_WARN, log, 0,
                       "llama_session: evicted session \"%*s\" (%O bytes) to "
                       "make room on the disk of zone \"%V\"'s store",
@@ -1705,11 +1836,11 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
                   "%ui least recently used files of zone \"%V\" deleted "
                   "(%O bytes)%s",
                   &zone->store, failed ? "full" : "nearly full", avail,
-                  len, key, file, min, n, &zone->name, freed,
-                  n ? "" : ", nothing more of this zone to delete: free "
-                      "space there, or lower max_size/max_files");
+                  len, key, file, min, deleted, &zone->name, freed,
+                  deleted ? "" : ", nothing more of this zone to delete: "
+                            "free space there, or lower max_size/max_files");
 
-    return n ? NGX_OK : NGX_DECLINED;
+    return deleted ? NGX_OK : NGX_DECLINED;
 }
 
 
@@ -1724,6 +1855,8 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
     u_char                        *path;
+    u_char                         name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                         n;
     ngx_int_t                      rc;
     ngx_str_t                     *store;
     ngx_file_info_t                fi;
@@ -1743,6 +1876,14 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
 
         ngx_http_llama_session_file_seen(ctx->zone, ctx->job->fp, key, len,
                                          (rc == NGX_ERROR) ? NULL : &fid);
+
+        if (rc == NGX_OK) {
+            /* in use here from now: no other owner's eviction takes it */
+            n = ngx_http_llama_session_file_name(name, key, len,
+                                                 ctx->job->fp);
+            ngx_http_llama_session_store_used(ctx->zone, name, n, 1,
+                                              r->connection->log);
+        }
 
         return rc == NGX_OK;
     }

@@ -35,7 +35,7 @@ ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
     ngx_uint_t slot);
 ngx_int_t ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
-    u_char *text, size_t len, ngx_log_t *log);
+    ngx_str_t *tmp_suffix, u_char *text, size_t len, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_prev(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_store_delete(u_char *file);
@@ -47,6 +47,8 @@ ngx_int_t ngx_http_llama_session_store_fid(
     ngx_http_llama_session_fid_t *fid, ngx_log_t *log);
 ngx_uint_t ngx_http_llama_session_store_newer(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_store_used(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_uint_t touch, ngx_log_t *log);
 ngx_uint_t ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_store_unlink(

@@ -1,0 +1,107 @@
+#!/usr/bin/perl
+
+# One store, two owners (shared=on): eviction that does not fight.  Owner
+# a keeps at most two files (max_files=2); a session it saved, then moved
+# to owner b (which restored it there), is not deleted by a's eviction:
+# b's use is newer than a's.  A session no other owner used goes as
+# before.  A zone's temporary and set-aside files are its own.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2);
+my $dir = $t->dir;
+my %port = (a => '%%PORT%%', b => LlamaTest::port());
+for my $b (qw(a b)) {
+    $t->llama(name => $b, ctx => 8192, slots => "$dir/slots");
+}
+
+my $conf = '';
+for my $b (qw(a b)) {
+    my $max = $b eq 'a' ? ' max_files=2' : '';
+    $conf .= <<"EOF";
+    llama_session_zone zone=$b:1m store=$dir/slots shared=on$max;
+
+    server {
+        listen 127.0.0.1:$port{$b};
+
+        location / {
+            llama_session $b;
+            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
+            proxy_read_timeout 300s;
+            add_header X-S-Action \$llama_session_action always;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
+        }
+    }
+
+EOF
+}
+$t->nginx($conf);
+
+my %conv;
+
+sub turn {
+    my ($owner, $sid) = @_;
+    $conv{$sid} //= [ { role => 'system',
+                        content => join ' ', map { "Rule $_ for $sid." }
+                                                 1 .. 30 },
+                      { role => 'user', content => join ' ', map {
+                            "Session $sid note $_." } 1 .. 30 } ];
+    my $r = $t->post('/v1/chat/completions',
+                     { messages => $conv{$sid}, max_tokens => 2,
+                       temperature => 0 },
+                     headers => { 'X-Session-Id' => $sid },
+                     $owner eq 'a' ? () : (port => $port{b}));
+    die "$sid on $owner: $r->{status} $r->{content}\n"
+        unless $r->{status} == 200;
+    push @{ $conv{$sid} },
+        { role => 'assistant',
+          content => $r->{json}{choices}[0]{message}{content} },
+        { role => 'user', content => "More for $sid?" };
+    return $r->{headers}{'x-s-action'};
+}
+
+sub key {
+    my ($sid) = @_;
+    return LlamaTest::session_key($sid, body => {
+        messages => [ @{ $conv{$sid} }[0, 1] ] });
+}
+
+sub has_file { my @f = glob "$dir/slots/${\key($_[0])}.*.bin"; scalar @f }
+
+turn('a', 'e1');
+turn('a', 'e2');
+ok(has_file('e1'), 'a saved e1 when e2 took its slot');
+is(turn('b', 'e1'), 'restore', 'e1 moves to b and restores a\'s file');
+
+turn('a', 'e3');
+turn('a', 'e4');
+turn('a', 'e5');
+my $k1 = key('e1');
+ok(scalar $t->log_lines(qr/session "\Q$k1\E\.[0-9a-f]{8}" of the shared store is not evicted: another owner used it since zone "a" did/),
+   'a\'s eviction leaves e1: b used it after a');
+ok(has_file('e1'), 'e1\'s file is there');
+ok(!has_file('e2'), 'e2, which no other owner used, was evicted by a');
+is(turn('b', 'e1'), 'hit', 'e1 on b');
+turn('b', 'e6');
+is(turn('b', 'e1'), 'restore', 'e1 restores on b after e6 took its slot');
+
+# a zone's temporary and set-aside names are its own
+my @own = grep { /\.bin\.[0-9a-f]{8}\.(tmp|old)$|\.json\.[0-9a-f]{8}\.tmp$/ }
+          glob "$dir/slots/*";
+is_deeply(\@own, [], 'no temporary or set-aside file stays');
+my @shared = grep { /\.bin\.(tmp|old)$|\.json\.tmp$/ } glob "$dir/slots/*";
+is_deeply(\@shared, [], 'none of the unshared names either');
+
+$t->stop;
+done_testing;
