@@ -97,7 +97,8 @@ static char *ngx_http_llama_session_zone_add(ngx_conf_t *cf,
     ngx_http_llama_session_zone_t *tz, ngx_str_t *name, size_t size,
     ngx_str_t *model);
 static ngx_int_t ngx_http_llama_session_old_zone(ngx_conf_t *cf,
-    ngx_str_t *name, size_t size, ngx_str_t *store, ngx_uint_t routed);
+    ngx_str_t *name, size_t size, ngx_http_llama_session_zone_t *tz,
+    ngx_uint_t routed);
 static char *ngx_http_llama_session_warm_conf(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
 
@@ -1070,7 +1071,7 @@ ngx_http_llama_session_zone_add(ngx_conf_t *cf,
         }
     }
 
-    if (ngx_http_llama_session_old_zone(cf, name, size, &tz->store,
+    if (ngx_http_llama_session_old_zone(cf, name, size, tz,
                                         model->len || tz->models_index)
         != NGX_OK)
     {
@@ -1552,12 +1553,15 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
  * backend while the old workers finish, and the new zone's index would
  * delete the temporary files of saves still running.  nginx keeps a
  * zone only when its name and size stay; anything else needs a restart.
+ * Zones that say shared=on over one folder are owners of it, each with
+ * its own temporary files: added, or renamed, on a reload.
  */
 
 static ngx_int_t
 ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
-    ngx_str_t *store, ngx_uint_t routed)
+    ngx_http_llama_session_zone_t *tz, ngx_uint_t routed)
 {
+    ngx_str_t                      *store;
     ngx_uint_t                      i;
     ngx_list_part_t                *part;
     ngx_shm_zone_t                 *shm_zone;
@@ -1568,6 +1572,8 @@ ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
     {
         return NGX_OK;
     }
+
+    store = &tz->store;
 
     part = &cf->cycle->old_cycle->shared_memory.part;
     shm_zone = part->elts;
@@ -1606,11 +1612,15 @@ ngx_http_llama_session_old_zone(ngx_conf_t *cf, ngx_str_t *name, size_t size,
             continue;
         }
 
-        /* the zones of a router share a folder, each with its prefix */
+        /*
+         * the zones of a router share a folder, each with its prefix; the
+         * owners of a shared store, each with temporary files of its own
+         */
 
         if (ozone && store->len && ozone->store.len == store->len
             && ngx_strncmp(ozone->store.data, store->data, store->len) == 0
-            && (!routed || !ngx_http_llama_session_by_router(ozone)))
+            && (!routed || !ngx_http_llama_session_by_router(ozone))
+            && !(tz->shared && ozone->shared))
         {
             ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                "llama_session zone \"%V\" would take the "

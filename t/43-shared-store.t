@@ -2,10 +2,17 @@
 
 # One store for the owners of one model (shared=on): three llama-servers
 # of one model write one folder, three owner zones, a front that routes
-# each session by "hash $llama_session_key consistent".  An owner whose
-# llama-server goes down: its sessions go to the others, and their next
-# turns restore the files it saved (with a folder per llama-server, as
-# before, they start fresh: 0 cached of ~700 tokens).
+# each session by "hash $llama_session_key consistent" (docs/scaling.md).
+# No session loses its cache when the fleet changes:
+# - an owner's llama-server goes down: its sessions go to the others, and
+#   their next turns restore the files it saved (with a folder per
+#   llama-server, as before, they start fresh: 0 cached of ~700 tokens);
+# - it comes back: they return and restore the state saved elsewhere;
+# - an owner is taken out of the front (its llama-server keeps running,
+#   its slot the session it held): its sessions restore elsewhere, and
+#   when it is back in, the one its slot still holds restores the newer
+#   file instead of the slot's older state;
+# - a fourth owner is added: the sessions the ring gives it restore there.
 
 use strict;
 use warnings;
@@ -18,56 +25,22 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 my $dir = $t->dir;
-my %port;
 for my $b (qw(a b c)) {
     $t->llama(name => $b, ctx => 8192, slots => "$dir/slots");
-    $port{$b} = LlamaTest::port();
 }
 
-my $conf = '';
-for my $b (qw(a b c)) {
-    $conf .= <<"EOF";
-    llama_session_zone zone=$b:1m store=$dir/slots shared=on save_idle=1s;
+my @owners = qw(a b c);
+my %front = (store => sub { "$dir/slots" }, zone => ' shared=on save_idle=1s',
+             fail => '3s');
+$t->nginx($t->owners(names => \@owners, %front));
 
-    server {
-        listen 127.0.0.1:$port{$b};
-
-        location / {
-            llama_session $b;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
-            proxy_read_timeout 300s;
-            add_header X-S-Action \$llama_session_action always;
-            add_header X-Backend $b always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
-        }
-    }
-
-EOF
+# a new configuration: nginx reloads, its zones' shared memory stays
+sub reload {
+    my (%o) = @_;
+    $t->nginx($t->owners(names => \@owners, %front, %o), write_only => 1);
+    $t->reload;
+    sleep 2;
 }
-$conf .= <<"EOF";
-    upstream backends {
-        hash \$llama_session_key consistent;
-        server 127.0.0.1:$port{a} max_fails=1 fail_timeout=3s;
-        server 127.0.0.1:$port{b} max_fails=1 fail_timeout=3s;
-        server 127.0.0.1:$port{c} max_fails=1 fail_timeout=3s;
-    }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session identity;
-            proxy_pass http://backends;
-            proxy_read_timeout 300s;
-            proxy_next_upstream error timeout http_502 non_idempotent;
-        }
-    }
-EOF
-$t->nginx($conf);
 
 my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
 my (%conv, %backend, %prev);
@@ -92,6 +65,27 @@ sub turn {
              backend => $r->{headers}{'x-backend'} };
 }
 
+# turns of sessions that moved: restores of (nearly) all their tokens, and
+# with "more", of the last turn's prompt at least (served elsewhere)
+sub moved_turns {
+    my ($sessions, %o) = @_;
+    my @bad;
+    for my $sid (@$sessions) {
+        my $r = turn($sid);
+        push @bad, "$sid on $r->{backend}, not $o{on}"
+            if $o{on} && $r->{backend} ne $o{on};
+        push @bad, "$sid still on $o{not}"
+            if $o{not} && $r->{backend} eq $o{not};
+        push @bad, "$sid on $r->{backend}: $r->{action}, $r->{cached} cached "
+                   . "of $r->{prompt} (it had $prev{$sid})"
+            if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $r->{prompt}
+               || ($o{more} && $r->{cached} < $prev{$sid});
+        $backend{$sid} = $r->{backend};
+        $prev{$sid} = $r->{prompt};
+    }
+    return @bad;
+}
+
 my @sessions = map { "m$_" } 1 .. 16;
 for my $round (0 .. 1) {
     for my $sid (@sessions) {
@@ -110,43 +104,73 @@ cmp_ok(scalar keys %load, '>=', 2, 'spread over the owners ('
 sleep 3;
 
 my ($gone) = sort { $load{$b} <=> $load{$a} } keys %load;
+my @its = grep { $backend{$_} eq $gone } @sessions;
 $t->stop_llama($gone);
 
-my @bad;
-my $moved = 0;
-for my $sid (@sessions) {
-    next unless $backend{$sid} eq $gone;
-    my $r = turn($sid);
-    $moved++;
-    push @bad, "$sid still on $gone" if $r->{backend} eq $gone;
-    push @bad, "$sid on $r->{backend}: $r->{action}, $r->{cached} cached of "
-               . "$prev{$sid}"
-        if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $prev{$sid};
-}
-is_deeply(\@bad, [], "llama-server $gone down: its $moved sessions restore "
-          . 'their files on the other owners') or diag join "\n", @bad;
+my @bad = moved_turns(\@its, not => $gone);
+is_deeply(\@bad, [], "llama-server $gone down: its " . @its . ' sessions '
+          . 'restore their files on the other owners') or diag join "\n", @bad;
 
 # the owner comes back (a new llama-server on its port): its sessions
 # return to it and restore the state they saved on the others, with the
 # turn served there
-my %moved = map { $_ => $prev{$_} } grep { $backend{$_} eq $gone } @sessions;
 sleep 3;
 $t->llama(name => $gone, ctx => 8192, slots => "$dir/slots",
           port => $t->{llama_port}{$gone});
 sleep 4;
-@bad = ();
-for my $sid (sort keys %moved) {
-    my $r = turn($sid);
-    push @bad, "$sid on $r->{backend}, not back on $gone"
-        if $r->{backend} ne $gone;
-    push @bad, "$sid: $r->{action}, $r->{cached} cached of $r->{prompt}"
-        if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $r->{prompt}
-           || $r->{cached} <= $moved{$sid};
-}
+@bad = moved_turns(\@its, on => $gone, more => 1);
 is_deeply(\@bad, [], "llama-server $gone back: its sessions return and "
           . 'restore the state saved on the other owners (more than they '
           . 'left)') or diag join "\n", @bad;
 $t->allow_alerts(qr/connect\(\) failed/);
+
+# the owner taken out of the front, its llama-server running: the last of
+# its sessions stays in its slot while the others serve it
+my $last = $its[-1];
+sleep 3;
+reload(down => { $gone => 1 });
+@bad = moved_turns(\@its, not => $gone, more => 1);
+is_deeply(\@bad, [], "$gone out of the front: its sessions restore on the "
+          . 'others') or diag join "\n", @bad;
+
+my $stale = () = $t->log_lines(qr/out its own older state/);
+sleep 3;
+reload();
+@bad = moved_turns([ $last, grep { $_ ne $last } @its ], on => $gone,
+                   more => 1);
+is_deeply(\@bad, [], "$gone back in the front: its sessions restore the "
+          . "state saved on the others, $last too, whose older state "
+          . "the slot of $gone still held") or diag join "\n", @bad;
+my $key = LlamaTest::session_key($last, body => {
+    messages => [ @{ $conv{$last} }[0, 1] ] });
+ok(scalar $t->log_lines(qr/swap on slot 0 of zone "$gone": out its own older state \(another owner saved a newer one since\), in "\Q$key\E" restored/),
+   "$gone\'s swap line says its slot held an older state of $last");
+
+# a fourth owner: the ring gives it some sessions, which restore there
+sleep 3;
+$t->llama(name => 'd', ctx => 8192, slots => "$dir/slots");
+push @owners, 'd';
+reload();
+my (@to_d, @stay);
+@bad = ();
+for my $sid (@sessions) {
+    my $was = $backend{$sid};
+    my $r = turn($sid);
+    if ($r->{backend} eq 'd') {
+        push @to_d, $sid;
+        push @bad, "$sid on d: $r->{action}, $r->{cached} cached of "
+                   . "$r->{prompt} (it had $prev{$sid} on $was)"
+            if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $r->{prompt}
+               || $r->{cached} < $prev{$sid};
+    } elsif ($r->{backend} ne $was) {
+        push @bad, "$sid moved from $was to $r->{backend}, not to d";
+    }
+    $backend{$sid} = $r->{backend};
+    $prev{$sid} = $r->{prompt};
+}
+cmp_ok(scalar @to_d, '>=', 1, 'the ring gives d ' . @to_d . ' sessions');
+is_deeply(\@bad, [], 'they restore on d, the others stay')
+    or diag join "\n", @bad;
 
 $t->stop;
 done_testing;

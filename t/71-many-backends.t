@@ -18,58 +18,12 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 my $dir = $t->dir;
-my %port;
 for my $b (qw(a b c)) {
     $t->llama(name => $b, ctx => 8192, slots => "$dir/slots-$b");
-    $port{$b} = LlamaTest::port();
 }
 
-my $conf = '';
-for my $b (qw(a b c)) {
-    $conf .= <<"EOF";
-    llama_session_zone zone=$b:1m store=$dir/slots-$b;
-
-    server {
-        listen 127.0.0.1:$port{$b};
-
-        location / {
-            llama_session $b;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
-            proxy_read_timeout 300s;
-            add_header X-S-Action \$llama_session_action always;
-            add_header X-Backend $b always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
-        }
-    }
-
-EOF
-}
-$conf .= <<"EOF";
-    upstream backends {
-        hash \$llama_session_key consistent;
-        server 127.0.0.1:$port{a} max_fails=1 fail_timeout=30s;
-        server 127.0.0.1:$port{b} max_fails=1 fail_timeout=30s;
-        server 127.0.0.1:$port{c} max_fails=1 fail_timeout=30s;
-    }
-
-    server {
-        listen 127.0.0.1:%%PORT%%;
-
-        location / {
-            llama_session identity;
-            proxy_pass http://backends;
-            proxy_read_timeout 300s;
-            # a backend's llama-server down: the owner answers 502 before
-            # anything ran, so the request may go to the next one
-            proxy_next_upstream error timeout http_502 non_idempotent;
-        }
-    }
-EOF
-$t->nginx($conf);
+$t->nginx($t->owners(names => [qw(a b c)],
+                     store => sub { "$dir/slots-$_[0]" }));
 
 my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
 my (%conv, %backend, %prev);

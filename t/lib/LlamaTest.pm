@@ -447,6 +447,72 @@ EOF
     return $self->start_nginx;
 }
 
+# Many llama-servers behind one nginx (docs/scaling.md): a zone per
+# llama-server, each in a server of its own (an owner, on a port kept for
+# the test's life), and a front server on %%PORT%% that routes each
+# session by an upstream over the owners.  Text for nginx().  Options:
+#   names     the owners, each a llama-server started with llama(name =>)
+#   store     sub { name } giving each zone's store folder
+#   zone      more parameters of each llama_session_zone (shared=on ...)
+#   balance   the upstream's balancing, default
+#             'hash $llama_session_key consistent'
+#   fail      fail_timeout of each server, default 30s
+#   down      { name => 1 }: servers marked down
+# Each owner's replies say X-Backend (its name) and X-S-Action.
+sub owners {
+    my ($self, %o) = @_;
+    my $balance = $o{balance} // 'hash $llama_session_key consistent';
+    my $fail = $o{fail} // '30s';
+    my $zone = $o{zone} // '';
+    my ($conf, $servers) = ('', '');
+    for my $b (@{ $o{names} }) {
+        my $port = $self->{owner_port}{$b} //= port();
+        my $store = $o{store}->($b);
+        $conf .= <<"EOF";
+    llama_session_zone zone=$b:1m store=$store$zone;
+
+    server {
+        listen 127.0.0.1:$port;
+
+        location / {
+            llama_session $b;
+            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
+            proxy_read_timeout 300s;
+            add_header X-S-Action \$llama_session_action always;
+            add_header X-Backend $b always;
+        }
+
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
+        }
+    }
+
+EOF
+        $servers .= "        server 127.0.0.1:$port max_fails=1 "
+                  . "fail_timeout=$fail" . ($o{down}{$b} ? ' down' : '')
+                  . ";\n";
+    }
+    return $conf . <<"EOF";
+    upstream owners {
+        $balance;
+$servers    }
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session identity;
+            proxy_pass http://owners;
+            proxy_read_timeout 300s;
+            # a backend's llama-server down: the owner answers 502 before
+            # anything ran, so the request may go to the next one
+            proxy_next_upstream error timeout http_502 non_idempotent;
+        }
+    }
+EOF
+}
+
 # the usual site of a test, as text for nginx() (or nginx_test()):
 #
 #   llama_session_zone ...;                          zone
