@@ -51,7 +51,14 @@
 Every comparison runs in one process, its sides alternating request by
 request.  Results: a table on stdout and JSON (--out).
 
-usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning] [--quick]
+13. fleet three llama-servers of one model behind owner zones and a
+          front, sessions of unequal size, twelve clients at once: the
+          sticky hash with a folder per owner, with one shared folder
+          (shared=on), and least_conn with it; returning turns' time to
+          first token, hit/restore/fresh, and the tokens each owner held
+          and prefilled (--only fleet)
+
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning,fleet] [--quick]
 """
 
 import argparse
@@ -127,10 +134,10 @@ class Llama:
     """a real llama-server of the rig"""
 
     def __init__(self, work, name, ctx, cache_ram=0, args=None, np=1,
-                 model=None, extra=()):
+                 model=None, extra=(), slots=None):
         self.name = name
         self.port = free_port()
-        self.slots = os.path.join(work, name + '-slots')
+        self.slots = slots or os.path.join(work, name + '-slots')
         os.makedirs(self.slots, exist_ok=True)
         self.log = open(os.path.join(work, name + '.log'), 'ab')
         self.args = [rig('build-llama-server.sh'), '-m',
@@ -1275,6 +1282,158 @@ def bench_returning(work, quick):
     return res
 
 
+# 13. a fleet: sticky owners against routing by load ---------------------
+
+def fleet_nginx(work, name, llamas, store, zone_extra, balance, ports):
+    """owner zones (one per llama-server, store(i) their folders, on
+    ports[i]: the hash's ring is that of the servers' addresses) and a
+    front upstream (balance) on one nginx: (the Nginx, the front's port)"""
+    conf, servers = '', ''
+    for i, ll in enumerate(llamas):
+        port = ports[i]
+        conf += '''
+    llama_session_zone zone=o%d:4m store=%s%s;
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session o%d;
+            llama_session_wait_timeout 600s;
+            proxy_pass http://127.0.0.1:%d;
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+            add_header X-S-Action $llama_session_action always;
+            add_header X-Backend o%d always;
+        }
+        location /_llama_slots/ {
+            internal;
+            proxy_pass http://127.0.0.1:%d/;
+            proxy_read_timeout 900s;
+        }
+    }''' % (i, store(i), zone_extra, port, i, ll.port, i, ll.port)
+        servers += '        server 127.0.0.1:%d;\n' % port
+    fport = free_port()
+    conf += '''
+    upstream owners {
+        %s;
+%s    }
+    server {
+        listen 127.0.0.1:%d;
+        location / {
+            llama_session identity;
+            proxy_pass http://owners;
+            proxy_buffering off;
+            proxy_read_timeout 900s;
+        }
+    }''' % (balance, servers, fport)
+    ngx = Nginx(work, name, conf)
+    wait_http(fport)
+    return ngx, fport
+
+
+def bench_fleet(work, quick):
+    """three llama-servers of one model, an owner zone each, a front: the
+    sticky hash of docs/scaling.md with a folder per owner, the same with
+    one shared folder (shared=on), and least_conn with the shared folder.
+    Sessions of unequal size (three long, nine short), twelve clients at
+    once with think times; each returning turn's time to first token, what
+    it was (hit, restore, fresh), and the spread of the work over the
+    owners: the prompt tokens each one held and prefilled"""
+    import random
+    import threading
+    nback = 3
+    rounds = 3 if quick else 6
+    big, small = (1536, 256) if quick else (3072, 384)
+    sizes = [big] * 3 + [small] * 9
+    res = {'backends': nback, 'sessions': len(sizes), 'rounds': rounds,
+           'tokens': {'long': big, 'short': small}}
+    sides = [('hash_own_folders', 'hash $llama_session_key consistent', 0),
+             ('hash_shared', 'hash $llama_session_key consistent', 1),
+             ('least_conn_shared', 'least_conn', 1)]
+    ctx = 2 * (big * 2 + 1024)
+    # the same owners' addresses on every side: the same ring for the hash
+    ports = [free_port() for _ in range(nback)]
+    for side, balance, shared in sides:
+        folder = os.path.join(work, 'fleet-%s' % side)
+        llamas = [Llama(work, 'fleet-%s-%d' % (side, i), ctx, np=2,
+                        slots=(folder if shared else None))
+                  for i in range(nback)]
+        if shared:
+            os.makedirs(folder, exist_ok=True)
+        ngx, port = fleet_nginx(
+            work, 'nginx-fleet-%s' % side, llamas,
+            (lambda i: folder) if shared else (lambda i: llamas[i].slots),
+            ' slots=2 save_idle=300ms' + (' shared=on' if shared else ''),
+            balance, ports)
+        nwords = {n: words_for(llamas[0].port, n, 'fl') for n in set(sizes)}
+        conv = {}
+        for i, n in enumerate(sizes):
+            conv[i] = [{'role': 'system', 'content': filler('sys', 200)},
+                       {'role': 'user', 'content':
+                        filler('f%dw' % i, nwords[n]) + ' Q1?'}]
+        rec, kinds, held, fill, lock = [], {}, {}, {}, threading.Lock()
+
+        def turn(i, rnd):
+            msgs = conv[i]
+            if rnd:
+                msgs.append({'role': 'user', 'content':
+                             'Q%d? %s' % (rnd + 1, filler('q', 8))})
+            ttft, text, cache_n, prompt, _, hdrs = chat_turn(
+                port, msgs, 'fleet-%d' % i, 4, {'temperature': 0})
+            msgs.append({'role': 'assistant', 'content': text})
+            h = {k.lower(): v for k, v in hdrs.items()}
+            b = h.get('x-backend', '?')
+            with lock:
+                held[b] = held.get(b, 0) + prompt
+                fill[b] = fill.get(b, 0) + prompt - (cache_n or 0)
+                if rnd:
+                    rec.append(ttft)
+                    k = h.get('x-s-action', '?')
+                    kinds[k] = kinds.get(k, 0) + 1
+
+        rng = random.Random(11)
+        thinks = {i: [rng.uniform(0.5, 3.0) for _ in range(rounds)]
+                  for i in conv}
+
+        def client(i):
+            turn(i, 0)
+            for rnd in range(1, rounds + 1):
+                time.sleep(thinks[i][rnd - 1])
+                turn(i, rnd)
+
+        th = [threading.Thread(target=client, args=(i,)) for i in conv]
+        for x in th:
+            x.start()
+        for x in th:
+            x.join()
+        def spread(d):
+            v = [d.get('o%d' % i, 0) for i in range(nback)]
+            return max(v) / (sum(v) / float(nback)) if sum(v) else None
+
+        res[side] = {'p50': median(rec), 'p95': p95(rec),
+                     'samples': len(rec), 'kinds': kinds,
+                     'held': held, 'prefilled': fill,
+                     'held_max_over_mean': spread(held),
+                     'prefilled_max_over_mean': spread(fill)}
+        print('fleet %-18s returning p50 / p95 %s / %s s, %s; tokens held '
+              'per owner %s (max/mean %.2f), prefilled %s (max/mean %.2f)'
+              % (side, fmt(res[side]['p50']), fmt(res[side]['p95']),
+                 ', '.join('%s %d' % kv for kv in sorted(kinds.items())),
+                 '/'.join(str(held.get('o%d' % i, 0))
+                          for i in range(nback)),
+                 res[side]['held_max_over_mean'],
+                 '/'.join(str(fill.get('o%d' % i, 0))
+                          for i in range(nback)),
+                 res[side]['prefilled_max_over_mean'] or 0))
+        ngx.stop()
+        for ll in llamas:
+            ll.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    for side, _, _ in sides[1:]:
+        res[side + '_vs_own_p50'] = res[side]['p50'] / res['hash_own_folders']['p50']
+        res[side + '_vs_own_p95'] = res[side]['p95'] / res['hash_own_folders']['p95']
+    return res
+
+
 # 6. a team on four slots ------------------------------------------------
 
 def bench_team(work, quick, full=False):
@@ -1675,7 +1834,7 @@ def main():
                                                   'latest.json'))
     ap.add_argument('--only',
                     default='ttft,swap,hit,scale,warm,team,oneslot,models,'
-                            'kvq,clients')
+                            'kvq,clients,fleet')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '
