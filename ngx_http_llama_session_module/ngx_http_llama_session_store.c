@@ -1682,8 +1682,7 @@ ngx_http_llama_session_store_evictable(ngx_http_llama_session_zone_t *zone,
 /*
  * shared=on: the session's .json as this zone leaves it, recorded: after
  * its save wrote it, or when the zone takes the session in ("touch": its
- * time set to now, which other owners' eviction sees).  Its own file
- * only: a link is never followed.
+ * time set to now, which other owners' eviction sees).
  */
 
 void
@@ -1691,32 +1690,42 @@ ngx_http_llama_session_store_used(ngx_http_llama_session_zone_t *zone,
     u_char *name, size_t len, ngx_uint_t touch, ngx_log_t *log)
 {
     u_char                        file[NGX_MAX_PATH];
-    time_t                        now;
+    ngx_fd_t                      fd;
     ngx_file_info_t               fi;
+    struct timespec               ts[2];
     ngx_http_llama_session_fid_t  fid;
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, len,
                  name);
 
-    if (ngx_link_info(file, &fi) == NGX_FILE_ERROR || !ngx_is_file(&fi)) {
+    /* opened as every store file: no link followed, no FIFO waited for */
+
+    fd = ngx_http_llama_session_file_open(file,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
+                                          log);
+    if (fd == NGX_INVALID_FILE) {
         return;
+    }
+
+    if (ngx_fd_info(fd, &fi) == NGX_FILE_ERROR) {
+        goto done;
     }
 
     if (touch) {
         /* a time it does not have: a save in this second changed it too */
-        now = ngx_time();
 
-        if (ngx_file_mtime(&fi) >= now) {
-            now = ngx_file_mtime(&fi) + 1;
-        }
+        ts[0].tv_sec = ngx_time();
+        ts[0].tv_nsec = 0;
+        ts[1].tv_sec = ngx_max(ngx_time(), ngx_file_mtime(&fi) + 1);
+        ts[1].tv_nsec = 0;
 
-        if (ngx_set_file_time(file, NGX_INVALID_FILE, now) != NGX_OK) {
+        if (futimens(fd, ts) == -1) {
             /* another user's .json: other owners will not see this use */
             ngx_log_error(NGX_LOG_INFO, log, ngx_errno,
-                          ngx_set_file_time_n " \"%s\" failed", file);
+                          "futimens() \"%s\" failed", file);
 
-        } else if (ngx_link_info(file, &fi) == NGX_FILE_ERROR) {
-            return;
+        } else if (ngx_fd_info(fd, &fi) == NGX_FILE_ERROR) {
+            goto done;
         }
     }
 
@@ -1725,6 +1734,10 @@ ngx_http_llama_session_store_used(ngx_http_llama_session_zone_t *zone,
     fid.mtime = ngx_file_mtime(&fi);
 
     ngx_http_llama_session_file_meta(zone, name, len, &fid);
+
+done:
+
+    (void) ngx_close_file(fd);
 }
 
 
