@@ -42,27 +42,13 @@ sub reload {
     sleep 2;
 }
 
-my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
-my (%conv, %backend, %prev);
+my (%backend, %prev);
 
 sub turn {
     my ($sid) = @_;
-    $conv{$sid} //= [ { role => 'system', content => $system },
-                      { role => 'user', content => join ' ', map {
-                            "Session $sid note $_." } 1 .. 40 } ];
-    my $r = $t->post('/v1/chat/completions',
-                     { messages => $conv{$sid}, max_tokens => 2,
-                       temperature => 0 },
-                     headers => { 'X-Session-Id' => $sid });
+    my $r = $t->chat_turn($sid);
     die "$sid: $r->{status} $r->{content}\n" unless $r->{status} == 200;
-    push @{ $conv{$sid} },
-        { role => 'assistant',
-          content => $r->{json}{choices}[0]{message}{content} },
-        { role => 'user', content => "More for $sid?" };
-    return { prompt => $r->{json}{usage}{prompt_tokens},
-             cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
-             action => $r->{headers}{'x-s-action'},
-             backend => $r->{headers}{'x-backend'} };
+    return $r;
 }
 
 # turns of sessions that moved: restores of (nearly) all their tokens, and
@@ -141,8 +127,7 @@ reload();
 is_deeply(\@bad, [], "$gone back in the front: its sessions restore the "
           . "state saved on the others, $last too, whose older state "
           . "the slot of $gone still held") or diag join "\n", @bad;
-my $key = LlamaTest::session_key($last, body => {
-    messages => [ @{ $conv{$last} }[0, 1] ] });
+my $key = $t->chat_key($last);
 ok(scalar $t->log_lines(qr/swap on slot 0 of zone "$gone": out its own older state \(another owner saved a newer one since\), in "\Q$key\E" restored/),
    "$gone\'s swap line says its slot held an older state of $last");
 

@@ -26,72 +26,23 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 my $dir = $t->dir;
-my %port;
-for my $b (qw(a b)) {
-    $t->llama(name => $b, ctx => 8192, slots => "$dir/slots");
-    $port{$b} = $b eq 'a' ? '%%PORT%%' : LlamaTest::port();
-}
-
-my $conf = '';
-for my $b (qw(a b)) {
-    my $idle = $b eq 'b' ? ' save_idle=1s' : '';
-    $conf .= <<"EOF";
-    llama_session_zone zone=$b:1m store=$dir/slots shared=on$idle;
-
-    server {
-        listen 127.0.0.1:$port{$b};
-
-        location / {
-            llama_session $b;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
-            proxy_read_timeout 300s;
-            add_header X-S-Action \$llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
-        }
-
-        location /api/ { llama_session_api $b; }
-        location = /metrics { llama_session_metrics $b; }
-    }
-
-EOF
-}
-$t->nginx($conf);
-
-my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
-my %conv;
-
-# the owner's port, for the harness's requests
-sub on { return $_[0] eq 'a' ? () : (port => $port{b}) }
-
-sub key {
-    my ($sid) = @_;
-    return LlamaTest::session_key($sid, body => {
-        messages => [ @{ $conv{$sid} }[0, 1] ] });
-}
+$t->llama(name => $_, ctx => 8192, slots => "$dir/slots") for qw(a b);
+$t->nginx($t->owners(
+    names => [qw(a b)], front => 0, store => sub { "$dir/slots" },
+    zone => sub { ' shared=on' . ($_[0] eq 'b' ? ' save_idle=1s' : '') },
+    extra => sub { "location /api/ { llama_session_api $_[0]; }\n"
+                   . "        location = /metrics { llama_session_metrics "
+                   . "$_[0]; }" }));
 
 sub turn {
     my ($owner, $sid) = @_;
-    $conv{$sid} //= [ { role => 'system', content => $system },
-                      { role => 'user', content => join ' ', map {
-                            "Session $sid note $_." } 1 .. 40 } ];
-    my $r = $t->post('/v1/chat/completions',
-                     { messages => $conv{$sid}, max_tokens => 4,
-                       temperature => 0 },
-                     headers => { 'X-Session-Id' => $sid }, on($owner));
+    my $r = $t->chat_turn($sid, owner => $owner, max_tokens => 4);
     die "$sid on $owner: $r->{status} $r->{content}\n"
         unless $r->{status} == 200;
-    push @{ $conv{$sid} },
-        { role => 'assistant',
-          content => $r->{json}{choices}[0]{message}{content} },
-        { role => 'user', content => "More for $sid?" };
-    return { prompt => $r->{json}{usage}{prompt_tokens},
-             cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
-             action => $r->{headers}{'x-s-action'} };
+    return $r;
 }
+
+sub key { $t->chat_key($_[0]) }
 
 # the session's file and what its .json says
 sub file {
@@ -106,7 +57,7 @@ sub file {
 
 sub metric {
     my ($owner, $at) = @_;
-    my $m = $t->get('/metrics', on($owner))->{content};
+    my $m = $t->get('/metrics', port => $t->owner_port($owner))->{content};
     return $m =~ /^nginx_llama_session_shared_newer_total\{zone="$owner",at="$at"\} (\d+)$/m
         ? $1 : -1;
 }

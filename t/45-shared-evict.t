@@ -17,65 +17,23 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 my $dir = $t->dir;
-my %port = (a => '%%PORT%%', b => LlamaTest::port());
-for my $b (qw(a b)) {
-    $t->llama(name => $b, ctx => 8192, slots => "$dir/slots");
-}
+$t->llama(name => $_, ctx => 8192, slots => "$dir/slots") for qw(a b);
+$t->nginx($t->owners(
+    names => [qw(a b)], front => 0, store => sub { "$dir/slots" },
+    zone => sub { ' shared=on' . ($_[0] eq 'a' ? ' max_files=2' : '') }));
 
-my $conf = '';
-for my $b (qw(a b)) {
-    my $max = $b eq 'a' ? ' max_files=2' : '';
-    $conf .= <<"EOF";
-    llama_session_zone zone=$b:1m store=$dir/slots shared=on$max;
-
-    server {
-        listen 127.0.0.1:$port{$b};
-
-        location / {
-            llama_session $b;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
-            proxy_read_timeout 300s;
-            add_header X-S-Action \$llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
-        }
-    }
-
-EOF
-}
-$t->nginx($conf);
-
-my %conv;
-
+# each session with a system prompt of its own: no base of a shared one
 sub turn {
     my ($owner, $sid) = @_;
-    $conv{$sid} //= [ { role => 'system',
-                        content => join ' ', map { "Rule $_ for $sid." }
-                                                 1 .. 30 },
-                      { role => 'user', content => join ' ', map {
-                            "Session $sid note $_." } 1 .. 30 } ];
-    my $r = $t->post('/v1/chat/completions',
-                     { messages => $conv{$sid}, max_tokens => 2,
-                       temperature => 0 },
-                     headers => { 'X-Session-Id' => $sid },
-                     $owner eq 'a' ? () : (port => $port{b}));
+    my $r = $t->chat_turn($sid, owner => $owner, notes => 30,
+                          system => join ' ', map { "Rule $_ for $sid." }
+                                                  1 .. 30);
     die "$sid on $owner: $r->{status} $r->{content}\n"
         unless $r->{status} == 200;
-    push @{ $conv{$sid} },
-        { role => 'assistant',
-          content => $r->{json}{choices}[0]{message}{content} },
-        { role => 'user', content => "More for $sid?" };
-    return $r->{headers}{'x-s-action'};
+    return $r->{action};
 }
 
-sub key {
-    my ($sid) = @_;
-    return LlamaTest::session_key($sid, body => {
-        messages => [ @{ $conv{$sid} }[0, 1] ] });
-}
+sub key { $t->chat_key($_[0]) }
 
 sub has_file { my @f = glob "$dir/slots/${\key($_[0])}.*.bin"; scalar @f }
 

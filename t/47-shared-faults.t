@@ -16,59 +16,11 @@ use Test::More;
 
 my $t = LlamaTest->new(workers => 2);
 my $dir = $t->dir;
-my %port = (a => '%%PORT%%', b => LlamaTest::port());
-for my $b (qw(a b)) {
-    $t->llama(name => $b, ctx => 8192, slots => "$dir/slots");
-}
+$t->llama(name => $_, ctx => 8192, slots => "$dir/slots") for qw(a b);
+$t->nginx($t->owners(names => [qw(a b)], front => 0,
+                     store => sub { "$dir/slots" }, zone => ' shared=on'));
 
-my $conf = '';
-for my $b (qw(a b)) {
-    $conf .= <<"EOF";
-    llama_session_zone zone=$b:1m store=$dir/slots shared=on;
-
-    server {
-        listen 127.0.0.1:$port{$b};
-
-        location / {
-            llama_session $b;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%;
-            proxy_read_timeout 300s;
-            add_header X-S-Action \$llama_session_action always;
-        }
-
-        location /_llama_slots/ {
-            internal;
-            proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
-        }
-    }
-
-EOF
-}
-$t->nginx($conf);
-
-my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
-my %conv;
-
-sub turn {
-    my ($owner, $sid) = @_;
-    $conv{$sid} //= [ { role => 'system', content => $system },
-                      { role => 'user', content => join ' ', map {
-                            "Session $sid note $_." } 1 .. 40 } ];
-    my $r = $t->post('/v1/chat/completions',
-                     { messages => $conv{$sid}, max_tokens => 2,
-                       temperature => 0 },
-                     headers => { 'X-Session-Id' => $sid },
-                     $owner eq 'a' ? () : (port => $port{b}));
-    return { status => $r->{status}, content => $r->{content} }
-        unless $r->{status} == 200;
-    push @{ $conv{$sid} },
-        { role => 'assistant',
-          content => $r->{json}{choices}[0]{message}{content} },
-        { role => 'user', content => "More for $sid?" };
-    return { status => 200, prompt => $r->{json}{usage}{prompt_tokens},
-             cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
-             action => $r->{headers}{'x-s-action'} };
-}
+sub turn { my ($owner, $sid) = @_; $t->chat_turn($sid, owner => $owner) }
 
 sub files {
     my %f;

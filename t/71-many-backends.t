@@ -25,26 +25,13 @@ for my $b (qw(a b c)) {
 $t->nginx($t->owners(names => [qw(a b c)],
                      store => sub { "$dir/slots-$_[0]" }));
 
-my $system = join ' ', map { "Rule $_ of the house." } 1 .. 40;
-my (%conv, %backend, %prev);
+my (%backend, %prev);
 
 sub turn {
     my ($sid) = @_;
-    $conv{$sid} //= [ { role => 'system', content => $system },
-                      { role => 'user', content => join ' ', map {
-                            "Session $sid note $_." } 1 .. 40 } ];
-    my $r = $t->post('/v1/chat/completions',
-                     { messages => $conv{$sid}, max_tokens => 2,
-                       temperature => 0 },
-                     headers => { 'X-Session-Id' => $sid });
+    my $r = $t->chat_turn($sid);
     die "$sid: $r->{status} $r->{content}\n" unless $r->{status} == 200;
-    push @{ $conv{$sid} },
-        { role => 'assistant',
-          content => $r->{json}{choices}[0]{message}{content} },
-        { role => 'user', content => "More for $sid?" };
-    return { prompt => $r->{json}{usage}{prompt_tokens},
-             cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
-             backend => $r->{headers}{'x-backend'} };
+    return $r;
 }
 
 my @sessions = map { "m$_" } 1 .. 24;

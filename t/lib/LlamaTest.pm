@@ -449,27 +449,39 @@ EOF
 
 # Many llama-servers behind one nginx (docs/scaling.md): a zone per
 # llama-server, each in a server of its own (an owner, on a port kept for
-# the test's life), and a front server on %%PORT%% that routes each
-# session by an upstream over the owners.  Text for nginx().  Options:
+# the test's life: owner_port(name)), and a front server on %%PORT%% that
+# routes each session by an upstream over the owners.  Text for nginx().
+# Options:
 #   names     the owners, each a llama-server started with llama(name =>)
 #   store     sub { name } giving each zone's store folder
-#   zone      more parameters of each llama_session_zone (shared=on ...)
+#   zone      more parameters of each llama_session_zone (shared=on ...),
+#             or sub { name } giving them
+#   extra     sub { name } giving more locations of an owner's server
 #   balance   the upstream's balancing, default
 #             'hash $llama_session_key consistent'
 #   fail      fail_timeout of each server, default 30s
 #   down      { name => 1 }: servers marked down
+#   front     0: no front; the first owner listens on %%PORT%% (a test
+#             then plays the front, sending each turn to an owner)
 # Each owner's replies say X-Backend (its name) and X-S-Action.
 sub owners {
     my ($self, %o) = @_;
     my $balance = $o{balance} // 'hash $llama_session_key consistent';
     my $fail = $o{fail} // '30s';
-    my $zone = $o{zone} // '';
+    my $zone = ref $o{zone} ? $o{zone} : do { my $z = $o{zone} // '';
+                                              sub { $z } };
+    my $extra = $o{extra} // sub { '' };
+    my $front = $o{front} // 1;
     my ($conf, $servers) = ('', '');
+    $self->{owner_port}{ $o{names}[0] } = $self->{nginx_port} //= port()
+        unless $front;
     for my $b (@{ $o{names} }) {
         my $port = $self->{owner_port}{$b} //= port();
         my $store = $o{store}->($b);
+        my $z = $zone->($b);
+        my $more = $extra->($b);
         $conf .= <<"EOF";
-    llama_session_zone zone=$b:1m store=$store$zone;
+    llama_session_zone zone=$b:1m store=$store$z;
 
     server {
         listen 127.0.0.1:$port;
@@ -486,6 +498,7 @@ sub owners {
             internal;
             proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
         }
+        $more
     }
 
 EOF
@@ -493,6 +506,7 @@ EOF
                   . "fail_timeout=$fail" . ($o{down}{$b} ? ' down' : '')
                   . ";\n";
     }
+    return $conf unless $front;
     return $conf . <<"EOF";
     upstream owners {
         $balance;
@@ -511,6 +525,48 @@ $servers    }
         }
     }
 EOF
+}
+
+sub owner_port { $_[0]{owner_port}{ $_[1] } }
+
+# A conversation's next turn, kept in the test object by its id: a system
+# prompt of 40 rules (or "system"), a first message of "notes" notes of
+# its own (default 40), the reply and "More for ID?" appended after each
+# turn.  Sent with X-Session-Id, to "owner"'s port (owner_port()) or
+# nginx's.  Returns the status, and of a 200: prompt, cached (tokens),
+# action and backend (the owners' headers).
+sub chat_turn {
+    my ($self, $sid, %o) = @_;
+    my $conv = $self->{conv}{$sid} //= [
+        { role => 'system', content => $o{system}
+                            // join ' ', map { "Rule $_ of the house." }
+                                             1 .. 40 },
+        { role => 'user', content => join ' ', map { "Session $sid note $_." }
+                                                   1 .. ($o{notes} // 40) } ];
+    my $r = $self->post('/v1/chat/completions',
+                        { messages => $conv, max_tokens => $o{max_tokens} // 2,
+                          temperature => 0 },
+                        headers => { 'X-Session-Id' => $sid },
+                        $o{owner} ? (port => $self->owner_port($o{owner}))
+                                  : ());
+    return { status => $r->{status}, content => $r->{content} }
+        unless $r->{status} == 200;
+    push @$conv,
+        { role => 'assistant',
+          content => $r->{json}{choices}[0]{message}{content} },
+        { role => 'user', content => "More for $sid?" };
+    return { status => 200,
+             prompt => $r->{json}{usage}{prompt_tokens},
+             cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
+             action => $r->{headers}{'x-s-action'},
+             backend => $r->{headers}{'x-backend'} };
+}
+
+# the key of a conversation chat_turn() keeps
+sub chat_key {
+    my ($self, $sid) = @_;
+    return session_key($sid, body => {
+        messages => [ @{ $self->{conv}{$sid} }[0, 1] ] });
 }
 
 # the usual site of a test, as text for nginx() (or nginx_test()):
