@@ -457,6 +457,7 @@ EOF
 #   zone      more parameters of each llama_session_zone (shared=on ...),
 #             or sub { name } giving them
 #   extra     sub { name } giving more locations of an owner's server
+#   slots     more directives of the slots locations (proxy_read_timeout)
 #   balance   the upstream's balancing, default
 #             'hash $llama_session_key consistent'
 #   fail      fail_timeout of each server, default 30s
@@ -471,6 +472,7 @@ sub owners {
     my $zone = ref $o{zone} ? $o{zone} : do { my $z = $o{zone} // '';
                                               sub { $z } };
     my $extra = $o{extra} // sub { '' };
+    my $slots = $o{slots} // '';
     my $front = $o{front} // 1;
     my ($conf, $servers) = ('', '');
     $self->{owner_port}{ $o{names}[0] } = $self->{nginx_port} //= port()
@@ -497,6 +499,7 @@ sub owners {
         location /_llama_slots/ {
             internal;
             proxy_pass http://127.0.0.1:%%LLAMA:$b%%/;
+            $slots
         }
         $more
     }

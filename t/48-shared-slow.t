@@ -1,0 +1,81 @@
+#!/usr/bin/perl
+
+# One store, two owners (shared=on), a front with "hash ... consistent" and
+# proxy_next_upstream (docs/scaling.md), on the fake backend: the shared
+# file system slow, a save runs past the slots location's
+# proxy_read_timeout.  The owner answers 502 before anything ran, the
+# front sends the request to the other owner, which answers it; the
+# session whose save timed out keeps its previous file, whole, and its
+# next turn restores it (re-prefilling the turns since).
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+
+my $t = LlamaTest->new(workers => 2);
+my $dir = $t->dir;
+$t->fake(name => $_, slots => "$dir/slots") for qw(a b);
+$t->nginx($t->owners(names => [qw(a b)], store => sub { "$dir/slots" },
+                     zone => ' shared=on save_idle=500ms',
+                     slots => 'proxy_read_timeout 1s;'));
+
+# a conversation's turn n: its first message, then n - 1 exchanges
+my $chat = sub {
+    my ($sid, $n) = @_;
+    return { messages => [ { role => 'user', content => "Hello from $sid" },
+                           map { ({ role => 'assistant', content => "ok $_" },
+                                  { role => 'user', content => "more $_" }) }
+                               1 .. $n - 1 ] };
+};
+
+sub turn {
+    my ($sid, $n) = @_;
+    my $r = $t->post('/v1/chat/completions', $chat->($sid, $n),
+                     headers => { 'X-Session-Id' => $sid });
+    return { status => $r->{status}, action => $r->{headers}{'x-s-action'},
+             backend => $r->{headers}{'x-backend'} };
+}
+
+my $r = turn('s', 1);
+is($r->{status}, 200, 's on its owner');
+my $owner = $r->{backend};
+my $other = $owner eq 'a' ? 'b' : 'a';
+my $key = LlamaTest::session_key('s', body => $chat->('s', 1));
+ok($t->wait_for(sub { glob "$dir/slots/$key.*.bin" }, 5),
+   "$owner saves s once idle");
+my ($bin) = glob "$dir/slots/$key.*.bin";
+my @before = (stat $bin)[1, 7, 9];
+is(turn('s', 2)->{action}, 'hit', 's again on its owner: changed since');
+
+# the store slow: the owner's next save takes 3 s, its bound is 1 s
+$t->fake_script({ save => { delay_ms => 3000 } }, $owner);
+my ($u, $got);
+for my $i (1 .. 40) {
+    my $r = turn("u$i", 1);
+    next unless $r->{status} != 200 || $r->{backend} ne $other
+                || $t->log_lines(qr/did not answer|\(save\) in time|timed out/);
+    ($u, $got) = ("u$i", $r);
+    last;
+}
+ok($u, 'a session the ring gives the slow owner (' . ($u // 'none') . ')');
+is($got->{status}, 200, "$u answered, by the other owner")
+    or diag explain $got;
+is($got->{backend}, $other, "$u served by $other");
+ok(scalar $t->log_lines(qr/upstream timed out .*_llama_slots|did not answer a slot call \(save\) in time/),
+   'the slow save is logged');
+is_deeply([ (stat $bin)[1, 7, 9] ], \@before, "s's previous file is intact");
+
+$t->fake_script({}, $owner);
+sleep 3;
+$r = turn('s', 3);
+is($r->{status}, 200, 's answered on its owner again');
+is($r->{action}, 'restore', 's restores its previous file');
+$t->allow_alerts(qr/upstream timed out/);
+
+$t->stop;
+done_testing;
