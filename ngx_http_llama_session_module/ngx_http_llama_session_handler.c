@@ -898,6 +898,21 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         ngx_http_llama_session_stat(&ctx->zone->sh->stats.reprefills);
     }
 
+    if (ctx->job->stale && !ctx->job->load_file) {
+        /*
+         * shared=on: the newer file is not to be restored after all (its
+         * restore costs more, or it went): the slot's older state is a
+         * prefix of the conversation, better than nothing; a hit again
+         */
+
+        ctx->job->stale = 0;
+        ctx->job->reprefill = 0;
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
+        ctx->swapped = 0;
+
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
     if (ctx->job->restarted) {
         /* the slot was checked already: llama-server restarted */
         return ngx_http_llama_session_load(r, ctx);

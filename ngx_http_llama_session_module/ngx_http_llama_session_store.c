@@ -1989,11 +1989,13 @@ ngx_uint_t
 ngx_http_llama_session_store_newer(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_uint_t                    tokens;
     ngx_http_llama_session_fid_t  fid;
 
     if (!ctx->zone->shared || ctx->zone->store.len == 0
         || ctx->default_session
         || !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp)
+        || ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)
         || ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp, ctx->key,
                                             ctx->key_len, &fid,
                                             r->connection->log)
@@ -2013,10 +2015,19 @@ ngx_http_llama_session_store_newer(ngx_http_request_t *r,
      * prompt (a later turn; its own idle save of an older turn is not)
      */
 
-    return ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
-                                               ctx->key, ctx->key_len,
-                                               r->connection->log)
-           > ctx->prev_tokens;
+    tokens = ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
+                                                 ctx->key, ctx->key_len,
+                                                 r->connection->log);
+
+    if (tokens <= ctx->prev_tokens) {
+        return 0;
+    }
+
+    /* indexed as it is: what its restore would cost (cost.c) */
+    ngx_http_llama_session_file_saved(ctx->zone, ctx->job, ctx->key,
+                                      ctx->key_len, 0, 1, tokens, fid.size);
+
+    return 1;
 }
 
 

@@ -6,7 +6,9 @@
 # proxy_read_timeout.  The owner answers 502 before anything ran, the
 # front sends the request to the other owner, which answers it; the
 # session whose save timed out keeps its previous file, whole, and its
-# next turn restores it (re-prefilling the turns since).
+# next turn restores it (re-prefilling the turns since).  And a stale hit
+# whose newer file would cost more to read than its prompt to prefill
+# stays a hit.
 
 use strict;
 use warnings;
@@ -75,6 +77,38 @@ sleep 3;
 $r = turn('s', 3);
 is($r->{status}, 200, 's answered on its owner again');
 is($r->{action}, 'restore', 's restores its previous file');
+
+# a slow disk on the stale hit's owner: a's slot still holds x's older
+# turn, b saved a later one, but reading it would cost more than the
+# prompt's prefill (cost.c): the slot's state is used, a hit
+
+my %conv;
+sub direct {
+    my ($owner, $sid) = @_;
+    my $c = $conv{$sid} //= [ { role => 'user',
+                                content => "$sid " . ('history ' x 800) } ];
+    push @$c, { role => 'user', content => 'more ' . scalar(@$c) };
+    my $r = $t->post('/v1/chat/completions', { messages => $c },
+                     headers => { 'X-Session-Id' => $sid },
+                     port => $t->owner_port($owner));
+    die "$sid on $owner: $r->{status}\n" unless $r->{status} == 200;
+    push @$c, { role => 'assistant', content => 'ok' };
+    return $r->{headers}{'x-s-action'};
+}
+
+direct('a', $_) for qw(p q r);
+$t->fake_script({ restore => { restore_ms => 60000 } }, 'a');
+direct('a', $_) for qw(p q p q);
+ok(scalar $t->log_lines(qr/swap on slot 0 of zone "a".* fresh \(re-prefilled/),
+   'a has learnt that a restore costs more than a prefill');
+direct('a', 'x');
+direct('b', 'x');
+my $xkey = LlamaTest::session_key('x', body => { messages =>
+                                                 [ $conv{x}[0] ] });
+ok($t->wait_for(sub { $t->log_lines(qr/idle save of "\Q$xkey\E"/) }, 5),
+   'b saves x once idle');
+is(direct('a', 'x'), 'hit', 'x back on a: its slot\'s older state, not a '
+   . 're-prefill');
 $t->allow_alerts(qr/upstream timed out/);
 
 $t->stop;
