@@ -1650,6 +1650,7 @@ ngx_http_llama_session_store_evictable(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_evicted_t *e, ngx_log_t *log)
 {
     u_char                        file[NGX_MAX_PATH];
+    time_t                        since;
     ngx_file_info_t               fi;
     ngx_http_llama_session_fid_t  fid;
 
@@ -1664,9 +1665,9 @@ ngx_http_llama_session_store_evictable(ngx_http_llama_session_zone_t *zone,
     fid.size = ngx_file_size(&fi);
     fid.mtime = ngx_file_mtime(&fi);
 
-    if (!ngx_http_llama_session_file_kept(zone, e, &fid,
-                                  ngx_time() - NGX_HTTP_LLAMA_SESSION_SHARED_GRACE))
-    {
+    since = ngx_time() - NGX_HTTP_LLAMA_SESSION_SHARED_GRACE;
+
+    if (!ngx_http_llama_session_file_kept(zone, e, &fid, since)) {
         return 1;
     }
 
