@@ -755,6 +755,8 @@ typedef struct {
                                                    held a newer state */
     unsigned                        stale:1;    /* shared=on: the hit's
                                                    slot state was older */
+    unsigned                        stale_verify:1; /* and that hit was to
+                                                   check the slot first */
     unsigned                        load_file:1;
     unsigned                        restarted:1;
     unsigned                        slots_checked:1; /* GET /slots vouched */

@@ -56,6 +56,8 @@ static ngx_int_t ngx_http_llama_session_wait(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_props(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_hit(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_files(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_checked(ngx_http_request_t *r,
@@ -769,16 +771,7 @@ ngx_http_llama_session_plan(ngx_http_request_t *r,
         ngx_http_llama_session_stat(&ctx->zone->sh->stats.newer_hits);
 
     } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT) {
-        if (!ctx->verify) {
-            return ngx_http_llama_session_proxy(r, ctx);
-        }
-
-        /* the slot was idle a while: has llama-server restarted? */
-
-        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
-        return ngx_http_llama_session_call(r, ctx,
-                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
-                                           NULL, 0);
+        return ngx_http_llama_session_hit(r, ctx);
     }
 
     ctx->swap_start = ngx_current_msec;
@@ -862,6 +855,25 @@ ngx_http_llama_session_props(ngx_http_request_t *r,
 }
 
 
+/* the slot holds the session: proxied, after a check if it idled a while */
+
+static ngx_int_t
+ngx_http_llama_session_hit(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (!ctx->verify) {
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
+    /* the slot was idle a while: has llama-server restarted? */
+
+    ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
+    return ngx_http_llama_session_call(r, ctx,
+                                       NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                       NULL, 0);
+}
+
+
 /* which files the swap involves, then what the slot holds */
 
 static ngx_int_t
@@ -895,7 +907,6 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         /* its file would take longer to read than its prompt to prefill */
         ctx->job->load_file = 0;
         ctx->job->reprefill = 1;
-        ngx_http_llama_session_stat(&ctx->zone->sh->stats.reprefills);
     }
 
     if (ctx->job->stale && !ctx->job->load_file) {
@@ -908,9 +919,14 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         ctx->job->stale = 0;
         ctx->job->reprefill = 0;
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_HIT;
+        ctx->verify = ctx->job->stale_verify;
         ctx->swapped = 0;
 
-        return ngx_http_llama_session_proxy(r, ctx);
+        return ngx_http_llama_session_hit(r, ctx);
+    }
+
+    if (ctx->job->reprefill) {
+        ngx_http_llama_session_stat(&ctx->zone->sh->stats.reprefills);
     }
 
     if (ctx->job->restarted) {

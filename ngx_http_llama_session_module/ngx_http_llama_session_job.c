@@ -221,6 +221,9 @@ ngx_http_llama_session_slot_lost(ngx_http_llama_session_ctx_t *ctx)
 void
 ngx_http_llama_session_slot_stale(ngx_http_llama_session_ctx_t *ctx)
 {
+    /* kept, should the hit be one after all (files()) */
+    ctx->job->stale_verify = ctx->verify;
+
     ctx->verify = 0;
     ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_NONE;
     ctx->job->stale = 1;

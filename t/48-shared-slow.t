@@ -24,7 +24,9 @@ my $dir = $t->dir;
 $t->fake(name => $_, slots => "$dir/slots") for qw(a b);
 $t->nginx($t->owners(names => [qw(a b)], store => sub { "$dir/slots" },
                      zone => ' shared=on save_idle=500ms',
-                     slots => 'proxy_read_timeout 1s;'));
+                     slots => 'proxy_read_timeout 1s;',
+                     extra => sub { 'location = /metrics { '
+                                    . 'llama_session_metrics; }' }));
 
 # a conversation's turn n: its first message, then n - 1 exchanges
 my $chat = sub {
@@ -107,8 +109,16 @@ my $xkey = LlamaTest::session_key('x', body => { messages =>
                                                  [ $conv{x}[0] ] });
 ok($t->wait_for(sub { $t->log_lines(qr/idle save of "\Q$xkey\E"/) }, 5),
    'b saves x once idle');
+my $reprefills = sub {
+    my $m = $t->get('/metrics', port => $t->owner_port('a'))->{content};
+    return $m =~ /^nginx_llama_session_reprefills_total\{zone="a"\} (\d+)$/m
+           ? $1 : 'none';
+};
+my $n = $reprefills->();
+ok($n =~ /^\d+$/ && $n > 0, "a counted its re-prefills ($n)");
 is(direct('a', 'x'), 'hit', 'x back on a: its slot\'s older state, not a '
    . 're-prefill');
+is($reprefills->(), $n, 'nor counted as one (reprefills_total ' . $n . ')');
 $t->allow_alerts(qr/upstream timed out/);
 
 $t->stop;
