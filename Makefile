@@ -4,6 +4,8 @@ SHELL := /bin/bash
 #
 #   make            build objs/ngx_http_llama_session_module.so against the
 #                   distro nginx (Debian nginx-dev, /usr/share/nginx/src)
+#   make nodebug    the same against that nginx without --with-debug, as
+#                   nginx.org builds its nginx (make test builds it too)
 #   make deps       install what the build and the tests need (apt-get);
 #                   with NGINX_VERSION=... or ASAN=1 also the apt sources
 #                   of the nginx source package to build (make deps-src)
@@ -34,7 +36,8 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 systemd-analyze:systemd
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps deps-packages deps-src rig rig-next test test-next demo bench soak asan \
+.PHONY: all deps deps-packages deps-src nodebug rig rig-next test test-next demo \
+        bench soak asan \
         test-asan test-valgrind deb clean
 
 all: $(MODULE)
@@ -53,6 +56,33 @@ objs/Makefile: config
 
 $(MODULE): objs/Makefile $(SOURCES)
 	$(MAKE) -f "$(CURDIR)/objs/Makefile" -C $(NGINX_SRC) modules
+
+# the module against the same nginx configured without --with-debug, as
+# nginx.org builds its nginx binary: there ngx_log_debug* expands to
+# nothing, and what only the debug log uses must not be left unused
+# (-Werror).  Built by make test, so it stays so; never loaded.
+MODULE_NODEBUG := objs-nodebug/ngx_http_llama_session_module.so
+
+objs-nodebug/Makefile: config
+	@test -f $(NGINX_SRC)/conf_flags || { \
+	    echo "$(NGINX_SRC) is missing: run 'make deps' (Debian nginx-dev)"; \
+	    exit 1; }
+	cd $(NGINX_SRC) && . ./conf_flags && flags=() && \
+	    for f in "$${NGX_CONF_FLAGS[@]}"; do \
+	        [ "$$f" = --with-debug ] || flags+=("$$f"); \
+	    done && ./configure \
+	    --with-cc-opt="$$(dpkg-buildflags --get CFLAGS) -fPIC $(CFLAGS_EXTRA)" \
+	    --with-ld-opt="$$(dpkg-buildflags --get LDFLAGS) -fPIC" \
+	    "$${flags[@]}" \
+	    --add-dynamic-module="$(CURDIR)" --builddir="$(CURDIR)/objs-nodebug" \
+	    > "$(CURDIR)/objs-nodebug.configure.log" 2>&1 \
+	    || { tail -n 30 "$(CURDIR)/objs-nodebug.configure.log"; exit 1; }
+	@! grep -q "define NGX_DEBUG  1" objs-nodebug/ngx_auto_config.h
+
+$(MODULE_NODEBUG): objs-nodebug/Makefile $(SOURCES)
+	$(MAKE) -f "$(CURDIR)/objs-nodebug/Makefile" -C $(NGINX_SRC) modules
+
+nodebug: $(MODULE_NODEBUG)
 
 deps: deps-packages deps-src
 
@@ -110,7 +140,7 @@ rig-next: deps
 
 # NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's
 # source package with the module (rig/build-nginx.sh, cached)
-test: deps $(MODULE) rig rig-next
+test: deps $(MODULE) $(MODULE_NODEBUG) rig rig-next
 	@if [ -n "$(NGINX_VERSION)" ]; then \
 	    eval "$$(rig/build-nginx.sh $(NGINX_VERSION))"; \
 	    export NGINX_BINARY NGINX_MODULE; \
@@ -157,6 +187,7 @@ test-valgrind: deps $(MODULE) rig
 deb: deps
 	rm -rf build/deb && mkdir -p build/deb/src
 	tar -cf - --exclude=./objs --exclude=./objs.configure.log \
+	    --exclude=./objs-nodebug --exclude=./objs-nodebug.configure.log \
 	    --exclude=./build --exclude=./.git --exclude=./bench/results . \
 	    | tar -xf - -C build/deb/src
 	cd build/deb/src && dpkg-buildpackage -us -uc -b > ../build.log 2>&1 \
@@ -165,4 +196,4 @@ deb: deps
 	@ls build/deb/*.deb
 
 clean:
-	rm -rf objs objs.configure.log build
+	rm -rf objs objs.configure.log objs-nodebug objs-nodebug.configure.log build

@@ -75,11 +75,16 @@ static void ngx_http_llama_session_job_wake(ngx_event_t *ev);
 static void ngx_http_llama_session_job_event(ngx_event_t *ev);
 
 
+#if (NGX_DEBUG)
+
+/* the job states' names, for the debug log only */
+
 static char  *ngx_http_llama_session_state_names[] = {
     "body", "acquire", "router", "props", "check", "pause", "save", "load",
     "warm", "proxy", "done", "ollama", "reprime"
 };
 
+#endif
 
 
 /* every change of a job's state goes through here, for the debug log */
@@ -450,6 +455,8 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
         ctx->job->loaded_tokens = tokens;
         ctx->job->loaded_bytes = bytes;
         ctx->job->load_ms = ms;
+        ctx->job->loaded_primed = ngx_http_llama_session_file_primed(
+                                      ctx->zone, ctx->job->fp, key, len);
 
         (void) ngx_atomic_fetch_add(&ctx->zone->sh->metrics.bytes_restored,
                                     (ngx_atomic_uint_t) bytes);
