@@ -312,6 +312,9 @@ typedef struct {
     u_char                          has_sys;
     u_char                          has_ns;
     u_char                          is_base;    /* a warm start's base */
+    u_char                          primed;     /* re-primed before its
+                                                   save: the next turn
+                                                   extends all of it */
     u_short                         base_uses;  /* sessions it started */
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          sys[NGX_HTTP_LLAMA_SESSION_DIGEST];
@@ -477,16 +480,6 @@ typedef struct {
                                                    files saved: a save's
                                                    size, ahead */
     ngx_http_llama_session_cost_t   cost;
-
-    /*
-     * re-primes that found the slot already holding what the next turn
-     * extends (a template that renders each reply as generated): after a
-     * few in a row they stop for that configuration (reprime.c)
-     */
-    ngx_uint_t                      reprime_extends;
-    u_char                          reprime_off;
-    u_char                          reprime_off_fp[
-                                        NGX_HTTP_LLAMA_SESSION_FP_LEN];
 
     /* router mode: this zone's model */
     ngx_msec_t                      model_used; /* its last request */
@@ -726,6 +719,8 @@ typedef struct {
     ngx_uint_t                      loaded_tokens;
     off_t                           loaded_bytes;
     double                          load_ms;
+    ngx_uint_t                      loaded_primed; /* the file restored
+                                                   was re-primed */
 
     unsigned                        own:1;      /* the module's own request
                                                    (an idle save), no
@@ -762,6 +757,8 @@ typedef struct {
     unsigned                        slots_checked:1; /* GET /slots vouched */
     unsigned                        quarantine:1;
     unsigned                        reprefill:1; /* no restore: cost.c */
+    unsigned                        primed:1;   /* the save in progress
+                                                   was re-primed */
 } ngx_http_llama_session_job_t;
 
 

@@ -679,7 +679,8 @@ ngx_http_llama_session_memory_learn(ngx_http_request_t *r,
                       "files keep only the window and help only when "
                       "llama-server runs with --swa-full; without it the "
                       "zone stops saving and restoring after the first "
-                      "restore that brings nothing", &zone->name, mem.arch,
+                      "re-primed restore that brings nothing, until "
+                      "llama-server restarts", &zone->name, mem.arch,
                       mem.window);
         break;
 

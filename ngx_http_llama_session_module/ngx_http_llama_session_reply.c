@@ -18,6 +18,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_cost.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_reply.h"
 #include "ngx_http_llama_session_turn.h"
@@ -336,7 +337,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                          cached, evaluated, expected;
-    ngx_uint_t                         again, swa, stop, changed;
+    ngx_uint_t                         kind, swa, stop, changed;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_zone_t     *zone;
     ngx_http_llama_session_seen_t     *seen;
@@ -428,49 +429,38 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
 
     (void) ngx_atomic_fetch_add(&sh->stats.ineffective, 1);
 
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    again = (sh->reprime_off
-             && ngx_memcmp(sh->reprime_off_fp, ctx->job->fp,
-                           NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);
-
-    if (again) {
-        /* the slot as it was did not extend into this turn: re-prime */
-        sh->reprime_off = 0;
-        sh->reprime_extends = 0;
-    }
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    if (again) {
-        ngx_log_error(NGX_LOG_NOTICE, r->connection->log, 0,
-                      "llama_session: a restore in zone \"%V\" brought "
-                      "nothing: the zone re-primes sessions before their "
-                      "saves again", &zone->name);
-    }
-
     ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                   "llama_session: the restore of \"%*s\" (%ui tokens) was "
                   "ineffective: the reply shows %i tokens from the cache",
                   ctx->key_len, ctx->key, ctx->job->loaded_tokens, cached);
 
     /*
-     * sliding-window attention: a slot file holds the window only, reused
-     * only with --swa-full; one restore that brought nothing at all to a
-     * prompt that extends the session's previous one says llama-server
-     * runs without it.  A prompt that leaves the restored state more than
-     * a window before its end (a client that changed its history) brings
-     * nothing either way (llama-server finds no context checkpoint for a
-     * restored state): that is an ineffective restore as on any model.
-     * Else a few in a row stop restores.
+     * A miss tells of the backend only when the prompt is known to extend
+     * all that was restored: its messages those of the session's last
+     * prompt (miss.c), and the file either of a model that reuses any
+     * prefix (full attention) or re-primed before its save (it ends where
+     * the next turn goes on).  Any other miss may be the client's doing
+     * or a reply rendered otherwise than generated (a state that runs
+     * past the next prompt is nothing to a sliding window or a recurrent
+     * layer): counted, never a stop.  Sliding-window attention that
+     * brings nothing then proves llama-server runs without --swa-full
+     * (its files keep the window, and it needs what lies before); other
+     * models stop after a few in a row.  A restart of llama-server starts
+     * restores again (sched.c).
      */
 
-    ngx_shmtx_lock(&zone->shpool->mutex);
+    kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
 
-    swa = (cached == 0 && !changed && sh->memory_known
-           && sh->memory.kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA
-           && ngx_memcmp(sh->memory_fp, ctx->job->fp,
-                         NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0);
+    if (changed
+        || (kind != NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
+            && !ctx->job->loaded_primed))
+    {
+        return;
+    }
+
+    swa = (cached == 0 && kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA);
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
 
     stop = !sh->restores_off
            && (swa || ++sh->ineffective_run
@@ -491,8 +481,9 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "nothing: llama-server runs without --swa-full, and "
                       "its slot files keep only the window; the zone stops "
                       "saving and restoring for backend %*s and keeps "
-                      "sessions resident; start llama-server with "
-                      "--swa-full for restores that work", &zone->name,
+                      "sessions resident until llama-server restarts; "
+                      "start it with --swa-full for restores that work",
+                      &zone->name,
                       (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
 
     } else if (stop) {
@@ -500,8 +491,8 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
                       "llama_session: %d restores in a row in zone \"%V\" "
                       "brought nothing (the model discards a restored cache: "
                       "recurrent or sliding-window layers?): the zone stops "
-                      "saving and restoring for backend %*s until the model "
-                      "or its configuration changes",
+                      "saving and restoring for backend %*s until the model, "
+                      "its configuration or llama-server changes",
                       NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX, &zone->name,
                       (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
     }

@@ -31,6 +31,19 @@
  * /tokenize runs in llama-server's HTTP thread: it never waits behind the
  * slots' work.
  *
+ * Which saves: every save of a session on a model that reuses a restored
+ * state only up to where the next prompt leaves it (sliding window,
+ * hybrid, recurrent, unknown), a client's swap as much as an idle save;
+ * never on full attention, which reuses any prefix of the slot as it is
+ * (a re-prime there can only make the slot shorter than the next prompt's
+ * common part, never longer).  The cut is what is certain of the next
+ * request: where the history does not tell whether the client sends its
+ * replies' reasoning back (no earlier assistant message), the two renders
+ * differ in it (the reply without reasoning, then with), and their common
+ * prefix stops before anything the choice changes; a reply with tool calls
+ * is followed by their results, as a client sends them, not by a user
+ * message (a template may render the reply otherwise before a user turn).
+ *
  * A re-prime that fails (no turn file, a template error, a prompt too
  * long) is logged and the save goes on as it would have.
  */
@@ -67,9 +80,6 @@ typedef struct {
 /* a conversation's tokens: more than any context llama-server takes */
 #define NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS    (4 * 1024 * 1024)
 
-/* re-primes in a row that found nothing to do, before they stop */
-#define NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX      3
-
 
 static ngx_int_t ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
@@ -78,9 +88,11 @@ static ngx_int_t ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     ngx_buf_t **first, ngx_buf_t **second);
 static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-static ngx_uint_t ngx_http_llama_session_reprime_reasons(cJSON *messages);
-static void ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached);
+static ngx_int_t ngx_http_llama_session_reprime_reasons(cJSON *messages);
+static ngx_int_t ngx_http_llama_session_prefix_next_turn(cJSON *messages,
+    cJSON *reply, const char *text);
+static void ngx_http_llama_session_prefix_text(cJSON *messages, int from,
+    const char *text);
 static ngx_int_t ngx_http_llama_session_prefix_tokenize(
     ngx_http_request_t *r, ngx_http_llama_session_ctx_t *ctx, cJSON *prompt);
 static ngx_int_t ngx_http_llama_session_prefix_tokens_of(
@@ -107,6 +119,8 @@ ngx_http_llama_session_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t  rc;
+
+    ctx->job->primed = 0;
 
     rc = ngx_http_llama_session_reprime_start(r, ctx);
 
@@ -177,73 +191,10 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
                   ctx->job->slot, &ctx->zone->name, cached, evaluated,
                   ngx_current_msec - pp->start);
 
-    ngx_http_llama_session_reprime_learn(r, ctx, cached);
+    /* the file ends where the next turn extends it (reply.c's proof) */
+    ctx->job->primed = 1;
 
     return ngx_http_llama_session_reprime_save(r, ctx);
-}
-
-
-/*
- * Did the slot hold all the re-prime needed (every token GET /slots
- * showed it holding was reused)?  The template then renders each reply as
- * it was generated, and a restore of the slot as it is extends into the
- * next turn anyway: after a few such in a row, re-primes stop for this
- * configuration, until a restore that brings nothing (reply.c).  Only on
- * models known to attend to the whole context (or to a window, with
- * --swa-full): there a guess that was wrong costs the reply's tokens.  On
- * hybrid and recurrent models it costs the whole prompt (one reply in a
- * few re-tokenises otherwise, measured on the rig's lfm2), while a
- * re-prime that finds the slot as it should be evaluates only what the
- * next turn would: they are always re-primed.
- */
-
-static void
-ngx_http_llama_session_reprime_learn(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached)
-{
-    ngx_uint_t                      off, kind;
-    ngx_http_llama_session_sh_t    *sh;
-    ngx_http_llama_session_zone_t  *zone;
-
-    zone = ctx->zone;
-    kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
-
-    if (ctx->job->slot_tokens <= 0 || cached < 0
-        || (kind != NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
-            && kind != NGX_HTTP_LLAMA_SESSION_MEMORY_SWA))
-    {
-        return;
-    }
-
-    sh = zone->sh;
-    off = 0;
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    if (cached < ctx->job->slot_tokens) {
-        sh->reprime_extends = 0;
-
-    } else if (++sh->reprime_extends >= NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX
-               && !sh->reprime_off)
-    {
-        sh->reprime_off = 1;
-        ngx_memcpy(sh->reprime_off_fp, ctx->job->fp,
-                   NGX_HTTP_LLAMA_SESSION_FP_LEN);
-        off = 1;
-    }
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    if (off) {
-        ngx_log_error(NGX_LOG_NOTICE, r->connection->log, 0,
-                      "llama_session: %d re-primes in a row in zone \"%V\" "
-                      "found the slot holding what the next turn extends "
-                      "(the template renders replies as generated): the "
-                      "zone saves slots as they are for backend %*s, until "
-                      "a restore brings nothing",
-                      NGX_HTTP_LLAMA_SESSION_EXTENDS_MAX, &zone->name,
-                      (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
-    }
 }
 
 
@@ -278,14 +229,6 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     seq = zone->sh->slots[ctx->job->slot].turn_seq;
     zone->sh->slots[ctx->job->slot].turn_seq = 0;
 
-    if (zone->sh->reprime_off
-        && ngx_memcmp(zone->sh->reprime_off_fp, ctx->job->fp,
-                      NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0)
-    {
-        /* the slot as it is extends into the next turn (reprime_learn) */
-        seq = 0;
-    }
-
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     if (seq == 0) {
@@ -293,32 +236,18 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     }
 
     /*
-     * a client's swap, on a model that attends to the whole context (or
-     * to a window, with --swa-full): the next turn reuses the slot up to
-     * where its prompt leaves the reply as generated, and evaluates the
-     * rest itself, the tokens the re-prime would evaluate now.  Here that
-     * work would only move from the returning client to the one waiting
-     * for the slot, with five round trips through a server busy with the
-     * other slots' work: the slot is saved as it is.  Idle saves, saves
-     * before an unload and the API's re-prime (no client waits for them);
-     * hybrid and recurrent models always do (they reuse nothing else).
+     * full attention: the next turn reuses the slot as it is up to where
+     * its prompt leaves it, which no re-prime can move further; a re-prime
+     * whose render differs from the client's next request (a template's
+     * date, a field the render lacks) would cut it short
      */
 
-    if (ctx->api == NULL && !ctx->job->own) {
-        kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
+    kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
 
-        if (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
-            || kind == NGX_HTTP_LLAMA_SESSION_MEMORY_SWA)
-        {
-            ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                           "llama_session: \"%*s\" is saved on a swap "
-                           "without a re-prime (full attention)",
-                           ctx->job->out_len, ctx->job->out_key);
-
-            ngx_http_llama_session_turn_drop(zone, ctx->job->slot,
-                                             r->connection->log);
-            return NGX_DECLINED;
-        }
+    if (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL) {
+        ngx_http_llama_session_turn_drop(zone, ctx->job->slot,
+                                         r->connection->log);
+        return NGX_DECLINED;
     }
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
@@ -437,7 +366,8 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
 {
     u_char                         *nl;
     cJSON                          *head, *body, *key, *message, *messages;
-    ngx_int_t                       rc;
+    cJSON                          *alt, *v;
+    ngx_int_t                       rc, sent;
     ngx_http_llama_session_span_t   span;
 
     static ngx_str_t  messages_name = ngx_string("messages");
@@ -480,19 +410,29 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
         /*
          * the reply's reasoning goes back as the client sent its earlier
          * replies': most send none (OpenAI's API has no such field,
-         * DeepSeek's refuses it), and a template that renders reasoning
-         * in the history (Nemotron 3's "<think></think>" for none) then
-         * renders the reply without it; a first turn tells nothing, and
-         * is taken as the most do
+         * DeepSeek's refuses it), others the message as they got it.
+         * Where the history has no earlier reply to tell, the first
+         * render has the reply without its reasoning, the second with
+         * it: their common prefix ends before anything that differs (a
+         * template that renders reasoning in the history, Nemotron 3's
+         * "<think></think>" for none, diverges right after "<think>")
          */
 
-        if (!ngx_http_llama_session_reprime_reasons(messages)) {
+        alt = NULL;
+        v = cJSON_GetObjectItemCaseSensitive(message, "reasoning_content");
+        sent = ngx_http_llama_session_reprime_reasons(messages);
+
+        if (cJSON_IsString(v) && v->valuestring[0] != '\0' && sent == -1) {
+            alt = cJSON_Duplicate(message, 1);
+        }
+
+        if (sent != 1) {
             cJSON_DeleteItemFromObjectCaseSensitive(message,
                                                     "reasoning_content");
         }
 
-        cJSON_AddItemToArray(messages, message);
-        rc = ngx_http_llama_session_prefix_bodies(r, body, first, second);
+        rc = ngx_http_llama_session_prefix_bodies(r, body, message, alt,
+                                                  first, second);
     }
 
     cJSON_Delete(head);
@@ -502,12 +442,19 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
 }
 
 
-/* does an assistant message of the history carry its reasoning? */
+/*
+ * Does the client send its replies' reasoning back?  1: an assistant
+ * message of the history carries it; 0: assistant messages do, none with
+ * it; -1: the history has none to tell.
+ */
 
-static ngx_uint_t
+static ngx_int_t
 ngx_http_llama_session_reprime_reasons(cJSON *messages)
 {
-    cJSON  *m, *v;
+    cJSON      *m, *v;
+    ngx_int_t   sent;
+
+    sent = -1;
 
     cJSON_ArrayForEach(m, messages) {
         v = cJSON_GetObjectItemCaseSensitive(m, "role");
@@ -516,6 +463,8 @@ ngx_http_llama_session_reprime_reasons(cJSON *messages)
         {
             continue;
         }
+
+        sent = 0;
 
         v = cJSON_GetObjectItemCaseSensitive(m, "reasoning_content");
 
@@ -528,59 +477,156 @@ ngx_http_llama_session_reprime_reasons(cJSON *messages)
         }
     }
 
-    return 0;
+    return sent;
 }
 
 
 /*
  * The prefix prime, for the re-prime and for a warm start's base: the
- * bodies of the two renders, a chat request's body with a user message
- * "1", then "2", appended to its messages (body is the caller's, changed).
+ * bodies of the two renders of a chat request's body (the caller's,
+ * changed), its messages followed by the reply, if any, and the next
+ * turn: the reply's tool calls' results, else a user message, whose text
+ * is "1", then "2".  The second render has alt in the reply's place, if
+ * given.  reply and alt become the body's (alt freed when not used).
  */
 
 ngx_int_t
 ngx_http_llama_session_prefix_bodies(ngx_http_request_t *r, cJSON *body,
-    ngx_buf_t **first, ngx_buf_t **second)
+    cJSON *reply, cJSON *alt, ngx_buf_t **first, ngx_buf_t **second)
 {
-    cJSON  *messages, *user, *content;
+    int     at, from;
+    cJSON  *messages;
 
     *first = NULL;
     *second = NULL;
 
     messages = cJSON_GetObjectItemCaseSensitive(body, "messages");
+
     if (!cJSON_IsArray(messages)) {
+        cJSON_Delete(reply);
+        cJSON_Delete(alt);
         return NGX_DECLINED;
     }
 
-    user = cJSON_CreateObject();
-    if (user == NULL) {
-        return NGX_ERROR;
+    at = cJSON_GetArraySize(messages);
+
+    if (reply) {
+        cJSON_AddItemToArray(messages, reply);
     }
 
-    cJSON_AddItemToArray(messages, user);
+    from = cJSON_GetArraySize(messages);
 
-    if (cJSON_AddStringToObject(user, "role", "user") == NULL
-        || cJSON_AddStringToObject(user, "content", "1") == NULL)
+    if (ngx_http_llama_session_prefix_next_turn(messages, reply, "1")
+        != NGX_OK)
     {
+        cJSON_Delete(alt);
         return NGX_ERROR;
     }
 
     *first = ngx_http_llama_session_prefix_buf(r,
                                                cJSON_PrintUnformatted(body));
 
-    content = cJSON_CreateString("2");
+    if (reply && alt) {
+        if (!cJSON_ReplaceItemInArray(messages, at, alt)) {
+            cJSON_Delete(alt);
+            return NGX_ERROR;
+        }
 
-    if (content == NULL
-        || !cJSON_ReplaceItemInObjectCaseSensitive(user, "content", content))
-    {
-        cJSON_Delete(content);
-        return NGX_ERROR;
+    } else {
+        cJSON_Delete(alt);
     }
+
+    ngx_http_llama_session_prefix_text(messages, from, "2");
 
     *second = ngx_http_llama_session_prefix_buf(r,
                                                 cJSON_PrintUnformatted(body));
 
     return (*first && *second) ? NGX_OK : NGX_ERROR;
+}
+
+
+/*
+ * The next turn after the reply, as a client sends it: a "tool" message
+ * for each of the reply's tool calls (with its id), else a user message
+ */
+
+static ngx_int_t
+ngx_http_llama_session_prefix_next_turn(cJSON *messages, cJSON *reply,
+    const char *text)
+{
+    cJSON       *calls, *call, *id, *m;
+    ngx_uint_t   n;
+
+    n = 0;
+    calls = cJSON_GetObjectItemCaseSensitive(reply, "tool_calls");
+
+    cJSON_ArrayForEach(call, calls) {
+        id = cJSON_GetObjectItemCaseSensitive(call, "id");
+
+        if (!cJSON_IsString(id)) {
+            continue;
+        }
+
+        m = cJSON_CreateObject();
+        if (m == NULL) {
+            return NGX_ERROR;
+        }
+
+        cJSON_AddItemToArray(messages, m);
+
+        if (cJSON_AddStringToObject(m, "role", "tool") == NULL
+            || cJSON_AddStringToObject(m, "tool_call_id", id->valuestring)
+               == NULL
+            || cJSON_AddStringToObject(m, "content", text) == NULL)
+        {
+            return NGX_ERROR;
+        }
+
+        n++;
+    }
+
+    if (n) {
+        return NGX_OK;
+    }
+
+    m = cJSON_CreateObject();
+    if (m == NULL) {
+        return NGX_ERROR;
+    }
+
+    cJSON_AddItemToArray(messages, m);
+
+    if (cJSON_AddStringToObject(m, "role", "user") == NULL
+        || cJSON_AddStringToObject(m, "content", text) == NULL)
+    {
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
+}
+
+
+/* the next turn's messages, from index from on, get the text */
+
+static void
+ngx_http_llama_session_prefix_text(cJSON *messages, int from,
+    const char *text)
+{
+    int     i, n;
+    cJSON  *m, *content;
+
+    n = cJSON_GetArraySize(messages);
+
+    for (i = from; i < n; i++) {
+        m = cJSON_GetArrayItem(messages, i);
+        content = cJSON_CreateString(text);
+
+        if (content == NULL
+            || !cJSON_ReplaceItemInObjectCaseSensitive(m, "content", content))
+        {
+            cJSON_Delete(content);
+        }
+    }
 }
 
 

@@ -18,7 +18,8 @@ ngx_int_t ngx_http_llama_session_save(ngx_http_request_t *r,
 ngx_int_t ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_prefix_bodies(ngx_http_request_t *r,
-    cJSON *body, ngx_buf_t **first, ngx_buf_t **second);
+    cJSON *body, cJSON *reply, cJSON *alt, ngx_buf_t **first,
+    ngx_buf_t **second);
 ngx_int_t ngx_http_llama_session_prefix_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_buf_t *first, ngx_buf_t *second);
 ngx_int_t ngx_http_llama_session_prefix_next(ngx_http_request_t *r,

@@ -1266,10 +1266,11 @@ ngx_uint_t
 ngx_http_llama_session_slot_task(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, ngx_int_t task)
 {
-    ngx_uint_t                      restarted;
+    ngx_uint_t                      restarted, resumed;
     ngx_http_llama_session_slot_t  *slot;
 
     slot = &zone->sh->slots[job->slot];
+    resumed = 0;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -1281,9 +1282,24 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_zone_t *zone,
         ngx_http_llama_session_slot_forget(zone, slot,
                                           NGX_HTTP_LLAMA_SESSION_SLOT_UNKNOWN);
         zone->sh->stats.restarts++;
+
+        /*
+         * restores that brought nothing stopped saves and restores: a new
+         * llama-server may run otherwise (--swa-full), they are tried again
+         */
+        resumed = zone->sh->restores_off;
+        zone->sh->restores_off = 0;
+        zone->sh->ineffective_run = 0;
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (resumed) {
+        ngx_log_error(NGX_LOG_NOTICE, job->log, 0,
+                      "llama_session: llama-server of zone \"%V\" "
+                      "restarted: the zone saves and restores again",
+                      &zone->name);
+    }
 
     return restarted;
 }

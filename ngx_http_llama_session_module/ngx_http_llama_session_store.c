@@ -52,6 +52,7 @@ typedef struct {
     unsigned                        has_sys:1;
     unsigned                        has_ns:1;
     unsigned                        is_base:1;
+    unsigned                        primed:1;
     unsigned                        known:1;
 } ngx_http_llama_session_found_t;
 
@@ -832,6 +833,10 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->has_sys = 1;
     }
 
+    /* re-primed before its save: the next turn extends all of it */
+    f->primed = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(json,
+                                                              "primed"));
+
     /* a warm start's base, and how many sessions started from it */
     if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(json, "base"))) {
         f->is_base = 1;
@@ -890,6 +895,8 @@ ngx_http_llama_session_store_set_meta(ngx_http_llama_session_sh_t *sh,
     if (f->tokens) {
         node->tokens = f->tokens;
     }
+
+    node->primed = f->primed;
 
     if (f->has_idk) {
         node->has_idk = 1;
@@ -1043,6 +1050,11 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
             cJSON_Delete(json);
             return NGX_ERROR;
         }
+    }
+
+    if (node.primed && cJSON_AddTrueToObject(json, "primed") == NULL) {
+        cJSON_Delete(json);
+        return NGX_ERROR;
     }
 
     if (node.is_base

@@ -28,6 +28,7 @@
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_file.h"
+#include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_turn.h"
 
@@ -228,10 +229,15 @@ ngx_http_llama_session_turn_start(ngx_http_request_t *r,
 
     ctx->turn = NULL;
 
-    /* nothing is saved on a backend where restores stopped: no turn */
+    /*
+     * nothing is saved on a backend where restores stopped, and nothing
+     * re-primed on full attention (reprime.c): no turn
+     */
 
     if (!ctx->zone->reprime || ctx->zone->store.len == 0 || ctx->probe
         || ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)
+        || ngx_http_llama_session_memory_kind(ctx->zone, ctx->job->fp)
+           == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
         || ctx->default_session || !ctx->dialect->turn
         || ctx->key_len == 0
         || r->request_body == NULL || r->request_body->bufs == NULL)

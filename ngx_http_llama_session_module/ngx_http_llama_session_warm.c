@@ -602,7 +602,8 @@ ngx_http_llama_session_prime_prefix(ngx_http_request_t *r,
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
-    rc = ngx_http_llama_session_prefix_bodies(r, body, &first, &second);
+    rc = ngx_http_llama_session_prefix_bodies(r, body, NULL, NULL, &first,
+                                              &second);
 
     cJSON_Delete(body);
 

@@ -23,7 +23,7 @@ my $t = LlamaTest->new(workers => 2);
 my $dir = $t->dir;
 $t->fake(name => $_, slots => "$dir/slots") for qw(a b);
 $t->nginx($t->owners(names => [qw(a b)], store => sub { "$dir/slots" },
-                     zone => ' shared=on save_idle=500ms',
+                     zone => ' shared=on save_idle=2s',
                      slots => 'proxy_read_timeout 1s;',
                      extra => sub { 'location = /metrics { '
                                     . 'llama_session_metrics; }' }));
@@ -50,13 +50,15 @@ is($r->{status}, 200, 's on its owner');
 my $owner = $r->{backend};
 my $other = $owner eq 'a' ? 'b' : 'a';
 my $key = LlamaTest::session_key('s', body => $chat->('s', 1));
-ok($t->wait_for(sub { glob "$dir/slots/$key.*.bin" }, 5),
+ok($t->wait_for(sub { glob "$dir/slots/$key.*.bin" }, 15),
    "$owner saves s once idle");
 my ($bin) = glob "$dir/slots/$key.*.bin";
 my @before = (stat $bin)[1, 7, 9];
 is(turn('s', 2)->{action}, 'hit', 's again on its owner: changed since');
 
-# the store slow: the owner's next save takes 3 s, its bound is 1 s
+# the store slow: the owner's next save takes 3 s, its bound is 1 s; the
+# sessions below come at once, before the owner's idle save of s (2 s) could
+# take the slot first and its own slow save answer the swap's question
 $t->fake_script({ save => { delay_ms => 3000 } }, $owner);
 my ($u, $got);
 for my $i (1 .. 40) {
@@ -107,7 +109,7 @@ direct('a', 'x');
 direct('b', 'x');
 my $xkey = LlamaTest::session_key('x', body => { messages =>
                                                  [ $conv{x}[0] ] });
-ok($t->wait_for(sub { $t->log_lines(qr/idle save of "\Q$xkey\E"/) }, 5),
+ok($t->wait_for(sub { $t->log_lines(qr/idle save of "\Q$xkey\E"/) }, 10),
    'b saves x once idle');
 my $reprefills = sub {
     my $m = $t->get('/metrics', port => $t->owner_port('a'))->{content};

@@ -1,15 +1,16 @@
 #!/usr/bin/perl
 
 # The re-prime before a save (reprime.c): the slot is made to hold exactly
-# the prefix the session's next turn shares (history + last reply as the
-# client sends it back, rendered by the model's template), then saved.  A
-# returning turn after a restore then reuses all of its history: with the
-# idle save, with the swap (no idle save came first), across a restart of
-# llama-server and nginx.  On the rig's full-attention llama, and, where
-# the rig has them, on a hybrid model (lfm2: without the re-prime a
-# restore brings nothing) and a sliding-window one (gemma3 with
-# --swa-full; without it the zone stops saving after one restore that
-# brought nothing, and says why).
+# the prefix the session's next turn is certain to share (history + last
+# reply as the client sends it back, rendered by the model's template),
+# then saved.  A returning turn after a restore then reuses all of its
+# history: with the idle save, with the swap (no idle save came first),
+# across a restart of llama-server and nginx.  On a hybrid model (the
+# rig's lfm2: without the re-prime a restore brings nothing) and a
+# sliding-window one (gemma3 with --swa-full; without it the zone stops
+# saving after one re-primed restore that brought nothing, and says why).
+# Never on full attention (the rig's llama): the slot as it is holds all
+# the next turn can reuse, and an idle save leaves it alone.
 
 use strict;
 use warnings;
@@ -53,14 +54,18 @@ sub turn {
 sub reply_of {
     my ($r) = @_;
     return ($r->{json}{choices}[0]{message}{content} // '',
-            $r->{json}{timings}) if $r->{json};
-    my ($text, $timings) = ('', undef);
+            $r->{json}{timings},
+            $r->{json}{choices}[0]{message}{reasoning_content} // '')
+        if $r->{json};
+    my ($text, $timings, $reasoning) = ('', undef, '');
     for my $ev (@{ $r->{events} // [] }) {
-        $text .= $ev->{choices}[0]{delta}{content} // ''
-            if $ev->{choices} && @{ $ev->{choices} };
+        if ($ev->{choices} && @{ $ev->{choices} }) {
+            $text .= $ev->{choices}[0]{delta}{content} // '';
+            $reasoning .= $ev->{choices}[0]{delta}{reasoning_content} // '';
+        }
         $timings = $ev->{timings} if $ev->{timings};
     }
-    return ($text, $timings);
+    return ($text, $timings, $reasoning);
 }
 
 sub conversation_of {
@@ -89,15 +94,18 @@ sub scenario {
         extra => 'location = /metrics { llama_session_metrics; }'));
 
     my $a = conversation_of('Ann');
-    my $r1 = turn($t, "ann-$name", $a, stream => $o{stream});
-    my ($reply) = reply_of($r1);
+    my $r1 = turn($t, "ann-$name", $a, stream => $o{stream}, max => $o{max});
+    my ($reply, $tm1, $reasoning) = reply_of($r1);
+    # the first prompt's tokens: what the returning turn shares with it
+    my $first = ($tm1->{cache_n} // 0) + ($tm1->{prompt_n} // 0);
 
     if ($o{idle}) {
         ok($t->wait_for(sub { $t->log_lines(qr/idle save of "ann-$name-\w+"/) }, 30),
            "$name: ann is saved while idle");
-        # the turn file was there (the re-prime read it) and is gone
+        # the turn file was there (the re-prime read it) and is gone, or
+        # never written (full attention: no re-prime)
         is(scalar(grep { !/\.tmp$/ } glob($t->dir . '/slots/.turn.*')), 0,
-           "$name: her turn file went with her re-prime");
+           "$name: no turn file is left");
     }
 
     my $b = conversation_of('Bob');
@@ -106,23 +114,31 @@ sub scenario {
     my @re = $t->log_lines(qr/re-primed "ann-$name-\w+" on slot 0 of zone "llama" before its save: (-?\d+) tokens from the slot, (-?\d+) evaluated/);
     if ($o{reprime_off}) {
         is(scalar @re, 0, "$name: reprime=off: no re-prime");
-    } elsif ($o{plain_swap}) {
-        is(scalar @re, 0, "$name: a client's swap on full attention saves "
-                          . 'the slot as it is');
+    } elsif ($o{plain}) {
+        is(scalar @re, 0, "$name: on full attention the "
+                          . ($o{idle} ? 'idle save' : "client's swap")
+                          . ' saves the slot as it is');
+        like($t->get('/metrics')->{content},
+             qr/^nginx_llama_session_reprimes_total\{zone="llama",result="ok"\} 0$/m,
+             "$name: no re-prime counted");
     } else {
         is(scalar @re, 1, "$name: ann was re-primed once, before her "
                           . ($o{idle} ? 'idle save' : 'swap') . ": @re");
     }
 
     # the returning turn, as a client sends it: the reply as it came
-    push @$a, { role => 'assistant', content => $reply },
+    # (reasoning_back: with its reasoning, as a client that sends back the
+    # message it got)
+    push @$a, { role => 'assistant', content => $reply,
+                $o{reasoning_back} && $reasoning ne ''
+                  ? (reasoning_content => $reasoning) : () },
               { role => 'user', content => 'And then?' };
     my $r2 = turn($t, "ann-$name", $a);
     my (undef, $tm) = reply_of($r2);
     is($r2->{headers}{'x-s-action'}, 'restore', "$name: ann is restored");
     my $shared = $tm->{cache_n} + $tm->{prompt_n};
     $o{check}->($tm, "$name: returning turn $tm->{cache_n} cached, "
-                     . "$tm->{prompt_n} evaluated");
+                     . "$tm->{prompt_n} evaluated", $first);
 
     # a restart of both: the saved file is all there is
     if ($o{restart}) {
@@ -159,19 +175,21 @@ my $all_but_new = sub {
     cmp_ok($tm->{prompt_n}, '<=', 24, $what);
 };
 
-# a client's swap on a full-attention or sliding-window model saves the
-# slot as it is (the re-prime would only move the reply's evaluation from
-# the returning client to the waiting one): the returning turn evaluates
-# the reply again (24 tokens, which random weights write as token sequences
-# the tokenizer would not make) and the new message
+# a save on a full-attention model keeps the slot as it is (a re-prime
+# could only cut it shorter than what the next turn shares): the returning
+# turn evaluates the reply again (24 tokens, which random weights write as
+# token sequences the tokenizer would not make) and the new message
 my $all_but_reply = sub {
     my ($tm, $what) = @_;
     cmp_ok($tm->{prompt_n}, '<=', 70, $what);
 };
 
+# an idle save on full attention leaves the slot alone (it re-primed, and a
+# render that differed from the client's next request cut a slot that was
+# exactly right: 3,609 of 7,995 cached instead of 7,878)
 scenario(name => 'llama', idle => 1, stream => 1, restart => 1, kind => 'full',
-         check => $all_but_new, check_restart => $all_but_reply);
-scenario(name => 'llamaswap', plain_swap => 1, check => $all_but_reply);
+         plain => 1, check => $all_but_reply);
+scenario(name => 'llamaswap', plain => 1, check => $all_but_reply);
 
 # reprime=off on the full-attention model: restores still work, the
 # reply's tokens are evaluated again (measured: 846 cached, 64 evaluated,
@@ -214,9 +232,40 @@ scenario(name => 'gemma3full', model => $gemma3, idle => 1, restart => 1,
          args => [ '--swa-full' ], check => $all_but_new,
          check_restart => $all_but_reply);
 scenario(name => 'gemma3think', model => $gemma3, stream => 1,
-         plain_swap => 1,
          args => [ '--swa-full', '--jinja', '--chat-template-file', $think ],
-         check => $all_but_reply);
+         check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
+
+# a client's swap on a sliding window, a reasoning template and a reply
+# longer than the window (256 tokens): saved as the slot held it, the file
+# ended with the reply's thinking, which the next prompt drops more than a
+# window before the state's end: 0 cached on every return, and the zone
+# concluded that llama-server ran without --swa-full and stopped saving
+scenario(name => 'gemma3long', model => $gemma3, max => 300,
+         args => [ '--swa-full', '--jinja', '--chat-template-file', $think ],
+         check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) },
+         warns => sub { ok(!grep(/runs without --swa-full/, @_),
+                           'gemma3long: no --swa-full diagnosis') });
+
+# a hybrid model with Nemotron 3's template (it renders a reply's reasoning
+# in the history: "<think></think>" when there is none), a client that
+# sends the reply back as it got it, reasoning included: the first return
+# gave no history to tell, the re-prime rendered the reply without its
+# reasoning and the file ran past what the next prompt shares: 0 cached
+my $nemotron = LlamaTest::chat_template('NVIDIA-Nemotron-3-Nano-30B-A3B-BF16');
+
+# (the cut stops after "<think>": the reply's reasoning is evaluated again)
+my $all_the_prompt = sub {
+    my ($tm, $what, $first) = @_;
+    cmp_ok($tm->{cache_n}, '>=', $first - 4,
+           "$what, the first prompt's $first tokens");
+};
+scenario(name => 'lfm2nemotron', model => $lfm2, reasoning_back => 1,
+         args => [ '--jinja', '--chat-template-file', $nemotron ],
+         check => $all_the_prompt);
+scenario(name => 'lfm2nemotronidle', model => $lfm2, reasoning_back => 1,
+         idle => 1,
+         args => [ '--jinja', '--chat-template-file', $nemotron ],
+         check => $all_the_prompt);
 
 # gpt-oss's harmony template: no newline between messages
 # ("...<|end|><|start|>user<|message|>..."), so a cut after the last
@@ -228,20 +277,19 @@ my $harmony = LlamaTest::chat_template('openai-gpt-oss-120b');
 my %final = (grammar => 'root ::= "<|channel|>final<|message|>" [a-z ]{8,60}');
 
 scenario(name => 'harmony', stream => 1, restart => 1, extra => \%final,
-         plain_swap => 1,
+         plain => 1,
          args => [ '--jinja', '--chat-template-file', $harmony ],
          check => $all_but_reply);
 scenario(name => 'lfm2harmony', model => $lfm2, idle => 1, extra => \%final,
          args => [ '--jinja', '--chat-template-file', $harmony ],
          check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
 scenario(name => 'gemma3harmony', model => $gemma3, extra => \%final,
-         plain_swap => 1,
          args => [ '--swa-full', '--jinja', '--chat-template-file', $harmony ],
-         check => $all_but_reply);
-# harmony through the re-prime on full attention: an idle save
-scenario(name => 'harmonyidle', idle => 1, extra => \%final,
-         args => [ '--jinja', '--chat-template-file', $harmony ],
          check => sub { cmp_ok($_[0]{prompt_n}, '<=', 30, $_[1]) });
+# harmony on full attention, an idle save: the slot as it is
+scenario(name => 'harmonyidle', idle => 1, extra => \%final, plain => 1,
+         args => [ '--jinja', '--chat-template-file', $harmony ],
+         check => $all_but_reply);
 
 # warm starts: the base (the system prompt alone) restored from its file
 # into a slot that held another system prompt is reused by a new
