@@ -133,6 +133,22 @@ my $call = { id => 'call_7', type => 'function',
     is($one->[-2]{content}, 'Again.', 'reasoning not sent back: the reply');
 }
 
+# a turn with an image: saved as the slot holds it (a render writes the
+# media as text, and its tokens would cut the slot at the first image)
+{
+    script_reply({ role => 'assistant', content => 'A cat.' });
+    turn('pic', [ { role => 'user', content => [
+                      { type => 'image_url', image_url =>
+                          { url => 'data:image/png;base64,iVBORw0KGgo=' } },
+                      { type => 'text', text => 'What is this?' } ] } ]);
+    my $n = scalar @{ $t->fake_calls };
+    script_reply({ role => 'assistant', content => 'ok' });
+    turn('other-pic', [ { role => 'user', content => 'I am other pic.' } ]);
+    is(scalar(renders($n)), 0, 'media: no render');
+    ok($t->wait_for(sub { $t->log_lines(qr/the last turn of "pic-\w+" holds an image, audio or a file: its slot is saved as it is/) }, 5),
+       'media: saved as the slot holds it, said at info');
+}
+
 ok(!$t->log_lines(qr/saved without a re-prime/), 'no re-prime failed');
 ok(scalar $t->log_lines(qr/re-primed "tools-\w+"/), 'the tool call\'s re-primed');
 
