@@ -42,45 +42,32 @@ PROVE_FLAGS ?= -v
 
 all: $(MODULE)
 
-objs/Makefile: config
-	@test -f $(NGINX_SRC)/conf_flags || { \
-	    echo "$(NGINX_SRC) is missing: run 'make deps' (Debian nginx-dev)"; \
-	    exit 1; }
-	cd $(NGINX_SRC) && . ./conf_flags && ./configure \
-	    --with-cc-opt="$$(dpkg-buildflags --get CFLAGS) -fPIC $(CFLAGS_EXTRA)" \
-	    --with-ld-opt="$$(dpkg-buildflags --get LDFLAGS) -fPIC" \
-	    "$${NGX_CONF_FLAGS[@]}" \
-	    --add-dynamic-module="$(CURDIR)" --builddir="$(CURDIR)/objs" \
-	    > "$(CURDIR)/objs.configure.log" 2>&1 \
-	    || { tail -n 30 "$(CURDIR)/objs.configure.log"; exit 1; }
-
-$(MODULE): objs/Makefile $(SOURCES)
-	$(MAKE) -f "$(CURDIR)/objs/Makefile" -C $(NGINX_SRC) modules
-
-# the module against the same nginx configured without --with-debug, as
-# nginx.org builds its nginx binary: there ngx_log_debug* expands to
-# nothing, and what only the debug log uses must not be left unused
-# (-Werror).  Built by make test, so it stays so; never loaded.
+# objs/: the distro nginx's configuration; objs-nodebug/: the same without
+# --with-debug, as nginx.org builds its nginx binary: there ngx_log_debug*
+# expands to nothing, and what only the debug log uses must not be left
+# unused (-Werror).  make test builds both, so it stays so; the second is
+# never loaded.
 MODULE_NODEBUG := objs-nodebug/ngx_http_llama_session_module.so
 
-objs-nodebug/Makefile: config
+objs/Makefile objs-nodebug/Makefile: config
 	@test -f $(NGINX_SRC)/conf_flags || { \
 	    echo "$(NGINX_SRC) is missing: run 'make deps' (Debian nginx-dev)"; \
 	    exit 1; }
 	cd $(NGINX_SRC) && . ./conf_flags && flags=() && \
 	    for f in "$${NGX_CONF_FLAGS[@]}"; do \
-	        [ "$$f" = --with-debug ] || flags+=("$$f"); \
+	        [ "$(@D)" = objs-nodebug ] && [ "$$f" = --with-debug ] \
+	            || flags+=("$$f"); \
 	    done && ./configure \
 	    --with-cc-opt="$$(dpkg-buildflags --get CFLAGS) -fPIC $(CFLAGS_EXTRA)" \
 	    --with-ld-opt="$$(dpkg-buildflags --get LDFLAGS) -fPIC" \
 	    "$${flags[@]}" \
-	    --add-dynamic-module="$(CURDIR)" --builddir="$(CURDIR)/objs-nodebug" \
-	    > "$(CURDIR)/objs-nodebug.configure.log" 2>&1 \
-	    || { tail -n 30 "$(CURDIR)/objs-nodebug.configure.log"; exit 1; }
-	@! grep -q "define NGX_DEBUG  1" objs-nodebug/ngx_auto_config.h
+	    --add-dynamic-module="$(CURDIR)" --builddir="$(CURDIR)/$(@D)" \
+	    > "$(CURDIR)/$(@D).configure.log" 2>&1 \
+	    || { tail -n 30 "$(CURDIR)/$(@D).configure.log"; exit 1; }
+	@[ "$(@D)" = objs ] || ! grep -q "define NGX_DEBUG  1" $(@D)/ngx_auto_config.h
 
-$(MODULE_NODEBUG): objs-nodebug/Makefile $(SOURCES)
-	$(MAKE) -f "$(CURDIR)/objs-nodebug/Makefile" -C $(NGINX_SRC) modules
+$(MODULE) $(MODULE_NODEBUG): %/ngx_http_llama_session_module.so: %/Makefile $(SOURCES)
+	$(MAKE) -f "$(CURDIR)/$*/Makefile" -C $(NGINX_SRC) modules
 
 nodebug: $(MODULE_NODEBUG)
 
