@@ -443,6 +443,7 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 static void
 ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 {
+    ngx_int_t                       rc;
     ngx_http_llama_session_idle_t  *idle;
 
     idle = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
@@ -461,10 +462,18 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
     if (idle->ctx.job->state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
         r->write_event_handler = ngx_http_llama_session_idle_resume;
 
-        if (ngx_http_llama_session_reprime_next(r, &idle->ctx) != NGX_AGAIN) {
-            ngx_http_llama_session_job_close(r);
+        rc = ngx_http_llama_session_reprime_next(r, &idle->ctx);
+
+        if (rc == NGX_AGAIN) {
+            return;
         }
 
+        if (rc == NGX_DONE) {
+            /* gave way to a request of the session: no failure */
+            idle->failed = 0;
+        }
+
+        ngx_http_llama_session_job_close(r);
         return;
     }
 
@@ -550,6 +559,11 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
 
         if (rc == NGX_AGAIN) {
             return;
+        }
+
+        if (rc == NGX_DONE) {
+            /* gave way to a request of the session: no failure */
+            idle->failed = 0;
         }
 
         break;

@@ -56,6 +56,7 @@
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_reprime.h"
+#include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_turn.h"
 
 
@@ -88,6 +89,8 @@ static ngx_int_t ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     ngx_buf_t **first, ngx_buf_t **second);
 static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_uint_t ngx_http_llama_session_reprime_yield(
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_reprime_reasons(cJSON *messages);
 static ngx_int_t ngx_http_llama_session_prefix_next_turn(cJSON *messages,
     cJSON *reply, const char *text);
@@ -111,7 +114,9 @@ static ngx_buf_t *ngx_http_llama_session_prefix_buf(ngx_http_request_t *r,
 /*
  * Saves the session that the job's slot holds (ctx->job->out_key),
  * re-primed first when its last turn is known.  NGX_AGAIN: a call is on
- * its way (state REPRIME or SAVE); else an HTTP status.
+ * its way (state REPRIME or SAVE); NGX_DONE: an idle save gave way to a
+ * request of its session (nothing saved, the slot as it was or re-primed);
+ * else an HTTP status.
  */
 
 ngx_int_t
@@ -121,6 +126,10 @@ ngx_http_llama_session_save(ngx_http_request_t *r,
     ngx_int_t  rc;
 
     ctx->job->primed = 0;
+
+    if (ngx_http_llama_session_reprime_yield(ctx)) {
+        return NGX_DONE;
+    }
 
     rc = ngx_http_llama_session_reprime_start(r, ctx);
 
@@ -136,6 +145,10 @@ static ngx_int_t
 ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    if (ngx_http_llama_session_reprime_yield(ctx)) {
+        return NGX_DONE;
+    }
+
     ctx->job->reprime = NULL;
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
@@ -148,7 +161,8 @@ ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
 
 /*
  * A call of the re-prime answered: the next one, or the save.  NGX_AGAIN:
- * a call is on its way; else an HTTP status.
+ * a call is on its way; NGX_DONE: an idle save gave way; else an HTTP
+ * status.
  */
 
 ngx_int_t
@@ -159,6 +173,14 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     ngx_http_llama_session_prefix_t  *pp;
 
     pp = ctx->job->reprime;
+
+    /* the last render's tokens: the completion that follows waits a batch */
+
+    if (pp && pp->step == NGX_HTTP_LLAMA_SESSION_PREFIX_TOKENS2
+        && ngx_http_llama_session_reprime_yield(ctx))
+    {
+        return NGX_DONE;
+    }
 
     rc = ngx_http_llama_session_prefix_next(r, ctx, "re-prime");
 
@@ -195,6 +217,33 @@ ngx_http_llama_session_reprime_next(ngx_http_request_t *r,
     ctx->job->primed = 1;
 
     return ngx_http_llama_session_reprime_save(r, ctx);
+}
+
+
+/*
+ * An idle save (the module's own job, not the API's) gives way to a request
+ * of the session it saves before a call that waits for llama-server's
+ * batch in flight: a client returning to its slot never waits for the
+ * save of its own state (the slot stays changed, saved once idle again)
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_reprime_yield(ngx_http_llama_session_ctx_t *ctx)
+{
+    if (!ctx->job->own || ctx->api != NULL
+        || !ngx_http_llama_session_idle_wanted(ctx->zone, ctx->job))
+    {
+        return 0;
+    }
+
+    ngx_log_error(NGX_LOG_INFO, ctx->job->log, 0,
+                  "llama_session: \"%*s\" on slot %ui of zone \"%V\" is "
+                  "not saved while idle: a request of the session came "
+                  "first, it is saved once idle again",
+                  ctx->job->out_len, ctx->job->out_key, ctx->job->slot,
+                  &ctx->zone->name);
+
+    return 1;
 }
 
 

@@ -781,6 +781,31 @@ ngx_http_llama_session_take_locked(ngx_http_llama_session_job_t *job,
 
 
 /*
+ * An idle save's job, before each call that waits for llama-server's batch
+ * in flight (its re-prime's completion, the save): does a request of the
+ * session it saves wait for the slot?  Then the save gives way (idle.c),
+ * but not before a router's unload, which must save.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_idle_wanted(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job)
+{
+    ngx_uint_t  wanted;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    wanted = !ngx_http_llama_session_unloading_locked(zone)
+             && ngx_http_llama_session_waited_locked(zone->sh, job->out_key,
+                                                     job->out_len);
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    return wanted;
+}
+
+
+/*
  * For the idle save: takes the slot if its session changed since its last
  * save and had no request for save_idle, and nobody waits.
  */

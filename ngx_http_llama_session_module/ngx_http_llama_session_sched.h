@@ -51,6 +51,8 @@ ngx_int_t ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, ngx_http_llama_session_ask_t *ask);
 ngx_int_t ngx_http_llama_session_try_slot(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job);
+ngx_uint_t ngx_http_llama_session_idle_wanted(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_job_t *job);
 ngx_int_t ngx_http_llama_session_try_idle(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, ngx_msec_t save_idle);
 ngx_uint_t ngx_http_llama_session_base_claim(

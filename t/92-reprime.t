@@ -336,14 +336,16 @@ warm_scenario(name => 'lfm2think', model => $lfm2, exact => 1,
               args => [ '--jinja', '--chat-template-file', $think ]);
 warm_scenario(name => 'gemma3', model => $gemma3, args => [ '--swa-full' ]);
 
-# without --swa-full: the memory is said at start, one restore that brings
-# nothing stops saves and restores, with the fix in the log
+# without --swa-full: the memory is said at start, one re-primed restore
+# that brings nothing stops saves and restores, with the fix in the log;
+# llama-server restarted with --swa-full: they resume, and help
 {
     my $t = LlamaTest->new(workers => 2);
-    $t->llama(model => $gemma3);
+    my $port = $t->llama(model => $gemma3);
     $t->nginx($t->site(
         zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
-        location => 'add_header X-S-Action $llama_session_action always;'));
+        location => 'add_header X-S-Action $llama_session_action always;',
+        extra => 'location /api/ { llama_session_api llama; }'));
 
     my $a = conversation_of('Ann');
     my ($reply) = reply_of(turn($t, 'ann-swa', $a));
@@ -364,6 +366,26 @@ warm_scenario(name => 'gemma3', model => $gemma3, args => [ '--swa-full' ]);
     is(scalar @after, scalar @before, 'gemma3: no file saved since');
     my $r2 = turn($t, 'ann-swa', $a);
     isnt($r2->{headers}{'x-s-action'}, 'restore', 'gemma3: no restore since');
+    like($t->get('/api/sessions/current')->{content}, qr/"restores_disabled":true/,
+         'gemma3: the API says restores are off');
+
+    $t->stop_llama;
+    $t->llama(port => $port, model => $gemma3, args => [ '--swa-full' ]);
+    turn($t, 'bob-swa', conversation_of('Bob'));
+    ok($t->wait_for(sub { $t->log_lines(qr/llama-server of zone "llama" restarted: the zone saves and restores again/) }, 5),
+       'gemma3: llama-server restarted, saves and restores resume');
+    push @$a, { role => 'assistant', content => (reply_of($r2))[0] },
+              { role => 'user', content => 'Once more.' };
+    my $r3 = turn($t, 'ann-swa', $a);
+    my (undef, $tm) = reply_of($r3);
+    is($r3->{headers}{'x-s-action'}, 'restore',
+       'gemma3 with --swa-full: ann restores her file');
+    cmp_ok($tm->{cache_n}, '>=', 800, "gemma3 with --swa-full: and it helps: "
+                                      . "$tm->{cache_n} cached");
+    ok(scalar $t->log_lines(qr/re-primed "bob-swa-\w+"/) >= 2,
+       'gemma3 with --swa-full: bob is saved again');
+    like($t->get('/api/sessions/current')->{content}, qr/"restores_disabled":false/,
+         'gemma3 with --swa-full: the API says restores are on');
 
     $t->stop;
 }
