@@ -229,15 +229,10 @@ ngx_http_llama_session_turn_start(ngx_http_request_t *r,
 
     ctx->turn = NULL;
 
-    /*
-     * nothing is saved on a backend where restores stopped, and nothing
-     * re-primed on full attention (reprime.c): no turn
-     */
+    /* nothing is saved on a backend where restores stopped: no turn */
 
     if (!ctx->zone->reprime || ctx->zone->store.len == 0 || ctx->probe
         || ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)
-        || ngx_http_llama_session_memory_kind(ctx->zone, ctx->job->fp)
-           == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL
         || ctx->default_session || !ctx->dialect->turn
         || ctx->key_len == 0
         || r->request_body == NULL || r->request_body->bufs == NULL)
@@ -503,6 +498,14 @@ ngx_http_llama_session_turn_end(ngx_http_request_t *r,
 
     zone = ctx->zone;
     sh = zone->sh;
+
+    if (ngx_http_llama_session_memory_kind(zone, ctx->job->fp)
+        == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL)
+    {
+        /* full attention: no re-prime reads it (reprime.c), no file */
+        cJSON_Delete(message);
+        return;
+    }
 
     seq = ngx_atomic_fetch_add(&sh->turn_next, 1) + 1;
 
