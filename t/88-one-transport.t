@@ -5,7 +5,9 @@
 # do.  llama-server here wants an API key, which only the slots location
 # gives (proxy_set_header Authorization); the zone has no backend= and no
 # api_key=.  The session saved while idle comes back after llama-server
-# restarts, and the saves show in the slots location's access log.
+# restarts, and the saves show in the slots location's access log.  On
+# the rig's hybrid model (lfm2), whose saves are re-primed: the re-prime's
+# calls go the same way.
 
 use strict;
 use warnings;
@@ -19,7 +21,8 @@ use Test::More;
 my $key = 'sekrit-' . $$;
 
 my $t = LlamaTest->new(workers => 2);
-my $llama = $t->llama(args => [ '--api-key', $key ]);
+my $lfm2 = LlamaTest::rig_path('make-model.sh lfm2');
+my $llama = $t->llama(model => $lfm2, args => [ '--api-key', $key ]);
 
 my $conf = $t->site(
     zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% save_idle=300ms;',
@@ -48,13 +51,19 @@ is($direct->{status}, 401, 'llama-server refuses GET /slots without its key');
 my $system = join ' ', map { "Rule $_ holds for every answer." } 1 .. 80;
 my $text = join ' ', map { "Dana keeps note $_." } 1 .. 60;
 
+# dana's conversation: each turn sends the replies back and asks again
+my @msgs = ({ role => 'system', content => $system },
+            { role => 'user', content => $text });
+
 sub ask {
     my $r = $t->post('/v1/chat/completions',
-                     { messages => [ { role => 'system', content => $system },
-                                     { role => 'user', content => $text } ],
-                       max_tokens => 2, temperature => 0 },
+                     { messages => \@msgs, max_tokens => 2,
+                       temperature => 0 },
                      headers => { 'X-Session-Id' => 'dana' });
     die "dana: $r->{status} $r->{content}\n" unless $r->{status} == 200;
+    push @msgs, { role => 'assistant',
+                  content => $r->{json}{choices}[0]{message}{content} },
+                { role => 'user', content => 'And then?' };
     return ($r->{json}{usage}{prompt_tokens},
             $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
             $r->{headers}{'x-s-action'});
@@ -81,7 +90,7 @@ like($log, qr{^/_llama_slots/slots\?- 200\n/_llama_slots/apply-template\?- 200\n
 # a reboot: the slot is empty, dana comes back from her idle-saved file
 $t->stop_nginx;
 $t->stop_llama;
-$t->llama(port => $llama, args => [ '--api-key', $key ]);
+$t->llama(port => $llama, model => $lfm2, args => [ '--api-key', $key ]);
 $t->start_nginx;
 
 my ($p2, $cached, $action) = ask();
