@@ -678,9 +678,9 @@ ngx_http_llama_session_memory_learn(ngx_http_request_t *r,
                       "sliding-window attention (%uD tokens): its slot "
                       "files keep only the window and help only when "
                       "llama-server runs with --swa-full; without it the "
-                      "zone stops saving and restoring after the first "
-                      "re-primed restore that brings nothing, until "
-                      "llama-server restarts", &zone->name, mem.arch,
+                      "zone stops saving and restoring after three "
+                      "re-primed restores in a row that bring nothing, "
+                      "until llama-server restarts", &zone->name, mem.arch,
                       mem.window);
         break;
 

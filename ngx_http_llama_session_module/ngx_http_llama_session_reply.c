@@ -442,11 +442,12 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
      * the next turn goes on).  Any other miss may be the client's doing
      * or a reply rendered otherwise than generated (a state that runs
      * past the next prompt is nothing to a sliding window or a recurrent
-     * layer): counted, never a stop.  Sliding-window attention that
-     * brings nothing then proves llama-server runs without --swa-full
-     * (its files keep the window, and it needs what lies before); other
-     * models stop after a few in a row.  A restart of llama-server starts
-     * restores again (sched.c).
+     * layer): counted, never a stop.  A few such in a row stop saves and
+     * restores (one could still be a client that sent its last reply
+     * back changed); on sliding-window attention, all of them bringing
+     * nothing says llama-server runs without --swa-full (its files keep
+     * the window, and it needs what lies before).  A restart of
+     * llama-server starts restores again (sched.c).
      */
 
     kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
@@ -463,8 +464,7 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     stop = !sh->restores_off
-           && (swa || ++sh->ineffective_run
-                      >= NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX);
+           && ++sh->ineffective_run >= NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX;
 
     if (stop) {
         sh->restores_off = 1;
@@ -477,13 +477,14 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     if (stop && swa) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the model of zone \"%V\" has "
-                      "sliding-window attention and its restore brought "
-                      "nothing: llama-server runs without --swa-full, and "
+                      "sliding-window attention and %d restores in a row "
+                      "brought nothing: llama-server runs without "
+                      "--swa-full, and "
                       "its slot files keep only the window; the zone stops "
                       "saving and restoring for backend %*s and keeps "
                       "sessions resident until llama-server restarts; "
                       "start it with --swa-full for restores that work",
-                      &zone->name,
+                      &zone->name, NGX_HTTP_LLAMA_SESSION_INEFFECTIVE_MAX,
                       (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
 
     } else if (stop) {

@@ -336,9 +336,10 @@ warm_scenario(name => 'lfm2think', model => $lfm2, exact => 1,
               args => [ '--jinja', '--chat-template-file', $think ]);
 warm_scenario(name => 'gemma3', model => $gemma3, args => [ '--swa-full' ]);
 
-# without --swa-full: the memory is said at start, one re-primed restore
-# that brings nothing stops saves and restores, with the fix in the log;
-# llama-server restarted with --swa-full: they resume, and help
+# without --swa-full: the memory is said at start, three re-primed
+# restores in a row that bring nothing stop saves and restores, with the
+# fix in the log; llama-server restarted with --swa-full: they resume, and
+# help
 {
     my $t = LlamaTest->new(workers => 2);
     my $port = $t->llama(model => $gemma3);
@@ -347,42 +348,57 @@ warm_scenario(name => 'gemma3', model => $gemma3, args => [ '--swa-full' ]);
         location => 'add_header X-S-Action $llama_session_action always;',
         extra => 'location /api/ { llama_session_api llama; }'));
 
-    my $a = conversation_of('Ann');
-    my ($reply) = reply_of(turn($t, 'ann-swa', $a));
+    my %c = (ann => conversation_of('Ann'), bob => conversation_of('Bob'));
+    my %last;
+    my $talk = sub {
+        my ($who) = @_;
+        my $c = $c{$who};
+        push @$c, { role => 'assistant', content => $last{$who} },
+                  { role => 'user', content => 'And then?' }
+            if defined $last{$who};
+        my $r = turn($t, "$who-swa", $c);
+        ($last{$who}) = reply_of($r);
+        return $r;
+    };
+    $talk->('ann');
     ok($t->log_lines(qr/the model of zone "llama" \(gemma3\) has sliding-window attention \(256 tokens\).*--swa-full/),
        'gemma3: its sliding window is said at start, with --swa-full');
 
-    turn($t, 'bob-swa', conversation_of('Bob'));
-    push @$a, { role => 'assistant', content => $reply },
-              { role => 'user', content => 'And then?' };
-    my $r = turn($t, 'ann-swa', $a);
-    is($r->{headers}{'x-s-action'}, 'restore', 'gemma3: ann restored once');
-    ok($t->wait_for(sub { $t->log_lines(qr/sliding-window attention and its restore brought nothing: llama-server runs without --swa-full/) }, 5),
-       'gemma3: the restore that brought nothing stops saves, with the fix');
+    # ann, bob: first turns; then three restores, each re-primed, bring
+    # nothing: the first two are counted, the third stops
+    $talk->('bob');
+    my @r = map { $talk->($_) } qw(ann bob);
+    is_deeply([ map { $_->{headers}{'x-s-action'} } @r ],
+              [ 'restore', 'restore' ], 'gemma3: ann and bob restored');
+    ok(!$t->log_lines(qr/runs without --swa-full/),
+       'gemma3: two restores that brought nothing: no stop yet');
+    my $r = $talk->('ann');
+    is($r->{headers}{'x-s-action'}, 'restore', 'gemma3: ann restored again');
+    ok($t->wait_for(sub { $t->log_lines(qr/sliding-window attention and 3 restores in a row brought nothing: llama-server runs without --swa-full/) }, 5),
+       'gemma3: the third stops saves, with the fix');
 
     my @before = glob($t->dir . '/slots/*.bin');
-    turn($t, 'bob-swa', conversation_of('Bob'));
+    $talk->('bob');
     my @after = glob($t->dir . '/slots/*.bin');
     is(scalar @after, scalar @before, 'gemma3: no file saved since');
-    my $r2 = turn($t, 'ann-swa', $a);
+    my $r2 = $talk->('ann');
     isnt($r2->{headers}{'x-s-action'}, 'restore', 'gemma3: no restore since');
     like($t->get('/api/sessions/current')->{content}, qr/"restores_disabled":true/,
          'gemma3: the API says restores are off');
 
+    my $saves = () = $t->log_lines(qr/re-primed "bob-swa-\w+"/);
     $t->stop_llama;
     $t->llama(port => $port, model => $gemma3, args => [ '--swa-full' ]);
-    turn($t, 'bob-swa', conversation_of('Bob'));
+    $talk->('bob');
     ok($t->wait_for(sub { $t->log_lines(qr/llama-server of zone "llama" restarted: the zone saves and restores again/) }, 5),
        'gemma3: llama-server restarted, saves and restores resume');
-    push @$a, { role => 'assistant', content => (reply_of($r2))[0] },
-              { role => 'user', content => 'Once more.' };
-    my $r3 = turn($t, 'ann-swa', $a);
+    my $r3 = $talk->('ann');
     my (undef, $tm) = reply_of($r3);
     is($r3->{headers}{'x-s-action'}, 'restore',
        'gemma3 with --swa-full: ann restores her file');
     cmp_ok($tm->{cache_n}, '>=', 800, "gemma3 with --swa-full: and it helps: "
                                       . "$tm->{cache_n} cached");
-    ok(scalar $t->log_lines(qr/re-primed "bob-swa-\w+"/) >= 2,
+    ok(scalar $t->log_lines(qr/re-primed "bob-swa-\w+"/) > $saves,
        'gemma3 with --swa-full: bob is saved again');
     like($t->get('/api/sessions/current')->{content}, qr/"restores_disabled":false/,
          'gemma3 with --swa-full: the API says restores are on');
