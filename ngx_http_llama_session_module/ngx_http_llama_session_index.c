@@ -147,32 +147,6 @@ ngx_http_llama_session_file_size(ngx_http_llama_session_zone_t *zone,
 }
 
 
-/* was the session's file re-primed before its save (reply.c's proof)? */
-
-ngx_uint_t
-ngx_http_llama_session_file_primed(ngx_http_llama_session_zone_t *zone,
-    u_char *fp, u_char *key, size_t len)
-{
-    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t                          n;
-    ngx_uint_t                      primed;
-    ngx_http_llama_session_node_t  *node;
-
-    n = ngx_http_llama_session_file_name(name, key, len, fp);
-
-    ngx_shmtx_lock(&zone->shpool->mutex);
-
-    node = ngx_http_llama_session_lookup(zone->sh, name, n,
-                                         ngx_crc32_short(name, n));
-
-    primed = (node && node->saved && node->primed);
-
-    ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    return primed;
-}
-
-
 void
 ngx_http_llama_session_file_saved(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, u_char *key, size_t len,

@@ -33,8 +33,6 @@ ngx_int_t ngx_http_llama_session_file_known(
 ngx_int_t ngx_http_llama_session_file_size(
     ngx_http_llama_session_zone_t *zone, u_char *fp, u_char *key, size_t len,
     off_t *bytes, ngx_uint_t *tokens);
-ngx_uint_t ngx_http_llama_session_file_primed(
-    ngx_http_llama_session_zone_t *zone, u_char *fp, u_char *key, size_t len);
 void ngx_http_llama_session_file_saved(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, u_char *key, size_t len,
     ngx_uint_t is_base, ngx_uint_t saved, ngx_uint_t tokens, off_t bytes);

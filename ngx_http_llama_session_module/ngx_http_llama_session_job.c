@@ -439,10 +439,13 @@ ngx_int_t
 ngx_http_llama_session_restore_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len)
 {
-    off_t        bytes;
-    double       ms;
-    ngx_uint_t   tokens, level;
-    ngx_buf_t   *b;
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    off_t                           bytes;
+    size_t                          n;
+    double                          ms;
+    ngx_uint_t                      tokens, level;
+    ngx_buf_t                      *b;
+    ngx_http_llama_session_node_t   node;
 
     tokens = 0;
     bytes = 0;
@@ -455,8 +458,11 @@ ngx_http_llama_session_restore_done(ngx_log_t *log,
         ctx->job->loaded_tokens = tokens;
         ctx->job->loaded_bytes = bytes;
         ctx->job->load_ms = ms;
-        ctx->job->loaded_primed = ngx_http_llama_session_file_primed(
-                                      ctx->zone, ctx->job->fp, key, len);
+        /* was the file re-primed before its save (reply.c's proof)? */
+        n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
+        ctx->job->loaded_primed =
+            ngx_http_llama_session_node_info(ctx->zone, name, n, &node)
+            == NGX_OK && node.saved && node.primed;
 
         (void) ngx_atomic_fetch_add(&ctx->zone->sh->metrics.bytes_restored,
                                     (ngx_atomic_uint_t) bytes);
