@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     11
+#define NGX_HTTP_LLAMA_SESSION_VERSION     12
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -99,7 +99,9 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE,
     NGX_HTTP_LLAMA_SESSION_ACTION_FRESH,
     NGX_HTTP_LLAMA_SESSION_ACTION_BYPASS,
-    NGX_HTTP_LLAMA_SESSION_ACTION_WARM
+    NGX_HTTP_LLAMA_SESSION_ACTION_WARM,
+    NGX_HTTP_LLAMA_SESSION_ACTION_RAM           /* from llama-server's RAM
+                                                   cache (ram.c) */
 } ngx_http_llama_session_action_e;
 
 
@@ -252,6 +254,8 @@ typedef struct {
     u_char                          has_ns;     /* ns[] is its tenant's */
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
+    ngx_uint_t                      held;       /* tokens, by its last
+                                                   reply; 0: unknown */
 
     /* the last prompt of the session in it, and its tokens (miss.c) */
     ngx_http_llama_session_msg_t   *msgs;       /* slab, NULL: none */
@@ -264,6 +268,24 @@ typedef struct {
      */
     ngx_uint_t                      turn_seq;
 } ngx_http_llama_session_slot_t;
+
+
+/*
+ * A session the zone thinks llama-server's RAM cache holds (ram.c), in the
+ * zone's model of that cache
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_RAM_MAX  128
+
+typedef struct {
+    ngx_uint_t                      seq;        /* when it went in, 0: free */
+    ngx_uint_t                      tokens;
+    off_t                           bytes;      /* by the files' bytes per
+                                                   token, 0: unknown */
+    u_short                         key_len;    /* 0: "default" */
+    u_char                          dirty;      /* newer than its file */
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+} ngx_http_llama_session_ram_t;
 
 
 /* a waiting request: reserved at the zone's start, never slab-allocated */
@@ -362,6 +384,11 @@ typedef struct {
     ngx_atomic_uint_t               reprefills; /* a restore cost more */
     ngx_atomic_uint_t               newer_saves; /* shared=on: not kept */
     ngx_atomic_uint_t               newer_hits; /* ... restored instead */
+    ngx_atomic_uint_t               ram_hits;   /* swaps through RAM */
+    ngx_atomic_uint_t               ram_misses; /* ... that found nothing */
+    ngx_atomic_uint_t               ram_stored; /* sessions that went in */
+    ngx_atomic_uint_t               ram_evicted;
+    ngx_atomic_uint_t               ram_lost;   /* ... newer than the file */
 } ngx_http_llama_session_stats_t;
 
 
@@ -522,6 +549,14 @@ typedef struct {
     ngx_uint_t                      ext_n;
     ngx_uint_t                      ext_max;
 
+    /* the zone's model of llama-server's RAM cache (ram.c) */
+    ngx_http_llama_session_ram_t    ram[NGX_HTTP_LLAMA_SESSION_RAM_MAX];
+    ngx_uint_t                      ram_seq;
+    off_t                           ram_bytes;
+    ngx_uint_t                      ram_run;    /* misses in a row */
+    u_char                          ram_off;    /* ... stopped the tier */
+    u_char                          ram_said;   /* its tiers logged */
+
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 } ngx_http_llama_session_sh_t;
 
@@ -538,6 +573,10 @@ struct ngx_http_llama_session_zone_s {
     off_t                           min_free;   /* -1: twice the file that
                                                    a save writes */
     ngx_msec_t                      save_idle;  /* 0: off */
+    off_t                           ram;        /* llama-server's RAM cache,
+                                                   the hot tier; 0: none */
+    ngx_uint_t                      has_tenants; /* a location of the zone
+                                                   has a namespace */
     ngx_uint_t                      reprime;    /* reprime=on */
     ngx_uint_t                      shared;     /* shared=on: the store is
                                                    the owners' of a model */
@@ -759,6 +798,12 @@ typedef struct {
     unsigned                        reprefill:1; /* no restore: cost.c */
     unsigned                        primed:1;   /* the save in progress
                                                    was re-primed */
+    unsigned                        ram:1;      /* the swap comes out of
+                                                   RAM, once GET /slots
+                                                   vouches for the slot */
+    unsigned                        ram_leaving:1; /* the slot still holds
+                                                   the session that leaves */
+    ngx_uint_t                      ram_tokens; /* what RAM held of it */
 } ngx_http_llama_session_job_t;
 
 

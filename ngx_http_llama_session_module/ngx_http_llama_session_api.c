@@ -956,6 +956,10 @@ ngx_http_llama_session_api_current(ngx_http_request_t *r,
         || cJSON_AddNumberToObject(json, "sessions", copy.nsessions) == NULL
         || cJSON_AddBoolToObject(json, "restores_disabled",
                                  copy.restores_off) == NULL
+        || cJSON_AddNumberToObject(json, "ram", (double) zone->ram) == NULL
+        || cJSON_AddBoolToObject(json, "ram_disabled", copy.ram_off) == NULL
+        || cJSON_AddNumberToObject(json, "ram_sessions_bytes",
+                                   (double) copy.ram_bytes) == NULL
         || cJSON_AddNumberToObject(json, "shm_bytes",
                                    zone->shm_zone->shm.size) == NULL
         || cJSON_AddNumberToObject(json, "shm_used_bytes",
@@ -1089,6 +1093,11 @@ ngx_http_llama_session_api_stats(cJSON *stats,
     ngx_http_llama_session_api_stat(reprefills);
     ngx_http_llama_session_api_stat(newer_saves);
     ngx_http_llama_session_api_stat(newer_hits);
+    ngx_http_llama_session_api_stat(ram_hits);
+    ngx_http_llama_session_api_stat(ram_misses);
+    ngx_http_llama_session_api_stat(ram_stored);
+    ngx_http_llama_session_api_stat(ram_evicted);
+    ngx_http_llama_session_api_stat(ram_lost);
 
 #undef ngx_http_llama_session_api_stat
 

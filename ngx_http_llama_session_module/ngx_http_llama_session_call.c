@@ -14,6 +14,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_ram.h"
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_store.h"
 
@@ -155,6 +156,19 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
     }
 
     c = &ngx_http_llama_session_calls[call];
+
+    if (ctx->job->ram_leaving) {
+        /* what the slot holds goes into RAM, or is replaced (ram.c) */
+
+        if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
+            ngx_http_llama_session_ram_leave(ctx);
+
+        } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE
+                   || call == NGX_HTTP_LLAMA_SESSION_CALL_ERASE)
+        {
+            ctx->job->ram_leaving = 0;
+        }
+    }
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_PRIME) {
         p = ngx_sprintf(uri.data, "%V%s", &llcf->slots_uri,

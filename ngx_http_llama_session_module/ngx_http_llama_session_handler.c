@@ -26,6 +26,7 @@
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_ollama.h"
 #include "ngx_http_llama_session_pin.h"
+#include "ngx_http_llama_session_ram.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_router.h"
 #include "ngx_http_llama_session_index.h"
@@ -896,6 +897,21 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         ctx->job->save_pending = 0;
     }
 
+    /* a completion pinned to the slot may move what it holds to RAM */
+    ctx->job->ram_leaving = (ctx->job->slot_state
+                                 == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                             && ctx->job->out_len);
+
+    if (ngx_http_llama_session_ram_swap(r, ctx)) {
+        /* out of llama-server's RAM cache, once GET /slots vouches */
+        ctx->job->ram = 1;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
+
+        return ngx_http_llama_session_call(r, ctx,
+                                           NGX_HTTP_LLAMA_SESSION_CALL_GET,
+                                           NULL, 0);
+    }
+
     if (ctx->job->load_file
         && ngx_http_llama_session_file_size(ctx->zone, ctx->job->fp,
                                             ctx->key, ctx->key_len,
@@ -1075,6 +1091,25 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         return ngx_http_llama_session_sleep(r, ctx, delay);
     }
 
+    if (ctx->job->ram && ngx_http_llama_session_ram_take(r, ctx)) {
+        /*
+         * the slot holds another session, idle: the pinned completion
+         * moves it to RAM and this one out, no slot action (ram.c)
+         */
+        ngx_http_llama_session_ram_leave(ctx);
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
+    if (!ctx->job->load_file && ngx_http_llama_session_ram_fresh(ctx)) {
+        /*
+         * a session without a file: the request runs on the slot as it
+         * is, and llama-server moves what it holds to RAM (ram.c)
+         */
+        ctx->job->save_pending = 0;
+        ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
+        return ngx_http_llama_session_proxy(r, ctx);
+    }
+
     if (ngx_http_llama_session_may_save(ctx)) {
         /* re-primed first when its last turn is known (reprime.c) */
         return ngx_http_llama_session_save(r, ctx);
@@ -1218,6 +1253,7 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 {
     u_char                       *p, *last, out[256], in[256];
     size_t                        out_len;
+    ngx_uint_t                    held;
     ngx_http_llama_session_sh_t  *sh;
 
     sh = ctx->zone->sh;
@@ -1225,10 +1261,18 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PROXY);
     ctx->job->call = NGX_HTTP_LLAMA_SESSION_CALL_NONE;
 
+    if (ctx->job->ram_leaving) {
+        /* the session that leaves is still in the slot: to RAM? (ram.c) */
+        ngx_http_llama_session_ram_leave(ctx);
+    }
+
     if (!ctx->swapped) {
         /* a hit: the zone marked the slot changed already */
         return ngx_http_llama_session_pinned(r, ctx);
     }
+
+    /* what left, for the log line */
+    held = sh->slots[ctx->job->slot].held;
 
     /* whatever runs now leaves the slot holding this session's tokens */
 
@@ -1254,6 +1298,11 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
     if (ctx->job->stale) {
         p = ngx_slprintf(p, last, "its own older state (another owner "
                          "saved a newer one since)");
+
+    } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RAM) {
+        p = ngx_slprintf(p, last, "\"%*s\" to llama-server's RAM cache, "
+                         "%ui tokens", ctx->job->out_len, ctx->job->out_key,
+                         held);
 
     } else if (ctx->job->out_len == 0) {
         p = ngx_slprintf(p, last, "nothing known");
@@ -1285,7 +1334,11 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
 
     p = ngx_slprintf(p, last, "\"%*s\" ", ctx->key_len, ctx->key);
 
-    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE) {
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RAM) {
+        p = ngx_slprintf(p, last, "from llama-server's RAM cache, %ui "
+                         "tokens, no slot action", ctx->job->ram_tokens);
+
+    } else if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RESTORE) {
         p = ngx_slprintf(p, last, "restored %ui tokens, %O bytes in %.1f ms",
                          ctx->job->loaded_tokens, ctx->job->loaded_bytes,
                              ctx->job->load_ms);

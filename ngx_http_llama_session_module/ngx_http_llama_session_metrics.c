@@ -70,6 +70,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_REPREFILLS,
     NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED,
     NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER,
+    NGX_HTTP_LLAMA_SESSION_M_RAM,
     NGX_HTTP_LLAMA_SESSION_M_FAMILIES
 } ngx_http_llama_session_family_e;
 
@@ -169,7 +170,12 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
     { "shared_newer_total", "counter",
       "shared=on: another owner had saved the session since this zone's "
       "slot took it in: a save not kept (at=\"save\"), a hit restored "
-      "from the newer file instead (at=\"hit\")." }
+      "from the newer file instead (at=\"hit\")." },
+    { "ram_total", "counter",
+      "ram=: llama-server's RAM cache as the zone models it: swaps that "
+      "found the session there (event=\"hit\") or not (\"miss\"), sessions "
+      "that went in (\"stored\"), that it evicted (\"evicted\"), of them "
+      "with turns their file lacked (\"lost\")." }
 };
 
 
@@ -248,6 +254,16 @@ static ngx_http_llama_session_counter_t  ngx_http_llama_session_counts[] = {
       offsetof(ngx_http_llama_session_sh_t, stats.newer_saves) },
     { NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER, ",at=\"hit\"",
       offsetof(ngx_http_llama_session_sh_t, stats.newer_hits) },
+    { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"hit\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.ram_hits) },
+    { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"miss\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.ram_misses) },
+    { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"stored\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.ram_stored) },
+    { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"evicted\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.ram_evicted) },
+    { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"lost\"",
+      offsetof(ngx_http_llama_session_sh_t, stats.ram_lost) },
     { 0, NULL, 0 }
 };
 

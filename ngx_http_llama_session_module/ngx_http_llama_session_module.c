@@ -68,6 +68,8 @@ static ngx_int_t ngx_http_llama_session_init_process(ngx_cycle_t *cycle);
 static void ngx_http_llama_session_exit_process(ngx_cycle_t *cycle);
 static void *ngx_http_llama_session_create_main_conf(ngx_conf_t *cf);
 static void *ngx_http_llama_session_create_loc_conf(ngx_conf_t *cf);
+static void ngx_http_llama_session_tenants(
+    ngx_http_llama_session_loc_conf_t *llcf);
 static char *ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf,
     void *parent, void *child);
 static char *ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd,
@@ -365,6 +367,30 @@ ngx_http_llama_session_default_list(ngx_conf_t *cf, ngx_str_t *names)
 }
 
 
+/* the location's zones serve tenants: ram= is refused for them (init) */
+
+static void
+ngx_http_llama_session_tenants(ngx_http_llama_session_loc_conf_t *llcf)
+{
+    ngx_uint_t                      i;
+    ngx_http_llama_session_zone_t  *zone, **zp;
+
+    for (zone = llcf->zone; zone; zone = zone->models_next) {
+        zone->has_tenants = 1;
+    }
+
+    if (llcf->zones == NULL) {
+        return;
+    }
+
+    zp = llcf->zones->elts;
+
+    for (i = 0; i < llcf->zones->nelts; i++) {
+        zp[i]->has_tenants = 1;
+    }
+}
+
+
 static char *
 ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
     void *child)
@@ -439,6 +465,11 @@ ngx_http_llama_session_merge_loc_conf(ngx_conf_t *cf, void *parent,
 
     if (conf->namespace == NULL) {
         conf->namespace = prev->namespace;
+    }
+
+    if (conf->namespace && conf->enable == 1) {
+        /* tenants: no RAM cache, one for all of llama-server's (init) */
+        ngx_http_llama_session_tenants(conf);
     }
 
     ngx_conf_merge_msec_value(conf->wait_timeout, prev->wait_timeout, 60000);
@@ -699,7 +730,7 @@ ngx_http_llama_session_zone_model(ngx_conf_t *cf,
 
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
- *     [max_size=size] [min_free=size] [save_idle=time]
+ *     [max_size=size] [min_free=size] [save_idle=time] [ram=size]
  *     [model=name | models=N]
  *     [reprime=on|off];
  * (backend= and api_key=: deprecated, ignored)
@@ -731,6 +762,10 @@ static ngx_http_llama_session_zone_param_t  ngx_http_llama_session_params[] = {
             "the store's disk, such as 2g" },
     { ngx_string("save_idle="), ngx_http_llama_session_zone_save_idle,
       0, 0, 0, NULL },
+    { ngx_string("ram="), ngx_http_llama_session_zone_offset,
+      offsetof(ngx_http_llama_session_zone_conf_t, zone.ram),
+      0, 0, "invalid size \"%V\": ram= is llama-server's --cache-ram, "
+            "such as 8g" },
     { ngx_string("reprime="), ngx_http_llama_session_zone_flag,
       offsetof(ngx_http_llama_session_zone_conf_t, zone.reprime),
       0, 0, NULL },
@@ -1521,6 +1556,20 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
                           zp[i]->save_idle ? "save_idle="
                           : zp[i]->models ? "models=" : "model=",
                           &zp[i]->name, &zp[i]->name);
+            return NGX_ERROR;
+        }
+    }
+
+    for (i = 0; i < lmcf->zones.nelts; i++) {
+        if (zp[i]->ram && zp[i]->has_tenants) {
+            ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
+                          "llama_session zone \"%V\" has \"ram=\" and a "
+                          "location with llama_session_namespace: "
+                          "llama-server's RAM cache is one for all "
+                          "conversations and would give one tenant's cache "
+                          "to another's prompt; keep tenants' zones on "
+                          "files (no ram=, llama-server with --cache-ram 0)",
+                          &zp[i]->name);
             return NGX_ERROR;
         }
     }

@@ -20,6 +20,7 @@
 #include "ngx_http_llama_session_cost.h"
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_miss.h"
+#include "ngx_http_llama_session_ram.h"
 #include "ngx_http_llama_session_reply.h"
 #include "ngx_http_llama_session_turn.h"
 
@@ -388,6 +389,10 @@ ngx_http_llama_session_reply_end(ngx_http_request_t *r,
     }
 
     changed = ngx_http_llama_session_miss(r, ctx, cached, evaluated);
+
+    /* what the slot holds now; did RAM hold the session? */
+    ngx_http_llama_session_ram_reply(r, ctx, cached, evaluated,
+                                     seen->predicted_n);
 
     if (seen->prompt_n > 0 && seen->prompt_ms > 0) {
         /* the backend's prompt speed, for when a restore pays (cost.c) */

@@ -13,6 +13,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_ram.h"
 #include "ngx_http_llama_session_sched.h"
 
 
@@ -310,6 +311,8 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_zone_t *zone,
         }
 
     } else {
+        ask->ram = ngx_http_llama_session_ram_holds_locked(zone, ask->key,
+                                                           ask->key_len);
         e = ngx_http_llama_session_choose_locked(sh, ask, 0);
     }
 
@@ -365,7 +368,11 @@ ngx_http_llama_session_choose_locked(ngx_http_llama_session_sh_t *sh,
         }
 
         if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
-            rank = 0;
+            /*
+             * a session in llama-server's RAM cache comes out of it only
+             * into a slot that holds another (ram.c): an empty one last
+             */
+            rank = ask->ram ? 5 : 0;
 
         } else if (spare && slot->key_len == ask->key_len
                    && ngx_memcmp(slot->key, ask->key, ask->key_len) == 0)
@@ -739,6 +746,7 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
 
     slot->nmsgs = 0;
     slot->prompt_tokens = 0;
+    slot->held = 0;
     slot->state = (u_char) state;
     slot->key_len = 0;
     slot->has_ns = 0;
@@ -1039,6 +1047,11 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_zone_t *zone,
             slot->prompt_tokens = 0;
         }
 
+        if (slot->key_len != len || ngx_memcmp(slot->key, key, len) != 0) {
+            /* its reply tells (ram.c) */
+            slot->held = 0;
+        }
+
         if (ask->ns) {
             slot->has_ns = 1;
             ngx_memcpy(slot->ns, ask->ns, NGX_HTTP_LLAMA_SESSION_DIGEST);
@@ -1277,6 +1290,9 @@ ngx_http_llama_session_set_fingerprint(ngx_http_llama_session_zone_t *zone,
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
     ngx_memcpy(job->fp, fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+
+    /* the first contact, and after a restart: which tiers (ram.c) */
+    ngx_http_llama_session_ram_tiers(zone, job->log);
 }
 
 
@@ -1315,6 +1331,9 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_zone_t *zone,
         resumed = zone->sh->restores_off;
         zone->sh->restores_off = 0;
         zone->sh->ineffective_run = 0;
+
+        /* and its RAM cache is empty */
+        ngx_http_llama_session_ram_reset_locked(zone);
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -1694,6 +1713,9 @@ ngx_http_llama_session_model_reset(ngx_http_llama_session_zone_t *zone,
         ngx_http_llama_session_slot_forget(zone, slot, state);
         slot->task = -1;
     }
+
+    /* the model's process went, its RAM cache with it */
+    ngx_http_llama_session_ram_reset_locked(zone);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 

@@ -38,6 +38,8 @@ typedef struct {
     unsigned                        base_file:1; /* its base was restored */
     unsigned                        verify:1;   /* a hit to check first */
     unsigned                        hit_dirty:1; /* changed before the hit */
+    unsigned                        ram:1;      /* in llama-server's RAM
+                                                   cache (ram.c) */
 } ngx_http_llama_session_ask_t;
 
 

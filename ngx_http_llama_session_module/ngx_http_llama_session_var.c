@@ -64,7 +64,8 @@ static ngx_str_t  ngx_http_llama_session_action_names[] = {
     ngx_string("restore"),
     ngx_string("fresh"),
     ngx_string("bypass"),
-    ngx_string("warm")
+    ngx_string("warm"),
+    ngx_string("ram")
 };
 
 

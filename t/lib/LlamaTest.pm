@@ -146,7 +146,8 @@ sub wait_port {
 }
 
 # a real llama-server: returns its port.  Options: np, ctx, args (array),
-# slots (save folder, default DIR/slots), name, model (a path)
+# slots (save folder, default DIR/slots), name, model (a path), cache_ram
+# (MiB, default 0) and sps (-sps, default 0): llama-server's RAM cache
 sub llama {
     my ($self, %o) = @_;
 
@@ -159,7 +160,8 @@ sub llama {
                '--host', '127.0.0.1', '--port', $port,
                '-np', $o{np} // 1, '-c', $o{ctx} // 16384,
                '--slot-save-path', $slots,
-               '--no-kv-unified', '--no-cache-idle-slots', '-sps', 0,
+               '--no-kv-unified', '--no-cache-idle-slots',
+               '-sps', $o{sps} // 0,
                '--cache-ram', $o{cache_ram} // 0, '-t', 2, '--no-webui',
                @{ $o{args} // [] });
 
