@@ -134,7 +134,7 @@ class Llama:
     """a real llama-server of the rig"""
 
     def __init__(self, work, name, ctx, cache_ram=0, args=None, np=1,
-                 model=None, extra=(), slots=None):
+                 model=None, extra=(), slots=None, ram=0):
         self.name = name
         self.port = free_port()
         self.slots = slots or os.path.join(work, name + '-slots')
@@ -148,6 +148,11 @@ class Llama:
         if args is not None:
             # llama-server as it is run without the module
             self.args += args
+        elif ram:
+            # the module's two tiers (ram= of the zone): llama-server's RAM
+            # cache, looked into when a pinned request displaces a slot
+            self.args += ['--no-kv-unified', '--no-cache-idle-slots',
+                          '-sps', '0.1', '--cache-ram', str(ram)]
         elif cache_ram:
             # llama-server's own RAM prompt cache, as deployed: its defaults
             # (prompt similarity, idle slots cached) with a budget
@@ -1182,8 +1187,13 @@ def bench_returning(work, quick):
         ngx, nport = module_zone(work, 'nginx-ret-%d' % nslots, mod, nslots)
         ngxi, nporti = module_zone(work, 'nginx-reti-%d' % nslots, modi,
                                    nslots, 'save_idle=1s')
+        # the two tiers: llama-server's RAM cache at its default budget
+        modr = Llama(work, 'ret-modr-%d' % nslots, ctx, np=nslots,
+                     extra=more, ram=8192)
+        ngxr, nportr = module_zone(work, 'nginx-retr-%d' % nslots, modr,
+                                   nslots, 'ram=8g save_idle=1s')
         sides = [('alone_defaults', alone.port), ('zone_defaults', nport),
-                 ('zone_save_idle', nporti)]
+                 ('zone_save_idle', nporti), ('zone_ram', nportr)]
         nwords = words_for(alone.port, ptoks, 'ret')
         system = filler('sys', nwords // 4)
         nconv = 2 if nslots == 1 else nclients
@@ -1256,13 +1266,14 @@ def bench_returning(work, quick):
                                   'ttft': sorted(round(x, 3)
                                                  for x in rec[side])}
         d = row['sides']
-        for side in ('zone_defaults', 'zone_save_idle'):
+        for side in ('zone_defaults', 'zone_save_idle', 'zone_ram'):
             row[side + '_vs_alone_p50'] = d[side]['p50'] / d['alone_defaults']['p50']
             row[side + '_vs_alone_p95'] = d[side]['p95'] / d['alone_defaults']['p95']
         res['%d_slots' % nslots] = row
         print('returning %d tokens, %d slot(s), %2d client(s): p50 / p95 (s) '
               'alone %s / %s, zone defaults %s / %s (%.2fx / %.2fx), '
-              'save_idle %s / %s (%.2fx / %.2fx)' % (
+              'save_idle %s / %s (%.2fx / %.2fx), ram %s / %s '
+              '(%.2fx / %.2fx)' % (
                   ptoks, nslots, nclients,
                   fmt(d['alone_defaults']['p50']),
                   fmt(d['alone_defaults']['p95']),
@@ -1273,10 +1284,13 @@ def bench_returning(work, quick):
                   fmt(d['zone_save_idle']['p50']),
                   fmt(d['zone_save_idle']['p95']),
                   row['zone_save_idle_vs_alone_p50'],
-                  row['zone_save_idle_vs_alone_p95']))
-        for x in (ngx, ngxi):
+                  row['zone_save_idle_vs_alone_p95'],
+                  fmt(d['zone_ram']['p50']), fmt(d['zone_ram']['p95']),
+                  row['zone_ram_vs_alone_p50'],
+                  row['zone_ram_vs_alone_p95']))
+        for x in (ngx, ngxi, ngxr):
             x.stop()
-        for srv in (alone, mod, modi):
+        for srv in (alone, mod, modi, modr):
             srv.stop()
             shutil.rmtree(srv.slots, ignore_errors=True)
     return res

@@ -256,6 +256,8 @@ typedef struct {
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
     ngx_uint_t                      held;       /* tokens, by its last
                                                    reply; 0: unknown */
+    u_char                          sys_most;   /* its system prompt is
+                                                   half its body or more */
 
     /* the last prompt of the session in it, and its tokens (miss.c) */
     ngx_http_llama_session_msg_t   *msgs;       /* slab, NULL: none */

@@ -50,7 +50,7 @@
 static ngx_int_t ngx_http_llama_session_ram_find_locked(
     ngx_http_llama_session_sh_t *sh, u_char *key, size_t len);
 static ngx_uint_t ngx_http_llama_session_ram_gate(
-    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t held);
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
 static void ngx_http_llama_session_ram_drop_locked(
     ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_ram_t *e);
 
@@ -118,18 +118,15 @@ ngx_http_llama_session_ram_reset_locked(ngx_http_llama_session_zone_t *zone)
  * Does llama-server look into its RAM cache when a request is pinned to
  * the slot, which holds "held" tokens of another session?  Only when the
  * request keeps less than half of them: always with another system
- * prompt; with the same one, when its base (the system prompt's own file,
- * warm.c) is shorter than half of the slot's state.
+ * prompt; with the same one, when that prompt took less than half of the
+ * last request of the session in the slot (its bytes: ram_reply).
  */
 
 static ngx_uint_t
 ngx_http_llama_session_ram_gate(ngx_http_llama_session_ctx_t *ctx,
-    ngx_uint_t held)
+    ngx_http_llama_session_slot_t *slot)
 {
-    off_t       bytes;
-    ngx_uint_t  tokens;
-
-    if (held == 0) {
+    if (slot->held == 0) {
         return 0;
     }
 
@@ -140,16 +137,7 @@ ngx_http_llama_session_ram_gate(ngx_http_llama_session_ctx_t *ctx,
         return 1;
     }
 
-    if (ngx_http_llama_session_file_size(ctx->zone, ctx->job->fp,
-                                         ctx->base_key, ctx->base_len,
-                                         &bytes, &tokens)
-        != NGX_OK)
-    {
-        /* the shared prompt's length is not known: the files */
-        return 0;
-    }
-
-    return tokens * 2 < held;
+    return !slot->sys_most;
 }
 
 
@@ -164,14 +152,13 @@ ngx_uint_t
 ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_int_t                      i;
-    ngx_uint_t                     held;
-    ngx_http_llama_session_sh_t   *sh;
-    ngx_http_llama_session_zone_t *zone;
+    ngx_int_t                       i;
+    ngx_uint_t                      open;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
     sh = zone->sh;
-
 
     if (zone->ram == 0 || sh->ram_off || ctx->default_session || ctx->media
         || ctx->job->slot_state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
@@ -183,7 +170,7 @@ ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     i = ngx_http_llama_session_ram_find_locked(sh, ctx->key, ctx->key_len);
-    held = sh->slots[ctx->job->slot].held;
+    open = ngx_http_llama_session_ram_gate(ctx, &sh->slots[ctx->job->slot]);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -191,7 +178,7 @@ ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
         return 0;
     }
 
-    if (!ngx_http_llama_session_ram_gate(ctx, held)) {
+    if (!open) {
         ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: \"%*s\" is in RAM, but slot %ui keeps "
                        "the lookup shut", ctx->key_len, ctx->key,
@@ -269,7 +256,7 @@ ngx_http_llama_session_ram_fresh(ngx_http_llama_session_ctx_t *ctx)
     slot = &ctx->zone->sh->slots[ctx->job->slot];
 
     return slot->saveable
-           && ngx_http_llama_session_ram_gate(ctx, slot->held);
+           && ngx_http_llama_session_ram_gate(ctx, slot);
 }
 
 
@@ -307,7 +294,7 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
     held = slot->held;
 
     if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-        || !ngx_http_llama_session_ram_gate(ctx, held))
+        || !ngx_http_llama_session_ram_gate(ctx, slot))
     {
         return;
     }
@@ -406,8 +393,10 @@ ngx_http_llama_session_ram_reply(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_int_t cached, ngx_int_t evaluated,
     ngx_int_t predicted)
 {
+    off_t                           body;
     ngx_int_t                       expected;
     ngx_uint_t                      stop;
+    ngx_chain_t                    *cl;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_zone_t  *zone;
     ngx_http_llama_session_slot_t  *slot;
@@ -421,6 +410,16 @@ ngx_http_llama_session_ram_reply(ngx_http_request_t *r,
     sh = zone->sh;
     slot = &sh->slots[ctx->job->slot];
 
+    /* its system prompt's share of the body: the gate's estimate */
+
+    body = 0;
+
+    if (r->request_body) {
+        for (cl = r->request_body->bufs; cl; cl = cl->next) {
+            body += ngx_buf_size(cl->buf);
+        }
+    }
+
     ngx_shmtx_lock(&zone->shpool->mutex);
 
     if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
@@ -428,6 +427,7 @@ ngx_http_llama_session_ram_reply(ngx_http_request_t *r,
         && ngx_memcmp(slot->key, ctx->key, ctx->key_len) == 0)
     {
         slot->held = cached + ngx_max(evaluated, 0) + ngx_max(predicted, 0);
+        slot->sys_most = ((off_t) ctx->sys_len * 2 >= body);
     }
 
     if (ctx->action != NGX_HTTP_LLAMA_SESSION_ACTION_RAM) {
