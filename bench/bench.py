@@ -1194,6 +1194,12 @@ def bench_returning(work, quick):
                                    nslots, 'ram=8g save_idle=1s')
         sides = [('alone_defaults', alone.port), ('zone_defaults', nport),
                  ('zone_save_idle', nporti), ('zone_ram', nportr)]
+        if os.environ.get('BENCH_RET_SIDES'):
+            # e.g. "zone_ram": llama-server alone and those (the others'
+            # figures are left out)
+            keep = os.environ['BENCH_RET_SIDES'].split(',')
+            sides = [x for x in sides
+                     if x[0] == 'alone_defaults' or x[0] in keep]
         nwords = words_for(alone.port, ptoks, 'ret')
         system = filler('sys', nwords // 4)
         nconv = 2 if nslots == 1 else nclients
@@ -1266,28 +1272,17 @@ def bench_returning(work, quick):
                                   'ttft': sorted(round(x, 3)
                                                  for x in rec[side])}
         d = row['sides']
-        for side in ('zone_defaults', 'zone_save_idle', 'zone_ram'):
+        line = 'alone %s / %s' % (fmt(d['alone_defaults']['p50']),
+                                  fmt(d['alone_defaults']['p95']))
+        for side, _ in sides[1:]:
             row[side + '_vs_alone_p50'] = d[side]['p50'] / d['alone_defaults']['p50']
             row[side + '_vs_alone_p95'] = d[side]['p95'] / d['alone_defaults']['p95']
+            line += ', %s %s / %s (%.2fx / %.2fx)' % (
+                side, fmt(d[side]['p50']), fmt(d[side]['p95']),
+                row[side + '_vs_alone_p50'], row[side + '_vs_alone_p95'])
         res['%d_slots' % nslots] = row
         print('returning %d tokens, %d slot(s), %2d client(s): p50 / p95 (s) '
-              'alone %s / %s, zone defaults %s / %s (%.2fx / %.2fx), '
-              'save_idle %s / %s (%.2fx / %.2fx), ram %s / %s '
-              '(%.2fx / %.2fx)' % (
-                  ptoks, nslots, nclients,
-                  fmt(d['alone_defaults']['p50']),
-                  fmt(d['alone_defaults']['p95']),
-                  fmt(d['zone_defaults']['p50']),
-                  fmt(d['zone_defaults']['p95']),
-                  row['zone_defaults_vs_alone_p50'],
-                  row['zone_defaults_vs_alone_p95'],
-                  fmt(d['zone_save_idle']['p50']),
-                  fmt(d['zone_save_idle']['p95']),
-                  row['zone_save_idle_vs_alone_p50'],
-                  row['zone_save_idle_vs_alone_p95'],
-                  fmt(d['zone_ram']['p50']), fmt(d['zone_ram']['p95']),
-                  row['zone_ram_vs_alone_p50'],
-                  row['zone_ram_vs_alone_p95']))
+              '%s' % (ptoks, nslots, nclients, line))
         for x in (ngx, ngxi, ngxr):
             x.stop()
         for srv in (alone, mod, modi, modr):

@@ -800,6 +800,8 @@ typedef struct {
     unsigned                        reprefill:1; /* no restore: cost.c */
     unsigned                        primed:1;   /* the save in progress
                                                    was re-primed */
+    unsigned                        slot_recent:1; /* the slot ran a
+                                                   request within a second */
     unsigned                        ram:1;      /* the swap comes out of
                                                    RAM, once GET /slots
                                                    vouches for the slot */

@@ -903,8 +903,23 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
                              && ctx->job->out_len);
 
     if (ngx_http_llama_session_ram_swap(r, ctx)) {
-        /* out of llama-server's RAM cache, once GET /slots vouches */
         ctx->job->ram = 1;
+
+        if (ctx->job->slot_recent
+            && (ngx_msec_int_t) (ctx->job->quiet_until - ngx_current_msec)
+               <= 0
+            && ngx_http_llama_session_ram_take(r, ctx))
+        {
+            /*
+             * out of llama-server's RAM cache: the slot ran a request of
+             * the module within a second and none runs there now (as for
+             * a hit, no GET /slots, one batch wait less)
+             */
+            ngx_http_llama_session_ram_leave(ctx);
+            return ngx_http_llama_session_proxy(r, ctx);
+        }
+
+        /* once GET /slots vouches */
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
         return ngx_http_llama_session_call(r, ctx,
@@ -1089,6 +1104,11 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_PAUSE);
 
         return ngx_http_llama_session_sleep(r, ctx, delay);
+    }
+
+    if (ctx->job->ram && ctx->job->slot_tokens <= 0) {
+        /* the slot is empty after all: nothing is looked up in RAM */
+        ctx->job->ram = 0;
     }
 
     if (ctx->job->ram && ngx_http_llama_session_ram_take(r, ctx)) {

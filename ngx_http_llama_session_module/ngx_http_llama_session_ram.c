@@ -27,9 +27,10 @@
  *     the zone until llama-server restarts (then the model starts empty).
  *
  * A session the model holds goes to a slot that holds another session
- * (never an empty one), after GET /slots says the slot is idle (a pinned
- * request to a busy slot would move its state while it runs) and holds
- * tokens, with no save or restore on the client's path.  Any other
+ * (never an empty one) that is idle (a pinned request to a busy slot
+ * would move its state while it runs): as for a hit, a slot that ran a
+ * request of the module within a second and has none running is, else
+ * GET /slots says so; with no save or restore on the client's path.  Any other
  * session takes the file path of handler.c.  A session that leaves its
  * slot for RAM is not saved then: idle saves (save_idle=) keep the files
  * fresh; an entry evicted before its file caught up is counted and logged.
@@ -191,9 +192,10 @@ ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
 
 
 /*
- * GET /slots said the slot is idle: the session comes out of the model
- * (llama-server moves its entry into the slot).  0: the slot is empty
- * after all, or the entry went meanwhile: the file path.
+ * The slot is idle (GET /slots said so, or it ran a request of the
+ * module within a second): the session comes out of the model
+ * (llama-server moves its entry into the slot).  0: the entry went
+ * meanwhile: the file path.
  */
 
 ngx_uint_t
@@ -205,10 +207,6 @@ ngx_http_llama_session_ram_take(ngx_http_request_t *r,
     ngx_http_llama_session_ram_t  *e;
 
     ctx->job->ram = 0;
-
-    if (ctx->job->slot_tokens <= 0) {
-        return 0;
-    }
 
     sh = ctx->zone->sh;
 

@@ -570,6 +570,9 @@ ngx_http_llama_session_granted_locked(ngx_http_llama_session_zone_t *zone,
         job->slot_tokens = (slot->state
                                 == NGX_HTTP_LLAMA_SESSION_SLOT_EMPTY)
                            ? 0 : -1;
+        job->slot_recent = ((ngx_msec_int_t) (ngx_current_msec
+                                              - slot->last_used)
+                            < NGX_HTTP_LLAMA_SESSION_VERIFY);
         slot->batch_len = (u_short) ask->key_len;
         ngx_memcpy(slot->batch_key, ask->key, ask->key_len);
     }
