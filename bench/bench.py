@@ -1145,6 +1145,7 @@ def module_zone(work, name, llama, nslots, zone_extra=''):
             proxy_pass http://llama;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+            proxy_next_upstream error timeout non_idempotent;
             proxy_buffering off;
             proxy_read_timeout 900s;
             add_header X-S-Action $llama_session_action always;
@@ -1156,6 +1157,7 @@ def module_zone(work, name, llama, nslots, zone_extra=''):
             proxy_pass http://llama/;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+            proxy_next_upstream error timeout non_idempotent;
             proxy_read_timeout 900s;
         }
     }''' % (nslots, llama.slots, zone_extra, llama.port, nport))
@@ -1191,7 +1193,8 @@ def bench_returning(work, quick):
         modr = Llama(work, 'ret-modr-%d' % nslots, ctx, np=nslots,
                      extra=more, ram=8192)
         ngxr, nportr = module_zone(work, 'nginx-retr-%d' % nslots, modr,
-                                   nslots, 'ram=8g save_idle=1s')
+                                   nslots, os.environ.get('BENCH_RAM_ZONE',
+                                                          'ram=8g save_idle=1s'))
         sides = [('alone_defaults', alone.port), ('zone_defaults', nport),
                  ('zone_save_idle', nporti), ('zone_ram', nportr)]
         if os.environ.get('BENCH_RET_SIDES'):
