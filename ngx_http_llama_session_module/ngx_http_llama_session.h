@@ -274,10 +274,11 @@ typedef struct {
 
 /*
  * A session the zone thinks llama-server's RAM cache holds (ram.c), in the
- * zone's model of that cache
+ * zone's model of that cache: at most 64 (the oldest leaves the model
+ * first, and its session is restored from its file, however large ram=)
  */
 
-#define NGX_HTTP_LLAMA_SESSION_RAM_MAX  128
+#define NGX_HTTP_LLAMA_SESSION_RAM_MAX  64
 
 typedef struct {
     ngx_uint_t                      seq;        /* when it went in, 0: free */

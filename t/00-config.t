@@ -163,7 +163,7 @@ my @bad = (
     [ 'llama_session_zone zone=llama:1m max_waiting=0;',
       qr/invalid number of waiting requests "max_waiting=0": 1 to 65536/,
       'max_waiting=0' ],
-    [ 'llama_session_zone zone=llama:128k max_waiting=60000;',
+    [ 'llama_session_zone zone=llama:64k max_waiting=60000;',
       qr/zone "llama" is too small for max_waiting=60000/,
       'max_waiting too large for the zone' ],
     [ 'llama_session_zone zone=identity:1m;',

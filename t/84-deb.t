@@ -154,11 +154,15 @@ $t->stop_proc('pkg-nginx');
 # the shipped site, as an operator enables it: in Debian's stock /etc/nginx
 # (only its ports, backend, store and certificate are this test's)
 
+# llama-server as the site's header runs it: its RAM cache is the hot tier
+# (ram=), the store's files the cold one
+my $llama2 = $t->llama(name => 'shipped', np => 1, ctx => 8192,
+                       cache_ram => 1024, sps => 0.1);
 my $port2 = LlamaTest::port();
 my $shipped = do { local $/; open my $s, '<', $avail or die; <$s> };
 $shipped =~ s{listen 443 ssl;}{listen 127.0.0.1:$port2 ssl;};
 $shipped =~ s{\s*listen \[::\]:443 ssl;}{};
-$shipped =~ s{127\.0\.0\.1:8080}{127.0.0.1:$llama}g;
+$shipped =~ s{127\.0\.0\.1:8080}{127.0.0.1:$llama2}g;
 $shipped =~ s{/var/lib/llama-session}{$slots}g;
 $shipped =~ s{/var/log/nginx/}{$dir/}g;
 $shipped =~ s{/etc/ssl/\S+/ssl-cert-snakeoil\.(pem|key)}{$dir/site.$1}g;
@@ -199,8 +203,9 @@ is($st2, 200, 'its second turn');
 ok(($j2->{timings}{cache_n} // 0) >= ($j1->{usage}{prompt_tokens} // 1e9) - 1,
    'comes back with its cache: ' . ($j2->{timings}{cache_n} // 'none'));
 my $alog = $t->read_file("$dir/llama-session.log");
-like($alog, qr/session=site-a action=restore slot=0 cached=\d+/,
-     'the access log shows the action and the cached tokens');
+like($alog, qr/session=site-a action=ram slot=0 cached=\d+/,
+     'the access log shows the action (out of llama-server\'s RAM, no '
+     . 'slot action) and the cached tokens');
 my $elog = $t->read_file("$dir/llama-session.error.log");
 unlike($elog, qr/buffered to a temporary file/,
        'no prompt was written to a temporary file');
