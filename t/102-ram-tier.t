@@ -25,7 +25,8 @@ sub turn {
 
 my $site = LlamaTest->site(
     zone => 'llama_session_zone zone=llama:1m slots=2 store=%%SLOTS%% ram=256m;',
-    location => 'add_header X-S-Action $llama_session_action always;',
+    location => 'add_header X-S-Action $llama_session_action always; '
+              . 'add_header X-S-Slot $llama_session_slot always;',
     extra => 'location /api/ { llama_session_api llama; }');
 
 {
@@ -59,6 +60,27 @@ my $site = LlamaTest->site(
     my $api = $t->get('/api/sessions/current');
     is($api->{json}{stats}{ram_hits}, 4, 'the API counts 4 RAM hits');
     ok(!$api->{json}{ram_disabled}, 'the tier is on');
+    $t->stop;
+}
+
+{
+    # an empty slot looks up nothing in RAM (upstream 28139): a session in
+    # RAM goes to a slot that holds another, not to the empty one
+    my $t = LlamaTest->new(workers => 2);
+    $t->llama(np => 2, ctx => 8192, cache_ram => 256, sps => 0.1);
+    $t->nginx($site);
+
+    my %slot = map { $_ => turn($t, $_)->{slot} } qw(a b);
+    my $c = turn($t, 'c');
+    my ($out) = grep { $slot{$_} eq $c->{slot} } qw(a b);
+    my $other = 1 - $c->{slot};
+    my $clear = $t->post("/api/sessions/clear?slot=$other", "");
+    is($clear->{status}, 200, "slot $other cleared: empty");
+    my $r = turn($t, $out);
+    is($r->{action}, 'ram', "$out, in RAM, comes back into slot $c->{slot} "
+                            . "that holds c, not into the empty one: "
+                            . "$r->{action} on slot $r->{slot}");
+    cmp_ok($r->{cached} // 0, '>', 500, "its prompt cached ($r->{cached})");
     $t->stop;
 }
 

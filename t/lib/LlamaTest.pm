@@ -564,6 +564,7 @@ sub chat_turn {
              prompt => $r->{json}{usage}{prompt_tokens},
              cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
              action => $r->{headers}{'x-s-action'},
+             slot => $r->{headers}{'x-s-slot'},
              backend => $r->{headers}{'x-backend'} };
 }
 
