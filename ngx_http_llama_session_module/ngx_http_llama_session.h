@@ -804,8 +804,8 @@ typedef struct {
     unsigned                        slot_recent:1; /* the slot ran a
                                                    request within a second */
     unsigned                        ram:1;      /* the swap comes out of
-                                                   RAM, once GET /slots
-                                                   vouches for the slot */
+                                                   RAM once GET /slots
+                                                   vouches (handler.c) */
     unsigned                        ram_leaving:1; /* the slot still holds
                                                    the session that leaves */
     ngx_uint_t                      ram_tokens; /* what RAM held of it */

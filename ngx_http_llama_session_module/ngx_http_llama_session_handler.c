@@ -897,29 +897,32 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         ctx->job->save_pending = 0;
     }
 
-    /* a completion pinned to the slot may move what it holds to RAM */
-    ctx->job->ram_leaving = (ctx->job->slot_state
-                                 == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+    /*
+     * a completion pinned to the slot may move what it holds to RAM (the
+     * proxy, ram_leave, or a slot call that replaces it, call.c)
+     */
+    ctx->job->ram_leaving = (ctx->zone->ram
+                             && ctx->job->slot_state
+                                == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
                              && ctx->job->out_len);
 
     if (ngx_http_llama_session_ram_swap(r, ctx)) {
-        ctx->job->ram = 1;
 
         if (ctx->job->slot_recent
             && (ngx_msec_int_t) (ctx->job->quiet_until - ngx_current_msec)
                <= 0
-            && ngx_http_llama_session_ram_take(r, ctx))
+            && ngx_http_llama_session_ram_take(ctx))
         {
             /*
              * out of llama-server's RAM cache: the slot ran a request of
              * the module within a second and none runs there now (as for
              * a hit, no GET /slots, one batch wait less)
              */
-            ngx_http_llama_session_ram_leave(ctx);
             return ngx_http_llama_session_proxy(r, ctx);
         }
 
-        /* once GET /slots vouches */
+        /* once GET /slots vouches (checked) */
+        ctx->job->ram = 1;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
         return ngx_http_llama_session_call(r, ctx,
@@ -1106,18 +1109,19 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         return ngx_http_llama_session_sleep(r, ctx, delay);
     }
 
-    if (ctx->job->ram && ctx->job->slot_tokens <= 0) {
-        /* the slot is empty after all: nothing is looked up in RAM */
+    if (ctx->job->ram) {
         ctx->job->ram = 0;
-    }
 
-    if (ctx->job->ram && ngx_http_llama_session_ram_take(r, ctx)) {
-        /*
-         * the slot holds another session, idle: the pinned completion
-         * moves it to RAM and this one out, no slot action (ram.c)
-         */
-        ngx_http_llama_session_ram_leave(ctx);
-        return ngx_http_llama_session_proxy(r, ctx);
+        if (ctx->job->slot_tokens > 0
+            && ngx_http_llama_session_ram_take(ctx))
+        {
+            /*
+             * the slot holds another session, idle: the pinned completion
+             * moves it to RAM and this one out, no slot action (ram.c);
+             * an empty slot after all looks up nothing: the files
+             */
+            return ngx_http_llama_session_proxy(r, ctx);
+        }
     }
 
     if (!ctx->job->load_file && ngx_http_llama_session_ram_fresh(ctx)) {

@@ -32,8 +32,9 @@
  * request of the module within a second and has none running is, else
  * GET /slots says so; with no save or restore on the client's path.  Any other
  * session takes the file path of handler.c.  A session that leaves its
- * slot for RAM is not saved then: idle saves (save_idle=) keep the files
- * fresh; an entry evicted before its file caught up is counted and logged.
+ * slot for RAM is not saved then (save_idle= saves it while it idles in
+ * its slot); an entry evicted with turns its file lacks is counted and
+ * logged.
  *
  * The cache is one for all of llama-server's conversations: a zone with
  * tenants (llama_session_namespace) cannot have ram= (module.c).
@@ -145,8 +146,8 @@ ngx_http_llama_session_ram_gate(ngx_http_llama_session_ctx_t *ctx,
 /*
  * A swap: may the session come out of RAM into the slot?  The model
  * holds it, the slot holds another session (an empty one looks up
- * nothing), and the request keeps less than half of that.  GET /slots
- * confirms the slot's state first (handler.c, ram_take).
+ * nothing), and the request keeps less than half of that.  The slot is
+ * vouched for idle before ram_take (handler.c).
  */
 
 ngx_uint_t
@@ -199,14 +200,11 @@ ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
  */
 
 ngx_uint_t
-ngx_http_llama_session_ram_take(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
+ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
 {
     ngx_int_t                      i;
     ngx_http_llama_session_sh_t   *sh;
     ngx_http_llama_session_ram_t  *e;
-
-    ctx->job->ram = 0;
 
     sh = ctx->zone->sh;
 
@@ -373,7 +371,8 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
                       "llama_session: \"%*s\" left llama-server's RAM cache "
                       "of zone \"%V\" (oldest first) with turns its file "
                       "lacks: its next turn restores the file and prefills "
-                      "the rest; save_idle= keeps files fresh",
+                      "the rest; a shorter save_idle= saves more sessions "
+                      "before they leave their slot",
                       lost_len, lost, &zone->name);
     }
 }
