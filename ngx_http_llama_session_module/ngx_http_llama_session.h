@@ -228,6 +228,11 @@ typedef struct {
     u_char                          dirty;      /* changed since last save */
     u_char                          saveable;   /* not "default" */
     u_char                          busy;       /* a request holds it */
+    u_char                          lent;       /* its idle save's call is
+                                                   on its way: a request of
+                                                   its session may take it */
+    ngx_uint_t                      taken;      /* grants, the holder's is
+                                                   the last */
     ngx_pid_t                       owner;
     uint64_t                        owner_start; /* tells a reused pid */
     ngx_msec_t                      taken_at;
@@ -392,6 +397,7 @@ typedef struct {
     ngx_atomic_uint_t               ram_stored; /* sessions that went in */
     ngx_atomic_uint_t               ram_evicted;
     ngx_atomic_uint_t               ram_lost;   /* ... newer than the file */
+    ngx_atomic_uint_t               idle_lent;  /* hits behind an idle save */
 } ngx_http_llama_session_stats_t;
 
 
@@ -705,6 +711,7 @@ typedef struct {
 
     /* its place in the scheduler (sched.c) */
     ngx_uint_t                      slot;
+    ngx_uint_t                      taken;      /* the slot's grant it got */
     ngx_atomic_uint_t               ticket;
     ngx_http_llama_session_waiter_t *waiter;   /* its place in the zone */
     ngx_event_t                     wait_ev;

@@ -1076,6 +1076,7 @@ ngx_http_llama_session_api_stats(cJSON *stats,
     ngx_http_llama_session_api_stat(backend_errors);
     ngx_http_llama_session_api_stat(evictions);
     ngx_http_llama_session_api_stat(idle_saves);
+    ngx_http_llama_session_api_stat(idle_lent);
     ngx_http_llama_session_api_stat(restarts);
     ngx_http_llama_session_api_stat(queue_full);
     ngx_http_llama_session_api_stat(forgotten);

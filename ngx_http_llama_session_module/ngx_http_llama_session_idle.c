@@ -516,7 +516,7 @@ ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
                       "\"%*s\" is not saved: start llama-server with --slots",
                       ctx->job->out_len, ctx->job->out_key);
 
-        ngx_http_llama_session_slot_saved(ctx->zone, ctx->job->slot,
+        ngx_http_llama_session_slot_saved(ctx->zone, ctx->job,
                                           ctx->job->out_key,
                                           ctx->job->out_len);
         idle->failed = 0;

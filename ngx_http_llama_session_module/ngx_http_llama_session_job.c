@@ -301,7 +301,7 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
              * meanwhile; nothing of the slot's is to be kept, now or later
              */
 
-            ngx_http_llama_session_slot_saved(ctx->zone, ctx->job->slot, key,
+            ngx_http_llama_session_slot_saved(ctx->zone, ctx->job, key,
                                               len);
             ngx_http_llama_session_stat(&ctx->zone->sh->stats.newer_saves);
 

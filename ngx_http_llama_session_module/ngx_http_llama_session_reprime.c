@@ -145,6 +145,8 @@ static ngx_int_t
 ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_int_t  rc;
+
     if (ngx_http_llama_session_reprime_yield(ctx)) {
         return NGX_DONE;
     }
@@ -153,9 +155,15 @@ ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
 
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_SAVE);
 
-    return ngx_http_llama_session_call(r, ctx,
-                                       NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
-                                       ctx->job->out_key, ctx->job->out_len);
+    rc = ngx_http_llama_session_call(r, ctx, NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
+                                     ctx->job->out_key, ctx->job->out_len);
+
+    if (rc == NGX_AGAIN && ctx->job->own && ctx->api == NULL) {
+        /* an idle save: a request of its session need not wait its reply */
+        ngx_http_llama_session_lend(ctx->zone, ctx->job);
+    }
+
+    return rc;
 }
 
 

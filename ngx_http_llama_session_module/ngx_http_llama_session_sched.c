@@ -41,8 +41,11 @@ static ngx_uint_t ngx_http_llama_session_count_batch(
 static void ngx_http_llama_session_reap_locked(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slot,
     ngx_log_t *log);
-static void ngx_http_llama_session_take_locked(
+static ngx_uint_t ngx_http_llama_session_take_locked(
     ngx_http_llama_session_job_t *job, ngx_http_llama_session_slot_t *slot);
+static void ngx_http_llama_session_behind_save(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_job_t *job,
+    ngx_http_llama_session_ask_t *ask);
 static void ngx_http_llama_session_unqueue_locked(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_job_t *job);
 static void ngx_http_llama_session_prune(ngx_http_llama_session_zone_t *zone,
@@ -85,7 +88,7 @@ ngx_int_t
 ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, ngx_http_llama_session_ask_t *ask)
 {
-    ngx_uint_t                        grant, hit, member;
+    ngx_uint_t                        grant, hit, member, free, lent;
     ngx_queue_t                      *q;
     ngx_http_llama_session_sh_t      *sh;
     ngx_http_llama_session_slot_t    *slot;
@@ -110,6 +113,9 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
     grant = 0;
     member = 0;
 
+    /* a slot lent by its idle save is free to a request of its session */
+    free = (!slot->busy || (slot->lent && hit));
+
     if (ngx_http_llama_session_unloading_locked(zone)) {
         /* router mode: the model is being unloaded; wait in the queue */
 
@@ -121,7 +127,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
 
     } else if (!job->queued) {
 
-        if (!slot->busy && ngx_queue_empty(&sh->waiters)) {
+        if (free && ngx_queue_empty(&sh->waiters)) {
             grant = 1;
 
         } else if (ngx_http_llama_session_enqueue_locked(zone, job, ask)
@@ -130,10 +136,11 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
             return NGX_DECLINED;
         }
 
-    } else if (!slot->busy) {
+    } else if (free) {
 
-        if ((ngx_msec_int_t) (ngx_current_msec - slot->free_since)
-            >= NGX_HTTP_LLAMA_SESSION_STALL)
+        if (!slot->busy
+            && (ngx_msec_int_t) (ngx_current_msec - slot->free_since)
+               >= NGX_HTTP_LLAMA_SESSION_STALL)
         {
             /* nobody took the free slot for a while: who waits really? */
             ngx_http_llama_session_prune(zone, slot,
@@ -172,7 +179,7 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
         ngx_http_llama_session_unqueue_locked(zone, job);
     }
 
-    ngx_http_llama_session_take_locked(job, slot);
+    lent = ngx_http_llama_session_take_locked(job, slot);
     ngx_http_llama_session_granted_locked(zone, job, ask, slot, hit);
 
     if (!hit) {
@@ -182,6 +189,10 @@ ngx_http_llama_session_acquire(ngx_http_llama_session_zone_t *zone,
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (lent) {
+        ngx_http_llama_session_behind_save(zone, job, ask);
+    }
 
     return NGX_OK;
 }
@@ -201,7 +212,7 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, ngx_http_llama_session_ask_t *ask)
 {
     ngx_int_t                         s, e;
-    ngx_uint_t                        i, stalled, usable;
+    ngx_uint_t                        i, stalled, usable, lent;
     ngx_queue_t                      *q;
     ngx_http_llama_session_sh_t      *sh;
     ngx_http_llama_session_slot_t    *slot;
@@ -288,7 +299,8 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_zone_t *zone,
     }
 
     if (s != NGX_ERROR) {
-        e = sh->slots[s].busy ? NGX_ERROR : s;
+        /* a slot lent by its idle save is free to a request of its session */
+        e = (sh->slots[s].busy && !sh->slots[s].lent) ? NGX_ERROR : s;
 
         if (e == NGX_ERROR && ask->unnamed) {
             /*
@@ -326,10 +338,14 @@ ngx_http_llama_session_acquire_many(ngx_http_llama_session_zone_t *zone,
     job->slot = e;
     slot = &sh->slots[e];
 
-    ngx_http_llama_session_take_locked(job, slot);
+    lent = ngx_http_llama_session_take_locked(job, slot);
     ngx_http_llama_session_granted_locked(zone, job, ask, slot, s != NGX_ERROR);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    if (lent) {
+        ngx_http_llama_session_behind_save(zone, job, ask);
+    }
 
     return NGX_OK;
 }
@@ -683,7 +699,7 @@ ngx_http_llama_session_try_slot(ngx_http_llama_session_zone_t *zone,
         return NGX_BUSY;
     }
 
-    ngx_http_llama_session_take_locked(job, slot);
+    (void) ngx_http_llama_session_take_locked(job, slot);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
@@ -727,6 +743,7 @@ ngx_http_llama_session_reap_locked(ngx_http_llama_session_zone_t *zone,
                   (ngx_uint_t) (slot - zone->sh->slots));
 
     slot->busy = 0;
+    slot->lent = 0;
     slot->owner = 0;
     slot->owner_start = 0;
     slot->free_since = ngx_current_msec;
@@ -761,12 +778,22 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
 }
 
 
-/* the slot is this process's now; the context learns what it holds */
+/*
+ * The slot is this process's now; the context learns what it holds.
+ * Returns 1 when it was lent: its idle save's call is still on its way.
+ */
 
-static void
+static ngx_uint_t
 ngx_http_llama_session_take_locked(ngx_http_llama_session_job_t *job,
     ngx_http_llama_session_slot_t *slot)
 {
+    ngx_uint_t  lent;
+
+    lent = (slot->busy && slot->lent);
+
+    slot->lent = 0;
+    job->taken = ++slot->taken;
+
     slot->busy = 1;
     slot->owner = ngx_pid;
     slot->owner_start = ngx_http_llama_session_self_start;
@@ -788,6 +815,53 @@ ngx_http_llama_session_take_locked(ngx_http_llama_session_job_t *job,
                                == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
                           && slot->has_base);
     ngx_memcpy(job->slot_base, slot->base, NGX_HTTP_LLAMA_SESSION_DIGEST);
+
+    return lent;
+}
+
+
+/*
+ * An idle save's job whose save call is on its way: llama-server runs
+ * that save before any request sent after it, so a request of the session
+ * may take the slot now and go behind the save in llama-server's queue,
+ * instead of waiting for its reply here.  Not before a router's unload,
+ * which waits for the slot.  The job keeps its calls; the slot is the
+ * request's once it takes it (release() and slot_saved() then leave it).
+ */
+
+void
+ngx_http_llama_session_lend(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job)
+{
+    ngx_http_llama_session_slot_t  *slot;
+
+    slot = &zone->sh->slots[job->slot];
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->taken == job->taken && slot->busy
+        && !ngx_http_llama_session_unloading_locked(zone))
+    {
+        slot->lent = 1;
+    }
+
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    ngx_http_llama_session_wake_local();
+}
+
+
+static void
+ngx_http_llama_session_behind_save(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job, ngx_http_llama_session_ask_t *ask)
+{
+    (void) ngx_atomic_fetch_add(&zone->sh->stats.idle_lent, 1);
+
+    ngx_log_error(NGX_LOG_INFO, job->log, 0,
+                  "llama_session: \"%*s\" takes slot %ui of zone \"%V\" "
+                  "while its idle save is on its way: its turn goes behind "
+                  "the save in llama-server", ask->key_len, ask->key,
+                  job->slot, &zone->name);
 }
 
 
@@ -853,7 +927,7 @@ ngx_http_llama_session_try_idle(ngx_http_llama_session_zone_t *zone,
         return NGX_DECLINED;
     }
 
-    ngx_http_llama_session_take_locked(job, slot);
+    (void) ngx_http_llama_session_take_locked(job, slot);
     ngx_memcpy(job->fp, sh->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
@@ -905,19 +979,23 @@ ngx_http_llama_session_base_claim(ngx_http_llama_session_zone_t *zone,
 }
 
 
-/* a save of the slot's session succeeded: it is clean until used again */
+/*
+ * A save of the job's slot's session succeeded: it is clean until used
+ * again, unless a request of the session took the slot since (lent).
+ */
 
 void
 ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t n, u_char *key, size_t len)
+    ngx_http_llama_session_job_t *job, u_char *key, size_t len)
 {
     ngx_http_llama_session_slot_t  *slot;
 
-    slot = &zone->sh->slots[n];
+    slot = &zone->sh->slots[job->slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
-    if (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+    if (slot->taken == job->taken
+        && slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
         && slot->key_len == len && ngx_memcmp(slot->key, key, len) == 0)
     {
         slot->dirty = 0;
@@ -1129,6 +1207,14 @@ ngx_http_llama_session_release(ngx_http_llama_session_zone_t *zone,
     slot = &zone->sh->slots[job->slot];
 
     ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->taken != job->taken) {
+        /* lent, and taken since by a request of its session: it is that's */
+        ngx_shmtx_unlock(&zone->shpool->mutex);
+        return;
+    }
+
+    slot->lent = 0;
 
     if (slot->busy && slot->owner == ngx_pid) {
         slot->busy = 0;

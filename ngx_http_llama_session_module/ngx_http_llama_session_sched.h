@@ -60,8 +60,10 @@ ngx_int_t ngx_http_llama_session_try_idle(ngx_http_llama_session_zone_t *zone,
 ngx_uint_t ngx_http_llama_session_base_claim(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_job_t *job,
     u_char *base);
+void ngx_http_llama_session_lend(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_job_t *job);
 void ngx_http_llama_session_slot_saved(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t slot, u_char *key, size_t len);
+    ngx_http_llama_session_job_t *job, u_char *key, size_t len);
 ngx_uint_t ngx_http_llama_session_in_use(ngx_http_llama_session_zone_t *zone,
     u_char *key, size_t len);
 void ngx_http_llama_session_dequeue(ngx_http_llama_session_zone_t *zone,

@@ -2074,7 +2074,7 @@ ngx_http_llama_session_store_saved(ngx_log_t *log,
                                                  ctx->job->slot);
     }
 
-    ngx_http_llama_session_slot_saved(ctx->zone, ctx->job->slot, key, len);
+    ngx_http_llama_session_slot_saved(ctx->zone, ctx->job, key, len);
 
     if (key != ctx->job->out_key) {
         /* a base: it goes before the session that starts from it */
