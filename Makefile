@@ -115,11 +115,12 @@ rig: deps
 LLAMA_NEXT ?= 3.22.1
 # the real-backend tests that matter, run against it too by make test:
 # sessions, re-prime and templates, warm starts, router, clients, stop,
-# images, draft models
+# images, draft models, the RAM tier and its temperature-0 equality
 NEXT_TESTS ?= t/10-sessions.t t/92-reprime.t t/39-templates.t t/50-warm.t \
               t/73-router-real.t t/85-clients.t t/101-stop.t t/38-media.t \
               t/29-draft.t t/01-proxy.t t/22-reboot.t t/33-real-faults.t \
-              t/86-miss.t t/96-anthropic.t t/99-bases.t
+              t/86-miss.t t/96-anthropic.t t/99-bases.t t/102-ram-tier.t \
+              t/103-ram-equal.t
 
 rig-next: deps
 	@$(if $(strip $(LLAMA_NEXT)),NODE_LLAMA_CPP=$(LLAMA_NEXT) \

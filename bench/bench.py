@@ -1165,22 +1165,82 @@ def module_zone(work, name, llama, nslots, zone_extra=''):
     return ngx, nport
 
 
+def drive_clients(sides, turn, nconv, rounds):
+    """many clients, side after side: every conversation's first turn (not
+    measured), then all at once, each returning after a think time of 0.5
+    to 4 s (the same seeded times for each side), so that returning turns
+    meet each other, not first prefills"""
+    import random
+    import threading
+    for side, port in sides:
+        rng = random.Random(7)
+        thinks = {i: [rng.uniform(0.5, 4.0) for _ in range(rounds)]
+                  for i in range(nconv)}
+
+        def first(i):
+            turn(side, port, i, 0)
+
+        def client(i):
+            for rnd in range(1, rounds + 1):
+                time.sleep(thinks[i][rnd - 1])
+                turn(side, port, i, rnd)
+
+        for fn in (first, client):
+            th = [threading.Thread(target=fn, args=(i,))
+                  for i in range(nconv)]
+            for x in th:
+                x.start()
+            for x in th:
+                x.join()
+
+
+def returning_row(sides, rec, row, cached=None):
+    """p50 / p95 of each side, and each against llama-server alone (the
+    first side); row['line'] says it in one line"""
+    row['sides'] = {}
+    for side, _ in sides:
+        row['sides'][side] = {'p50': median(rec[side]),
+                              'p95': p95(rec[side]),
+                              'samples': len(rec[side]),
+                              'ttft': sorted(round(x, 3) for x in rec[side])}
+        if cached is not None:
+            c, n = cached[side]
+            row['sides'][side]['cached_share'] = c / n if n else 0
+    first = sides[0][0]
+    d = row['sides']
+    line = '%s %s / %s' % (first, fmt(d[first]['p50']), fmt(d[first]['p95']))
+    for side, _ in sides[1:]:
+        row[side + '_vs_alone_p50'] = d[side]['p50'] / d[first]['p50']
+        row[side + '_vs_alone_p95'] = d[side]['p95'] / d[first]['p95']
+        line += ', %s %s / %s (%.2fx / %.2fx)' % (
+            side, fmt(d[side]['p50']), fmt(d[side]['p95']),
+            row[side + '_vs_alone_p50'], row[side + '_vs_alone_p95'])
+    if cached is not None:
+        line += '; cached: ' + ', '.join(
+            '%s %.1f %%' % (side, 100 * d[side]['cached_share'])
+            for side, _ in sides)
+    row['line'] = line
+    return row
+
+
 def bench_returning(work, quick):
     """returning turns' time to first token: llama-server alone at its
     defaults (its RAM prompt cache), the module's zone at its defaults (no
     save_idle: each swap saves on the client's path) and with save_idle=1s;
     one slot with one client (two sessions taking turns, a think time
-    between turns), and four slots with twelve clients at once (each its
-    own conversation, think times of 0.5 to 4 s)"""
-    import random
+    between turns), of 2k tokens and of pi's 660, and four slots with
+    twelve clients at once (each its own conversation of 2k tokens, think
+    times of 0.5 to 4 s)"""
     import threading
-    ptoks = 1024 if quick else 2048
-    res = {'prompt_tokens': ptoks}
+    big = 1024 if quick else 2048
+    res = {'prompt_tokens': big}
 
-    for nslots, nclients in [x for x in ((1, 1), (4, 12))
-                             if str(x[0]) in os.environ.get('BENCH_SLOTS', '1,4')]:
+    for nslots, nclients, ptoks in [
+            x for x in ((1, 1, big), (1, 1, 660), (4, 12, big))
+            if str(x[0]) in os.environ.get('BENCH_SLOTS', '1,4')]:
         ctx = nslots * (ptoks * 2 + 2048)
         rounds = (2 if quick else 4) if nslots > 1 else (4 if quick else 8)
+        rounds = int(os.environ.get('BENCH_RET_ROUNDS', rounds))
         alone = Llama(work, 'ret-alone-%d' % nslots, ctx, args=[], np=nslots)
         more = os.environ.get('BENCH_MODULE_EXTRA', '').split()
         mod = Llama(work, 'ret-mod-%d' % nslots, ctx, np=nslots, extra=more)
@@ -1211,6 +1271,7 @@ def bench_returning(work, quick):
                              filler('r%dw' % i, nwords * 3 // 4) + ' Q1?'}]
                 for side, _ in sides for i in range(nconv)}
         rec = {side: [] for side, _ in sides}
+        cached = {side: [0, 0] for side, _ in sides}
         lock = threading.Lock()
 
         def turn(side, port, i, rnd):
@@ -1224,6 +1285,8 @@ def bench_returning(work, quick):
             if rnd:
                 with lock:
                     rec[side].append(ttft)
+                    cached[side][0] += cache_n or 0
+                    cached[side][1] += prompt_n or 0
                     if os.environ.get('BENCH_DEBUG'):
                         h = {k.lower(): v for k, v in hdrs.items()}
                         print('  %s ret-%d round %d: %.3f s, %s, wait %s '
@@ -1242,48 +1305,13 @@ def bench_returning(work, quick):
                         turn(side, port, i, rnd)
                     time.sleep(1.5)
         else:
-            # twelve clients, side after side: every conversation's first
-            # turn (not measured), then all at once, each returning after
-            # a think time (the same seeded times for each side), so that
-            # returning turns meet each other, not twelve first prefills
-            for side, port in sides:
-                rng = random.Random(7)
-                thinks = {i: [rng.uniform(0.5, 4.0) for _ in range(rounds)]
-                          for i in range(nconv)}
+            drive_clients(sides, turn, nconv, rounds)
 
-                def first(i):
-                    turn(side, port, i, 0)
-
-                def client(i):
-                    for rnd in range(1, rounds + 1):
-                        time.sleep(thinks[i][rnd - 1])
-                        turn(side, port, i, rnd)
-
-                for fn in (first, client):
-                    th = [threading.Thread(target=fn, args=(i,))
-                          for i in range(nconv)]
-                    for x in th:
-                        x.start()
-                    for x in th:
-                        x.join()
-
-        row = {'slots': nslots, 'clients': nclients, 'sides': {}}
-        for side, _ in sides:
-            row['sides'][side] = {'p50': median(rec[side]),
-                                  'p95': p95(rec[side]),
-                                  'samples': len(rec[side]),
-                                  'ttft': sorted(round(x, 3)
-                                                 for x in rec[side])}
-        d = row['sides']
-        line = 'alone %s / %s' % (fmt(d['alone_defaults']['p50']),
-                                  fmt(d['alone_defaults']['p95']))
-        for side, _ in sides[1:]:
-            row[side + '_vs_alone_p50'] = d[side]['p50'] / d['alone_defaults']['p50']
-            row[side + '_vs_alone_p95'] = d[side]['p95'] / d['alone_defaults']['p95']
-            line += ', %s %s / %s (%.2fx / %.2fx)' % (
-                side, fmt(d[side]['p50']), fmt(d[side]['p95']),
-                row[side + '_vs_alone_p50'], row[side + '_vs_alone_p95'])
-        res['%d_slots' % nslots] = row
+        row = returning_row(sides, rec, {'slots': nslots,
+                                         'clients': nclients}, cached)
+        line = row.pop('line')
+        res['%d_slots' % nslots
+            + ('' if ptoks == big else '_%d_tokens' % ptoks)] = row
         print('returning %d tokens, %d slot(s), %2d client(s): p50 / p95 (s) '
               '%s' % (ptoks, nslots, nclients, line))
         for x in (ngx, ngxi, ngxr):
@@ -1292,6 +1320,85 @@ def bench_returning(work, quick):
             srv.stop()
             shutil.rmtree(srv.slots, ignore_errors=True)
     return res
+
+
+def bench_budget(work, quick):
+    """twenty-four conversations on four slots, llama-server's RAM cache
+    sized to hold eight of them on both sides (the same --cache-ram):
+    llama-server alone at its defaults otherwise, against the module's two
+    tiers (ram= that size, save_idle=1s), whose conversations that RAM does
+    not hold come back from their files; returning turns' time to first
+    token and the share of their prompt tokens cached"""
+    import threading
+    ptoks = 1024 if quick else 2048
+    nslots, nconv, hold = 4, 24, 8
+    rounds = int(os.environ.get('BENCH_BUDGET_ROUNDS', 2 if quick else 3))
+    ctx = nslots * (ptoks * 2 + 2048)
+
+    # a conversation's bytes in RAM: what a save of one slot writes, per
+    # token, times its tokens at its last turn (each turn adds ~40)
+    probe = Llama(work, 'budget-probe', ptoks * 2 + 2048)
+    nwords = words_for(probe.port, ptoks, 'bud')
+    system = filler('sys', nwords // 4)
+    stream_turn(probe.port, [{'role': 'system', 'content': system},
+                             {'role': 'user', 'content':
+                              filler('b0w', nwords * 3 // 4) + ' Q1?'}],
+                'probe')
+    st, _, payload = post(probe.port, '/slots/0?action=save',
+                          {'filename': 'probe.bin'})
+    saved = json.loads(payload)
+    per_token = saved['n_written'] / saved['n_saved']
+    probe.stop()
+    shutil.rmtree(probe.slots, ignore_errors=True)
+    mib = int(hold * (ptoks + 40 * (rounds + 1)) * per_token
+              / (1024 * 1024)) + 1
+
+    alone = Llama(work, 'budget-alone', ctx, np=nslots, cache_ram=mib)
+    modr = Llama(work, 'budget-modr', ctx, np=nslots, ram=mib)
+    ngxr, nportr = module_zone(work, 'nginx-budget', modr, nslots,
+                               'ram=%dm save_idle=1s' % mib)
+    sides = [('alone_defaults', alone.port), ('zone_ram', nportr)]
+    conv = {(side, i): [{'role': 'system', 'content': system},
+                        {'role': 'user', 'content':
+                         filler('b%dw' % i, nwords * 3 // 4) + ' Q1?'}]
+            for side, _ in sides for i in range(nconv)}
+    rec = {side: [] for side, _ in sides}
+    cached = {side: [0, 0] for side, _ in sides}
+    lock = threading.Lock()
+
+    def turn(side, port, i, rnd):
+        msgs = conv[(side, i)]
+        if rnd:
+            msgs.append({'role': 'user', 'content':
+                         'Q%d? %s' % (rnd + 1, filler('q', 8))})
+        ttft, text, cache_n, hdrs, prompt_n = stream_turn(
+            port, msgs, 'bud-%d' % i)
+        msgs.append({'role': 'assistant', 'content': text})
+        if rnd:
+            with lock:
+                rec[side].append(ttft)
+                cached[side][0] += cache_n or 0
+                cached[side][1] += prompt_n or 0
+                if os.environ.get('BENCH_DEBUG'):
+                    h = {k.lower(): v for k, v in hdrs.items()}
+                    print('  %s bud-%d round %d: %.3f s, %s, %s cached of '
+                          '%s' % (side, i, rnd, ttft,
+                                  h.get('x-s-action', '-'), cache_n,
+                                  prompt_n))
+
+    drive_clients(sides, turn, nconv, rounds)
+
+    row = returning_row(sides, rec, {'slots': nslots, 'conversations': nconv,
+                                     'cache_ram_mib': mib,
+                                     'bytes_per_token': per_token}, cached)
+    print('returning %d tokens, %d slots, %d conversations, --cache-ram %d '
+          '(about %d of them): p50 / p95 (s) %s' % (
+              ptoks, nslots, nconv, mib, hold, row.pop('line')))
+    ngxr.stop()
+    for srv in (alone, modr):
+        srv.stop()
+        shutil.rmtree(srv.slots, ignore_errors=True)
+    return row
 
 
 # 13. a fleet: sticky owners against routing by load ---------------------
@@ -1846,7 +1953,7 @@ def main():
                                                   'latest.json'))
     ap.add_argument('--only',
                     default='ttft,swap,hit,scale,warm,team,oneslot,models,'
-                            'kvq,clients,fleet')
+                            'kvq,clients,fleet,returning,budget')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '
