@@ -1194,6 +1194,40 @@ def drive_clients(sides, turn, nconv, rounds):
                 x.join()
 
 
+def returning_turns(sides, conv, prefix):
+    """(times to first token, [cached, prompt] tokens, turn): turn(side,
+    port, i, rnd) sends conversation i's next turn (rnd 0: its first) as
+    session prefix-i and records its returning turns by side"""
+    import threading
+    rec = {side: [] for side, _ in sides}
+    cached = {side: [0, 0] for side, _ in sides}
+    lock = threading.Lock()
+
+    def turn(side, port, i, rnd):
+        msgs = conv[(side, i)]
+        if rnd:
+            msgs.append({'role': 'user', 'content':
+                         'Q%d? %s' % (rnd + 1, filler('q', 8))})
+        ttft, text, cache_n, hdrs, prompt_n = stream_turn(
+            port, msgs, '%s-%d' % (prefix, i))
+        msgs.append({'role': 'assistant', 'content': text})
+        if rnd:
+            with lock:
+                rec[side].append(ttft)
+                cached[side][0] += cache_n or 0
+                cached[side][1] += prompt_n or 0
+                if os.environ.get('BENCH_DEBUG'):
+                    h = {k.lower(): v for k, v in hdrs.items()}
+                    print('  %s %s-%d round %d: %.3f s, %s, wait %s ms, '
+                          'swap %s ms, %s cached of %s' % (
+                              side, prefix, i, rnd, ttft,
+                              h.get('x-s-action', '-'),
+                              h.get('x-s-wait', '-'), h.get('x-s-swap', '-'),
+                              cache_n, prompt_n))
+
+    return rec, cached, turn
+
+
 def returning_row(sides, rec, row, cached=None):
     """p50 / p95 of each side, and each against llama-server alone (the
     first side); row['line'] says it in one line"""
@@ -1231,7 +1265,6 @@ def bench_returning(work, quick):
     between turns), of 2k tokens and of pi's 660, and four slots with
     twelve clients at once (each its own conversation of 2k tokens, think
     times of 0.5 to 4 s)"""
-    import threading
     big = 1024 if quick else 2048
     res = {'prompt_tokens': big}
 
@@ -1270,31 +1303,7 @@ def bench_returning(work, quick):
                             {'role': 'user', 'content':
                              filler('r%dw' % i, nwords * 3 // 4) + ' Q1?'}]
                 for side, _ in sides for i in range(nconv)}
-        rec = {side: [] for side, _ in sides}
-        cached = {side: [0, 0] for side, _ in sides}
-        lock = threading.Lock()
-
-        def turn(side, port, i, rnd):
-            msgs = conv[(side, i)]
-            if rnd:
-                msgs.append({'role': 'user', 'content':
-                             'Q%d? %s' % (rnd + 1, filler('q', 8))})
-            ttft, text, cache_n, hdrs, prompt_n = stream_turn(
-                port, msgs, 'ret-%d' % i)
-            msgs.append({'role': 'assistant', 'content': text})
-            if rnd:
-                with lock:
-                    rec[side].append(ttft)
-                    cached[side][0] += cache_n or 0
-                    cached[side][1] += prompt_n or 0
-                    if os.environ.get('BENCH_DEBUG'):
-                        h = {k.lower(): v for k, v in hdrs.items()}
-                        print('  %s ret-%d round %d: %.3f s, %s, wait %s '
-                              'ms, swap %s ms, %s cached of %s' % (
-                                  side, i, rnd, ttft,
-                                  h.get('x-s-action', '-'),
-                                  h.get('x-s-wait', '-'),
-                                  h.get('x-s-swap', '-'), cache_n, prompt_n))
+        rec, cached, turn = returning_turns(sides, conv, 'ret')
 
         if nslots == 1:
             # one client: the sides alternate turn by turn, two sessions
@@ -1329,7 +1338,6 @@ def bench_budget(work, quick):
     tiers (ram= that size, save_idle=1s), whose conversations that RAM does
     not hold come back from their files; returning turns' time to first
     token and the share of their prompt tokens cached"""
-    import threading
     ptoks = 1024 if quick else 2048
     nslots, nconv, hold = 4, 24, 8
     rounds = int(os.environ.get('BENCH_BUDGET_ROUNDS', 2 if quick else 3))
@@ -1362,29 +1370,7 @@ def bench_budget(work, quick):
                         {'role': 'user', 'content':
                          filler('b%dw' % i, nwords * 3 // 4) + ' Q1?'}]
             for side, _ in sides for i in range(nconv)}
-    rec = {side: [] for side, _ in sides}
-    cached = {side: [0, 0] for side, _ in sides}
-    lock = threading.Lock()
-
-    def turn(side, port, i, rnd):
-        msgs = conv[(side, i)]
-        if rnd:
-            msgs.append({'role': 'user', 'content':
-                         'Q%d? %s' % (rnd + 1, filler('q', 8))})
-        ttft, text, cache_n, hdrs, prompt_n = stream_turn(
-            port, msgs, 'bud-%d' % i)
-        msgs.append({'role': 'assistant', 'content': text})
-        if rnd:
-            with lock:
-                rec[side].append(ttft)
-                cached[side][0] += cache_n or 0
-                cached[side][1] += prompt_n or 0
-                if os.environ.get('BENCH_DEBUG'):
-                    h = {k.lower(): v for k, v in hdrs.items()}
-                    print('  %s bud-%d round %d: %.3f s, %s, %s cached of '
-                          '%s' % (side, i, rnd, ttft,
-                                  h.get('x-s-action', '-'), cache_n,
-                                  prompt_n))
+    rec, cached, turn = returning_turns(sides, conv, 'bud')
 
     drive_clients(sides, turn, nconv, rounds)
 
