@@ -216,13 +216,13 @@ class Nginx:
                 self.proc.wait()
 
 
-def module_nginx(work, name, llama, server=''):
+def module_nginx(work, name, llama, server='', zone='save_idle=500ms'):
     """nginx + module in front of one llama-server of the rig, one slot,
-    idle saves after 500 ms (server: more of the server block): (the
-    Nginx, its port)"""
+    idle saves after 500 ms (zone: the zone's parameters; server: more of
+    the server block): (the Nginx, its port)"""
     nport = free_port()
     ngx = Nginx(work, name, '''
-    llama_session_zone zone=llama:4m store=%s save_idle=500ms;
+    llama_session_zone zone=llama:4m store=%s %s;
     server {
         listen 127.0.0.1:%d;
         %s
@@ -239,7 +239,7 @@ def module_nginx(work, name, llama, server=''):
             proxy_pass http://127.0.0.1:%d/;
             proxy_read_timeout 900s;
         }
-    }''' % (llama.slots, nport, server, llama.port, llama.port))
+    }''' % (llama.slots, zone, nport, server, llama.port, llama.port))
     wait_http(nport)
     return ngx, nport
 
@@ -796,7 +796,28 @@ def bench_oneslot(work, quick):
     native = Llama(work, 'one-native', ctx, cache_ram=cache_mib)
     withmod = Llama(work, 'one-module', ctx)
     ngx, nport = module_nginx(work, 'nginx-one', withmod)
-    sides = [('native_ram_cache', native.port), ('module', nport)]
+    # the zone's defaults: no save_idle, the save on the client's path
+    withdef = Llama(work, 'one-defaults', ctx)
+    ngxd, nportd = module_nginx(work, 'nginx-one-defaults', withdef, zone='')
+    sides = [('native_ram_cache', native.port), ('module', nport),
+             ('module_defaults', nportd)]
+    servers, procs = [native, withmod, withdef], []
+    if os.environ.get('BENCH_PROXYCACHE'):
+        # airnsk/proxycache (Python, FastAPI), a checkout of it named by
+        # the variable, in front of llama-server at its defaults as its
+        # README runs it (-np 1 --slot-save-path)
+        pc = Llama(work, 'one-proxycache', ctx, args=[])
+        servers.append(pc)
+        pport = free_port()
+        procs.append(subprocess.Popen(
+            ['/usr/bin/python3', '-m', 'uvicorn', 'app:app', '--host',
+             '127.0.0.1', '--port', str(pport)],
+            cwd=os.environ['BENCH_PROXYCACHE'],
+            env=dict(os.environ, LLAMA_URL='http://127.0.0.1:%d' % pc.port,
+                     N_SLOTS='1', META_DIR=os.path.join(work, 'pc-meta')),
+            stdout=pc.log, stderr=pc.log))
+        wait_http(pport, '/v1/models')
+        sides.append(('proxycache', pport))
     nwords = words_for(withmod.port, ptoks, 'oneA')
     system = filler('sys', nwords // 4)
     conv = {(s, sid): [{'role': 'system', 'content': system},
@@ -837,21 +858,23 @@ def bench_oneslot(work, quick):
             'samples': len(xs),
             'stdev': statistics.pstdev(xs) if len(xs) > 1 else 0,
             'swap_ms_median': median(r['swap_ms']) if r['swap_ms'] else None,
-            'cache_n_min': min(r['cache_n']) if r['cache_n'] else None,
+            'cache_n_min': min([c for c in r['cache_n'] if c is not None]
+                               or [None]),
         }
     d = res['sides']
     res['module_vs_native'] = (d['module']['return_median']
                                / d['native_ram_cache']['return_median'])
-    print('oneslot %d tokens, %d returning turns a side: median %s / %s s '
-          '(native RAM cache / module), p95 %s / %s, module swap %s ms'
+    print('oneslot %d tokens, %d returning turns a side: median / p95 (s) '
+          '%s; module swap %s ms, defaults %s ms'
           % (ptoks, d['module']['samples'],
-             fmt(d['native_ram_cache']['return_median']),
-             fmt(d['module']['return_median']),
-             fmt(d['native_ram_cache']['return_p95']),
-             fmt(d['module']['return_p95']),
-             fmt(d['module']['swap_ms_median'], '%.0f')))
-    ngx.stop()
-    for srv in (native, withmod):
+             ', '.join('%s %s / %s' % (side, fmt(d[side]['return_median']),
+                                       fmt(d[side]['return_p95']))
+                       for side, _ in sides),
+             fmt(d['module']['swap_ms_median'], '%.0f'),
+             fmt(d['module_defaults']['swap_ms_median'], '%.0f')))
+    for x in [ngx, ngxd] + procs:
+        x.terminate() if isinstance(x, subprocess.Popen) else x.stop()
+    for srv in servers:
         srv.stop()
         shutil.rmtree(srv.slots, ignore_errors=True)
     return res

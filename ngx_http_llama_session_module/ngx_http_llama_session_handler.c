@@ -63,6 +63,8 @@ static ngx_int_t ngx_http_llama_session_files(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_checked(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_ram_next(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_saved(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_load(ngx_http_request_t *r,
@@ -911,17 +913,20 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         if (ctx->job->slot_recent
             && (ngx_msec_int_t) (ctx->job->quiet_until - ngx_current_msec)
                <= 0
+            && ngx_http_llama_session_ram_keeps(ctx)
             && ngx_http_llama_session_ram_take(ctx))
         {
             /*
              * out of llama-server's RAM cache: the slot ran a request of
              * the module within a second and none runs there now (as for
-             * a hit, no GET /slots, one batch wait less)
+             * a hit, no GET /slots, one batch wait less), and RAM keeps
+             * the session that leaves it
              */
+            ctx->job->save_pending = 0;
             return ngx_http_llama_session_proxy(r, ctx);
         }
 
-        /* once GET /slots vouches (checked) */
+        /* once GET /slots vouches (checked), saved first if need be */
         ctx->job->ram = 1;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_CHECK);
 
@@ -1117,10 +1122,10 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         {
             /*
              * the slot holds another session, idle: the pinned completion
-             * moves it to RAM and this one out, no slot action (ram.c);
-             * an empty slot after all looks up nothing: the files
+             * moves it to RAM and this one out, no restore (ram.c); an
+             * empty slot after all looks up nothing: the files
              */
-            return ngx_http_llama_session_proxy(r, ctx);
+            return ngx_http_llama_session_ram_next(r, ctx);
         }
     }
 
@@ -1129,9 +1134,8 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
          * a session without a file: the request runs on the slot as it
          * is, and llama-server moves what it holds to RAM (ram.c)
          */
-        ctx->job->save_pending = 0;
         ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_FRESH;
-        return ngx_http_llama_session_proxy(r, ctx);
+        return ngx_http_llama_session_ram_next(r, ctx);
     }
 
     if (ngx_http_llama_session_may_save(ctx)) {
@@ -1142,6 +1146,26 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
     ctx->job->save_pending = 0;
 
     return ngx_http_llama_session_load(r, ctx);
+}
+
+
+/*
+ * The session that leaves goes into RAM with the pinned completion: first
+ * saved when RAM may not keep it (ram.c), its save checked; a save that
+ * fails leaves it to RAM, as its turns were before.
+ */
+
+static ngx_int_t
+ngx_http_llama_session_ram_next(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    if (ngx_http_llama_session_may_save(ctx)) {
+        return ngx_http_llama_session_save(r, ctx);
+    }
+
+    ctx->job->save_pending = 0;
+
+    return ngx_http_llama_session_proxy(r, ctx);
 }
 
 
@@ -1170,6 +1194,13 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
          */
         ctx->job->save_pending = 0;
         ctx->job->save_failed = (rc != NGX_DECLINED);
+    }
+
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RAM
+        || ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_FRESH)
+    {
+        /* the slot stays as it is: the completion moves it to RAM */
+        return ngx_http_llama_session_proxy(r, ctx);
     }
 
     return ngx_http_llama_session_load(r, ctx);
@@ -1327,6 +1358,13 @@ ngx_http_llama_session_proxy(ngx_http_request_t *r,
         p = ngx_slprintf(p, last, "\"%*s\" to llama-server's RAM cache, "
                          "%ui tokens", ctx->job->out_len, ctx->job->out_key,
                          held);
+
+        if (ctx->job->save_pending) {
+            p = ngx_slprintf(p, last, ", saved first (%ui tokens, %O bytes "
+                             "in %.1f ms: RAM had no room to keep it)",
+                             ctx->job->saved_tokens, ctx->job->saved_bytes,
+                             ctx->job->save_ms);
+        }
 
     } else if (ctx->job->out_len == 0) {
         p = ngx_slprintf(p, last, "nothing known");

@@ -33,8 +33,10 @@
  * GET /slots says so; with no save or restore on the client's path.  Any other
  * session takes the file path of handler.c.  A session that leaves its
  * slot for RAM is not saved then (save_idle= saves it while it idles in
- * its slot); an entry evicted with turns its file lacks is counted and
- * logged.
+ * its slot) when the model knows its size; and none goes into RAM that
+ * would push out an entry with turns its file lacks (ram_room_locked()).
+ * Only a session that comes out of RAM may have to: that loss is counted
+ * and logged.
  *
  * The cache is one for all of llama-server's conversations: a zone with
  * tenants (llama_session_namespace) cannot have ram= (module.c).
@@ -48,6 +50,12 @@
 
 #define NGX_HTTP_LLAMA_SESSION_RAM_MISSES  3
 
+/* where a session leaving its slot can go (ram_room_locked()) */
+#define NGX_HTTP_LLAMA_SESSION_RAM_KEEP    0
+#define NGX_HTTP_LLAMA_SESSION_RAM_SAVE    1
+#define NGX_HTTP_LLAMA_SESSION_RAM_NONE    2
+#define NGX_HTTP_LLAMA_SESSION_RAM_OUT     3
+
 
 static ngx_int_t ngx_http_llama_session_ram_find_locked(
     ngx_http_llama_session_sh_t *sh, u_char *key, size_t len);
@@ -55,6 +63,9 @@ static ngx_uint_t ngx_http_llama_session_ram_gate(
     ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_slot_t *slot);
 static void ngx_http_llama_session_ram_drop_locked(
     ngx_http_llama_session_sh_t *sh, ngx_http_llama_session_ram_t *e);
+static ngx_uint_t ngx_http_llama_session_ram_room_locked(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_slot_t *slot,
+    ngx_int_t comer);
 
 
 static ngx_int_t
@@ -193,18 +204,171 @@ ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
 
 
 /*
+ * Where the session that leaves the slot can go, by the model, as
+ * llama-server stores it (oldest entries out until it fits) before it
+ * looks up the one that comes ("comer", an entry, or NGX_ERROR):
+ *
+ *   OUT    what leaves would push the comer out: the file path;
+ *   NONE   it would push out an entry with turns its file lacks: the
+ *          file path, whose restore or erase stores nothing (a session
+ *          out of RAM cannot: what leaves is saved first);
+ *   SAVE   into RAM once saved: its turns are newer than its file, and
+ *          either its size is unknown (no file of the zone gave bytes
+ *          per token yet) or RAM would keep less room than one session
+ *          beside it, which the next session to come out of RAM needs
+ *          for what leaves its slot;
+ *   KEEP   into RAM as it is.
+ *
+ * While RAM holds entries with turns their files lack, a session that
+ * does not come out of RAM goes in only where that room stays (NONE):
+ * a session in RAM unsaved is never pushed out by one stored after it.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_ram_room_locked(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_slot_t *slot, ngx_int_t comer)
+{
+    off_t                          bytes, total;
+    ngx_int_t                      own;
+    ngx_uint_t                     n, used, after, oldest, dirty;
+    ngx_http_llama_session_sh_t   *sh;
+    ngx_http_llama_session_ram_t  *e;
+
+    sh = zone->sh;
+
+    bytes = (off_t) slot->held * (off_t) sh->bytes_per_token / 256;
+
+    if (bytes > zone->ram) {
+        /* llama-server skips a state larger than its whole cache */
+        return slot->dirty ? NGX_HTTP_LLAMA_SESSION_RAM_SAVE
+                           : NGX_HTTP_LLAMA_SESSION_RAM_KEEP;
+    }
+
+    /* its own older entry makes room (ram_leave) */
+
+    own = slot->saveable
+          ? ngx_http_llama_session_ram_find_locked(sh, slot->key,
+                                                   slot->key_len)
+          : NGX_ERROR;
+
+    total = sh->ram_bytes - (own != NGX_ERROR ? sh->ram[own].bytes : 0);
+    used = (own != NGX_ERROR) ? (ngx_uint_t) -1 : 0;
+
+    for (n = 0; n < NGX_HTTP_LLAMA_SESSION_RAM_MAX; n++) {
+        used += (sh->ram[n].seq != 0);
+    }
+
+    after = 0;
+
+    while (total + bytes > zone->ram
+           || used == NGX_HTTP_LLAMA_SESSION_RAM_MAX)
+    {
+        oldest = NGX_HTTP_LLAMA_SESSION_RAM_MAX;
+
+        for (n = 0; n < NGX_HTTP_LLAMA_SESSION_RAM_MAX; n++) {
+            e = &sh->ram[n];
+
+            if (e->seq > after && (ngx_int_t) n != own
+                && (oldest == NGX_HTTP_LLAMA_SESSION_RAM_MAX
+                    || e->seq < sh->ram[oldest].seq))
+            {
+                oldest = n;
+            }
+        }
+
+        if (oldest == NGX_HTTP_LLAMA_SESSION_RAM_MAX) {
+            break;
+        }
+
+        if ((ngx_int_t) oldest == comer) {
+            return NGX_HTTP_LLAMA_SESSION_RAM_OUT;
+        }
+
+        e = &sh->ram[oldest];
+
+        if (e->dirty && e->key_len) {
+            return NGX_HTTP_LLAMA_SESSION_RAM_NONE;
+        }
+
+        after = e->seq;
+        total -= e->bytes;
+        used--;
+    }
+
+    /* what stays: the entries after the last pushed out, but the comer */
+
+    dirty = 0;
+
+    for (n = 0; n < NGX_HTTP_LLAMA_SESSION_RAM_MAX; n++) {
+        e = &sh->ram[n];
+
+        if (e->seq > after && (ngx_int_t) n != own) {
+            if ((ngx_int_t) n == comer) {
+                total -= e->bytes;
+
+            } else {
+                dirty |= (e->dirty && e->key_len);
+            }
+        }
+    }
+
+    if (total + 2 * bytes <= zone->ram) {
+        return (slot->dirty && sh->bytes_per_token == 0)
+               ? NGX_HTTP_LLAMA_SESSION_RAM_SAVE
+               : NGX_HTTP_LLAMA_SESSION_RAM_KEEP;
+    }
+
+    if (dirty && comer == NGX_ERROR) {
+        return NGX_HTTP_LLAMA_SESSION_RAM_NONE;
+    }
+
+    return slot->dirty ? NGX_HTTP_LLAMA_SESSION_RAM_SAVE
+                       : NGX_HTTP_LLAMA_SESSION_RAM_KEEP;
+}
+
+
+/*
+ * May the session come out of RAM with no save of the one leaving, and
+ * no look at the slot first?
+ */
+
+ngx_uint_t
+ngx_http_llama_session_ram_keeps(ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_int_t                     i;
+    ngx_uint_t                    room;
+    ngx_http_llama_session_sh_t  *sh;
+
+    sh = ctx->zone->sh;
+
+    ngx_shmtx_lock(&ctx->zone->shpool->mutex);
+
+    i = ngx_http_llama_session_ram_find_locked(sh, ctx->key, ctx->key_len);
+    room = ngx_http_llama_session_ram_room_locked(ctx->zone,
+                                                &sh->slots[ctx->job->slot], i);
+
+    ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
+
+    return room == NGX_HTTP_LLAMA_SESSION_RAM_KEEP
+           || (room == NGX_HTTP_LLAMA_SESSION_RAM_NONE
+               && !ctx->job->save_pending);
+}
+
+
+/*
  * The slot is idle (GET /slots said so, or it ran a request of the
  * module within a second): the session comes out of the model
- * (llama-server moves its entry into the slot).  0: the entry went
- * meanwhile: the file path.
+ * (llama-server moves its entry into the slot); save_pending stays for
+ * a leaving session that RAM may not keep.  0: the entry went meanwhile,
+ * or what leaves would push it out: the file path.
  */
 
 ngx_uint_t
 ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_int_t                      i;
-    ngx_http_llama_session_sh_t   *sh;
-    ngx_http_llama_session_ram_t  *e;
+    ngx_int_t                     i;
+    ngx_uint_t                    room;
+    ngx_http_llama_session_sh_t  *sh;
 
     sh = ctx->zone->sh;
 
@@ -217,14 +381,25 @@ ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
         return 0;
     }
 
-    e = &sh->ram[i];
-    ctx->job->ram_tokens = e->tokens;
-    ngx_http_llama_session_ram_drop_locked(sh, e);
+    room = ngx_http_llama_session_ram_room_locked(ctx->zone,
+                                                &sh->slots[ctx->job->slot], i);
+
+    if (room == NGX_HTTP_LLAMA_SESSION_RAM_OUT) {
+        /* what leaves would push it out of RAM first: the file path */
+        ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
+        return 0;
+    }
+
+    /* its entry goes once what leaves went in (ram_leave()) */
+    ctx->job->ram_tokens = sh->ram[i].tokens;
+
+    if (room == NGX_HTTP_LLAMA_SESSION_RAM_KEEP) {
+        ctx->job->save_pending = 0;
+    }
 
     ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
 
     ctx->action = NGX_HTTP_LLAMA_SESSION_ACTION_RAM;
-    ctx->job->save_pending = 0;
     ctx->job->load_file = 0;
 
     return 1;
@@ -233,14 +408,15 @@ ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
 
 /*
  * A session without a file takes a slot that holds another: with the RAM
- * tier no save and no erase, the request runs on the slot as it is and
- * llama-server moves what it held to RAM (it reuses no more of it than
- * the tokens both share).
+ * tier no erase, the request runs on the slot as it is and llama-server
+ * moves what it held to RAM (it reuses no more of it than the tokens both
+ * share); no save either, but of a session RAM may not keep (ram_keeps).
  */
 
 ngx_uint_t
 ngx_http_llama_session_ram_fresh(ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_uint_t                      room;
     ngx_http_llama_session_slot_t  *slot;
 
     if (ctx->zone->ram == 0 || ctx->zone->sh->ram_off
@@ -251,15 +427,33 @@ ngx_http_llama_session_ram_fresh(ngx_http_llama_session_ctx_t *ctx)
 
     slot = &ctx->zone->sh->slots[ctx->job->slot];
 
-    return slot->saveable
-           && ngx_http_llama_session_ram_gate(ctx, slot);
+    if (!slot->saveable || !ngx_http_llama_session_ram_gate(ctx, slot)) {
+        return 0;
+    }
+
+    ngx_shmtx_lock(&ctx->zone->shpool->mutex);
+    room = ngx_http_llama_session_ram_room_locked(ctx->zone, slot,
+                                                  NGX_ERROR);
+    ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
+
+    if (room == NGX_HTTP_LLAMA_SESSION_RAM_NONE) {
+        /* the file path: saved if need be, then erased */
+        return 0;
+    }
+
+    if (room == NGX_HTTP_LLAMA_SESSION_RAM_KEEP) {
+        ctx->job->save_pending = 0;
+    }
+
+    return 1;
 }
 
 
 /*
  * A completion is pinned to the slot, which still holds the session that
  * leaves it: its state goes into RAM when the request keeps less than
- * half of it, oldest entries out first to make room.
+ * half of it, oldest entries out first to make room; then the session
+ * that comes out of RAM (ram_take()) leaves it, as in llama-server.
  */
 
 void
@@ -267,7 +461,7 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
 {
     off_t                           bytes;
     ngx_int_t                       i;
-    ngx_uint_t                      n, held, oldest, free;
+    ngx_uint_t                      n, oldest, free;
     ngx_http_llama_session_sh_t    *sh;
     ngx_http_llama_session_ram_t   *e, *o;
     ngx_http_llama_session_zone_t  *zone;
@@ -287,24 +481,18 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
     /* the job holds the slot: nobody else writes it */
 
     slot = &sh->slots[ctx->job->slot];
-    held = slot->held;
-
-    if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-        || !ngx_http_llama_session_ram_gate(ctx, slot))
-    {
-        return;
-    }
-
-    bytes = (off_t) held * (off_t) sh->bytes_per_token / 256;
-
-    if (bytes > zone->ram) {
-        /* llama-server skips a state larger than its whole cache */
-        return;
-    }
-
+    bytes = (off_t) slot->held * (off_t) sh->bytes_per_token / 256;
     lost_len = 0;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
+
+    if (slot->state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+        || !ngx_http_llama_session_ram_gate(ctx, slot)
+        || bytes > zone->ram)
+    {
+        /* nothing stored (llama-server skips a state larger than it all) */
+        goto comer;
+    }
 
     i = slot->saveable
         ? ngx_http_llama_session_ram_find_locked(sh, slot->key, slot->key_len)
@@ -355,7 +543,7 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
     e = &sh->ram[free == NGX_HTTP_LLAMA_SESSION_RAM_MAX ? oldest : free];
 
     e->seq = ++sh->ram_seq;
-    e->tokens = held;
+    e->tokens = slot->held;
     e->bytes = bytes;
     e->dirty = slot->dirty;
     e->key_len = slot->saveable ? slot->key_len : 0;
@@ -363,6 +551,16 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
 
     sh->ram_bytes += bytes;
     sh->stats.ram_stored++;
+
+comer:
+
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_RAM) {
+        i = ngx_http_llama_session_ram_find_locked(sh, ctx->key,
+                                                   ctx->key_len);
+        if (i != NGX_ERROR) {
+            ngx_http_llama_session_ram_drop_locked(sh, &sh->ram[i]);
+        }
+    }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 

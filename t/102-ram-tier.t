@@ -85,6 +85,40 @@ my $site = LlamaTest->site(
 }
 
 {
+    # RAM for two sessions (each ~4.6 MB here), six on two slots: a
+    # session leaving its slot unsaved goes into RAM only where it pushes
+    # out no entry with turns its file lacks; before the zone knows a
+    # file's size it is saved first; so no return is re-prefilled
+    my $t = LlamaTest->new(workers => 2);
+    $t->llama(np => 2, ctx => 8192, cache_ram => 10, sps => 0.1);
+    (my $small = $site) =~ s/ram=256m/ram=10m/;
+    $t->nginx($small);
+
+    my %first;
+    $first{$_} = turn($t, $_)->{prompt} for qw(a b c d e f);
+
+    my (%by, @short);
+    for my $round (1, 2) {
+        for my $sid (qw(a b c d e f)) {
+            my $r = turn($t, $sid);
+            $by{$r->{action} // ''}++;
+            push @short, "$sid: $r->{cached} of $r->{prompt} ($r->{action})"
+                if ($r->{cached} // 0) < $first{$sid} - 8;
+        }
+    }
+    is("@short", '', 'no return re-prefilled under a RAM budget for two of '
+                     . 'six: ' . join ' ', map { "$_ $by{$_}" } sort keys %by);
+    ok($by{ram}, 'some came out of RAM');
+    ok($by{restore}, 'the others from their files');
+    ok(!$t->log_lines(qr/left llama-server's RAM cache .* with turns its file lacks/),
+       'no session left RAM with turns its file lacks');
+    my $api = $t->get('/api/sessions/current');
+    is($api->{json}{stats}{ram_lost}, 0, 'the API counts none lost');
+    ok(!$api->{json}{ram_disabled}, 'the tier is still on');
+    $t->stop;
+}
+
+{
     # llama-server without its RAM cache: the zone's model is wrong
     my $t = LlamaTest->new(workers => 2);
     $t->llama(np => 2, ctx => 8192, cache_ram => 0, sps => 0);
