@@ -264,10 +264,15 @@ typedef struct {
     u_char                          sys_most;   /* its system prompt is
                                                    half its body or more */
 
-    /* the last prompt of the session in it, and its tokens (miss.c) */
+    /*
+     * the last prompt of the session in it (its first MSGS_MAX messages),
+     * and its tokens (miss.c); the chain of all its messages (ext.c), 0:
+     * none
+     */
     ngx_http_llama_session_msg_t   *msgs;       /* slab, NULL: none */
     ngx_uint_t                      nmsgs;
     ngx_uint_t                      prompt_tokens;
+    uint64_t                        chain;
 
     /*
      * the last turn it ran, in the store's turn file (turn.c), 0: none;
@@ -972,6 +977,8 @@ struct ngx_http_llama_session_ctx_s {
 
     unsigned                        default_session:1;
     unsigned                        ext_fallback:1; /* "sys-…": ext.c */
+    unsigned                        id_own:1;   /* the module's id, not a
+                                                   client's */
     unsigned                        use_default:1;
     unsigned                        refuse:1;
     unsigned                        waiting:1;

@@ -506,6 +506,10 @@ ngx_http_llama_session_api_parse_id(ngx_http_request_t *r,
 
     ctx->id = *id;
 
+    /* "sys-…" names the module's conversation, not a client's id of that
+     * form (found by its key) */
+    ctx->id_own = 1;
+
     if (ngx_http_llama_session_make_key(r, ctx, &api->namespace) != NGX_OK) {
         return NGX_ERROR;
     }

@@ -853,6 +853,7 @@ ngx_http_llama_session_from_json(ngx_http_request_t *r,
 
     ngx_str_set(&ctx->source, "system_hash");
     ctx->ext_fallback = 1;
+    ctx->id_own = 1;
 
     return NGX_OK;
 
@@ -1548,8 +1549,8 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     u_char       sys[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char       head[2 + NGX_HTTP_LLAMA_SESSION_DIGEST];
     size_t       i, n, len;
-    ngx_str_t    parts[7], idn[3];
-    ngx_uint_t   nparts;
+    ngx_str_t    parts[8], idn[4], client;
+    ngx_uint_t   nparts, nidn;
 
     sys[0] = '\0';
     sys[1] = 's';
@@ -1596,6 +1597,20 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     parts[3] = parts[1];
     parts[4] = ctx->id;
     nparts = 5;
+    ngx_str_null(&client);
+
+    /*
+     * a client's id in the form of the module's own ("sys-…") is a key
+     * space of its own: a client that knows a system prompt cannot name
+     * the conversation the module keeps for it
+     */
+
+    if (!ctx->id_own && ctx->id.len >= sizeof("sys-") - 1
+        && ngx_strncmp(ctx->id.data, "sys-", sizeof("sys-") - 1) == 0)
+    {
+        ngx_str_set(&client, "\0client");
+        parts[nparts++] = client;
+    }
 
     if (ctx->sys_len) {
         parts[nparts].data = sys;
@@ -1646,8 +1661,13 @@ ngx_http_llama_session_make_key(ngx_http_request_t *r,
     idn[0] = parts[0];
     idn[1] = parts[1];
     idn[2] = parts[4];
+    nidn = 3;
 
-    if (ngx_http_llama_session_sha256(r, idn, 3, hash) != NGX_OK) {
+    if (client.len) {
+        idn[nidn++] = client;
+    }
+
+    if (ngx_http_llama_session_sha256(r, idn, nidn, hash) != NGX_OK) {
         return NGX_ERROR;
     }
 

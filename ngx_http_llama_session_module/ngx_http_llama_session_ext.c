@@ -469,7 +469,7 @@ ngx_http_llama_session_ext_said(uint64_t seed, cJSON *msg)
 }
 
 
-/* a saved session's last chain, from its .json; 0: none */
+/* a saved session's last chain, from a .json's messages; 0: none */
 
 uint64_t
 ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys, u_char *model,
@@ -510,6 +510,28 @@ ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys, u_char *model,
     }
 
     return chain;
+}
+
+
+/* a saved session's last chain, as its .json has it (16 hex); 0: none */
+
+uint64_t
+ngx_http_llama_session_ext_parse(u_char *hex, size_t len)
+{
+    ngx_int_t  hi, lo;
+
+    if (len != 16) {
+        return 0;
+    }
+
+    hi = ngx_hextoi(hex, 8);
+    lo = ngx_hextoi(hex + 8, 8);
+
+    if (hi == NGX_ERROR || lo == NGX_ERROR) {
+        return 0;
+    }
+
+    return ((uint64_t) hi << 32) | (uint64_t) lo;
 }
 
 

@@ -23,6 +23,7 @@ void ngx_http_llama_session_ext_reply(ngx_http_llama_session_ctx_t *ctx,
     cJSON *message);
 uint64_t ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys,
     u_char *model, size_t model_len, u_char *msgs, size_t len);
+uint64_t ngx_http_llama_session_ext_parse(u_char *hex, size_t len);
 void ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     uint64_t chain, u_char *key, size_t len, u_char *id, size_t id_len,
     u_char *idk);

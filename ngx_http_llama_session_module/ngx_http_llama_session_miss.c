@@ -44,7 +44,7 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
     u_char                         *pos;
     ngx_int_t                       rc;
     ngx_str_t                       names[2];
-    ngx_uint_t                      n;
+    ngx_array_t                     a;
     ngx_http_llama_session_span_t   elt, fields[2];
     ngx_http_llama_session_msg_t   *m;
 
@@ -58,17 +58,25 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    m = ngx_palloc(r->pool, NGX_HTTP_LLAMA_SESSION_MSGS_MAX
-                            * sizeof(ngx_http_llama_session_msg_t));
-    if (m == NULL) {
+    /*
+     * every message, however many: a conversation is chained over all of
+     * them (ext.c); a slot and a .json keep the first MSGS_MAX (miss())
+     */
+
+    if (ngx_array_init(&a, r->pool, 16, sizeof(ngx_http_llama_session_msg_t))
+        != NGX_OK)
+    {
         return NGX_ERROR;
     }
 
-    n = 0;
-
     if (system && system->start) {
-        ngx_http_llama_session_msg(&m[n++], system, NULL, system);
-        m[0].role = 's';
+        m = ngx_array_push(&a);
+        if (m == NULL) {
+            return NGX_ERROR;
+        }
+
+        ngx_http_llama_session_msg(m, system, NULL, system);
+        m->role = 's';
     }
 
     if (messages && messages->start && *messages->start == '[') {
@@ -77,7 +85,7 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
 
         pos = messages->start;
 
-        while (n < NGX_HTTP_LLAMA_SESSION_MSGS_MAX) {
+        for ( ;; ) {
             rc = ngx_http_llama_session_json_next(&pos, messages->end, &elt);
 
             if (rc != NGX_OK) {
@@ -91,18 +99,22 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
                                                           names, fields, 2);
             }
 
-            ngx_http_llama_session_msg(&m[n++], &elt, &fields[0],
-                                       &fields[1]);
+            m = ngx_array_push(&a);
+            if (m == NULL) {
+                return NGX_ERROR;
+            }
 
-            if (m[n - 1].role == 'a') {
+            ngx_http_llama_session_msg(m, &elt, &fields[0], &fields[1]);
+
+            if (m->role == 'a') {
                 /* the reply the client echoes: what ext.c knows it by */
                 ctx->ext_reply = elt;
             }
         }
     }
 
-    ctx->msgs = m;
-    ctx->nmsgs = n;
+    ctx->msgs = a.elts;
+    ctx->nmsgs = a.nelts;
 
     return NGX_OK;
 }
@@ -253,8 +265,10 @@ ngx_http_llama_session_miss(ngx_http_request_t *r,
 
     if (ctx->msgs && total && !ctx->default_session) {
         ngx_http_llama_session_slot_msgs(ctx->zone, ctx->job->slot, ctx->key,
-                                         ctx->key_len, ctx->msgs, ctx->nmsgs,
-                                         total);
+                                         ctx->key_len, ctx->msgs,
+                                         ngx_min(ctx->nmsgs,
+                                              NGX_HTTP_LLAMA_SESSION_MSGS_MAX),
+                                         ctx->ext_chain, total);
     }
 
     return changed;

@@ -766,6 +766,7 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
 
     slot->nmsgs = 0;
     slot->prompt_tokens = 0;
+    slot->chain = 0;
     slot->held = 0;
     slot->state = (u_char) state;
     slot->key_len = 0;
@@ -1126,6 +1127,7 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_zone_t *zone,
             slot->msgs = NULL;
             slot->nmsgs = 0;
             slot->prompt_tokens = 0;
+            slot->chain = 0;
         }
 
         if (slot->key_len != len || ngx_memcmp(slot->key, key, len) != 0) {
@@ -1440,13 +1442,14 @@ ngx_http_llama_session_slot_task(ngx_http_llama_session_zone_t *zone,
 
 /*
  * The request's prompt becomes the slot's last one, with the tokens its
- * reply counted, for the next request's comparison (miss.c).
+ * reply counted, for the next request's comparison (miss.c), and the chain
+ * of all its messages, for the session's .json (ext.c).
  */
 
 void
 ngx_http_llama_session_slot_msgs(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t n, u_char *key, size_t len, ngx_http_llama_session_msg_t *msgs,
-    ngx_uint_t nmsgs, ngx_uint_t prompt_tokens)
+    ngx_uint_t nmsgs, uint64_t chain, ngx_uint_t prompt_tokens)
 {
     size_t                          size;
     ngx_http_llama_session_slot_t  *slot;
@@ -1481,20 +1484,21 @@ ngx_http_llama_session_slot_msgs(ngx_http_llama_session_zone_t *zone,
 
     slot->nmsgs = slot->msgs ? nmsgs : 0;
     slot->prompt_tokens = prompt_tokens;
+    slot->chain = chain;
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
 }
 
 
 /*
- * A copy of the slot's last prompt (its messages' digests), when the slot
- * holds that session: how many; 0: none.
+ * A copy of the slot's last prompt (its messages' digests) and its chain,
+ * when the slot holds that session: how many; 0: none.
  */
 
 ngx_uint_t
 ngx_http_llama_session_slot_msgs_copy(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t n, u_char *key, size_t len, ngx_http_llama_session_msg_t *out,
-    ngx_uint_t max, ngx_uint_t *tokens)
+    ngx_uint_t max, ngx_uint_t *tokens, uint64_t *chain)
 {
     ngx_uint_t                      count;
     ngx_http_llama_session_slot_t  *slot;
@@ -1511,6 +1515,7 @@ ngx_http_llama_session_slot_msgs_copy(ngx_http_llama_session_zone_t *zone,
         ngx_memcpy(out, slot->msgs,
                    count * sizeof(ngx_http_llama_session_msg_t));
         *tokens = slot->prompt_tokens;
+        *chain = slot->chain;
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);

@@ -86,11 +86,11 @@ ngx_uint_t ngx_http_llama_session_slot_task(
     ngx_int_t task);
 void ngx_http_llama_session_slot_msgs(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t n, u_char *key, size_t len, ngx_http_llama_session_msg_t *msgs,
-    ngx_uint_t nmsgs, ngx_uint_t prompt_tokens);
+    ngx_uint_t nmsgs, uint64_t chain, ngx_uint_t prompt_tokens);
 ngx_uint_t ngx_http_llama_session_slot_msgs_copy(
     ngx_http_llama_session_zone_t *zone, ngx_uint_t n, u_char *key,
     size_t len, ngx_http_llama_session_msg_t *out, ngx_uint_t max,
-    ngx_uint_t *tokens);
+    ngx_uint_t *tokens, uint64_t *chain);
 ngx_uint_t ngx_http_llama_session_restores_off(
     ngx_http_llama_session_zone_t *zone, u_char *fp);
 ngx_uint_t ngx_http_llama_session_model_reset(

@@ -767,7 +767,7 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_found_t *f, ngx_log_t *log)
 {
     u_char           file[NGX_MAX_PATH], buf[NGX_HTTP_LLAMA_SESSION_META_MAX];
-    cJSON           *json, *item;
+    cJSON           *json, *item, *msgs;
     ssize_t          n;
     ngx_fd_t         fd;
 
@@ -858,16 +858,27 @@ ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
         f->has_ns = 1;
     }
 
-    /* a conversation without an id: its last request's chain (ext.c) */
-    item = cJSON_GetObjectItemCaseSensitive(json, "msgs");
-    if (cJSON_IsString(item) && f->has_ns && f->has_sys
-        && f->id_len > sizeof("sys-") - 1
+    /*
+     * a conversation without an id: its last request's chain (ext.c), as
+     * saved, or from the messages a .json of a version before kept
+     */
+    item = cJSON_GetObjectItemCaseSensitive(json, "chain");
+    msgs = cJSON_GetObjectItemCaseSensitive(json, "msgs");
+
+    if (f->has_ns && f->has_sys && f->id_len > sizeof("sys-") - 1
         && ngx_strncmp(f->id, "sys-", sizeof("sys-") - 1) == 0)
     {
-        f->chain = ngx_http_llama_session_ext_saved(f->ns, f->sys, f->model,
-                                          f->model_len,
+        if (cJSON_IsString(item)) {
+            f->chain = ngx_http_llama_session_ext_parse(
                                           (u_char *) item->valuestring,
                                           ngx_strlen(item->valuestring));
+
+        } else if (cJSON_IsString(msgs)) {
+            f->chain = ngx_http_llama_session_ext_saved(f->ns, f->sys,
+                                          f->model, f->model_len,
+                                          (u_char *) msgs->valuestring,
+                                          ngx_strlen(msgs->valuestring));
+        }
     }
 
     cJSON_Delete(json);
@@ -986,6 +997,7 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
                                         * sizeof(ngx_http_llama_session_msg_t))
                                         + 1];
     size_t                         mlen;
+    uint64_t                       chain;
     ngx_int_t                      rc;
     ngx_uint_t                     tokens, nmsgs;
     u_char                         file[NGX_HTTP_LLAMA_SESSION_NAME_MAX
@@ -1069,11 +1081,12 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     /* the prompt of the session in the slot, to explain a later miss */
 
     tokens = 0;
+    chain = 0;
     mlen = 0;
     nmsgs = ngx_http_llama_session_slot_msgs_copy(zone, slot, name,
                                    len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN,
                                    prompt, NGX_HTTP_LLAMA_SESSION_MSGS_MAX,
-                                   &tokens);
+                                   &tokens, &chain);
     if (nmsgs) {
         rc = ngx_http_llama_session_msgs_encode(msgs, sizeof(msgs), prompt,
                                                 nmsgs);
@@ -1087,6 +1100,17 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     {
         cJSON_Delete(json);
         return NGX_ERROR;
+    }
+
+    /* a conversation without an id: the chain of all its messages */
+
+    if (mlen && chain) {
+        ngx_sprintf(hex, "%016uxL%Z", chain);
+
+        if (cJSON_AddStringToObject(json, "chain", (char *) hex) == NULL) {
+            cJSON_Delete(json);
+            return NGX_ERROR;
+        }
     }
 
     text = cJSON_PrintUnformatted(json);

@@ -37,12 +37,12 @@ sub chat {
 
 # the site, its upstream kept alive (HTTP/1.1, no Connection header)
 sub site_kept {
-    my ($t, $upstream) = @_;
+    my ($t, $upstream, $more) = @_;
     return $t->site(
         zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
         upstream => $upstream,
         location => 'proxy_http_version 1.1;
-                     proxy_set_header Connection "";',
+                     proxy_set_header Connection "";' . ($more // ''),
         slots => 'proxy_http_version 1.1;
                   proxy_set_header Connection "";');
 }
@@ -118,6 +118,51 @@ sub site_kept {
        'real: every turn after a 5 s pause is served');
     ok(!$t->log_lines(qr/upstream prematurely closed connection/),
        'real: no request met a connection llama-server closed');
+    $t->stop;
+}
+
+# 5. llama-server answers an error (its parse error on a model's output)
+# and closes the connection it said it keeps, as the next request comes on
+# it: that request gets nothing back.  As shipped (the examples'
+# proxy_next_upstream error non_idempotent) nginx sends it again on a new
+# connection; without that line it is a 502.  A reply that began to come
+# and broke off is never sent again.  (A POST the module passes by, as in
+# 1, so that no slot call takes the connection first.)
+
+for my $retry (1, 0) {
+    my $t = LlamaTest->new(workers => 1);
+    $t->fake(np => 1,
+             script => { completion => { match => 'boom',
+                                         status => 500, close_after => 1 } });
+    $t->nginx(site_kept($t, 'keepalive 4; keepalive_timeout 60s;',
+                        $retry ? 'proxy_next_upstream error non_idempotent;'
+                               : ''));
+    my $what = $retry ? 'shipped' : 'without proxy_next_upstream';
+    is(chat($t, 'ann', 'one')->{status}, 200, "$what: a first turn");
+    is(chat($t, 'ann', 'boom')->{status}, 500,
+       "$what: llama-server's error reaches the client");
+    my $r = $t->post('/tokenize', { content => 'two' });
+    my @two = grep { ($_->{body} // '') =~ /"two"/ } @{ $t->fake_calls };
+    is(scalar(grep { $_->{closed} } @two), 1,
+       "$what: the next request met the connection closing");
+    if ($retry) {
+        is($r->{status}, 200, "$what: and is answered");
+        is(scalar(grep { !$_->{closed} } @two), 1,
+           "$what: sent again once, on a new connection");
+    } else {
+        is($r->{status}, 502, "$what: and is a 502");
+        is(scalar @two, 1, "$what: not sent again");
+    }
+
+    if ($retry) {
+        $t->fake_script({ completion => { match => 'half', cut => 20 } });
+        $r = chat($t, 'ann', 'half');
+        ok($r->{status} != 200 || !$r->{json},
+           "$what: a reply cut short stays cut ($r->{status})");
+        my @half = grep { ($_->{body} // '') =~ /"half"/ } @{ $t->fake_calls };
+        is(scalar @half, 1, "$what: and is not sent again");
+        is(chat($t, 'ann', 'three')->{status}, 200, "$what: the next turn");
+    }
     $t->stop;
 }
 

@@ -303,17 +303,72 @@ is(scalar(grep { $on_disk{$_} } keys %keys), 3,
        'at once');
 }
 
+# a long conversation forked after 130 messages (an edit far back in a
+# chat frontend, an agent forking a long shared history): two
+# conversations, each with its own key and its own cache, however many
+# messages they share
+my @fork;
+{
+    my @shared = map { ({ role => 'user', content => "long $_?" },
+                        { role => 'assistant', content => "ok $_." }) }
+                 1 .. 65;
+    @fork = map { { %{ conversation("F$_", @opening, @shared) },
+                    max => 4 + $_ } } 1, 2;
+    my @r = map { turn($_, "$_->{name}: which branch is this?") } @fork;
+    cmp_ok(scalar @{ $fork[0]{messages} }, '>', 130,
+           'a conversation of more than 130 messages');
+    isnt($r[0]{key}, $r[1]{key},
+         'forked after 130 messages: two conversations');
+    for my $round (2, 3) {
+        for my $c (@fork) {
+            my $prev = $c->{last}{prompt};
+            my $key = $c->{last}{key};
+            my $r = turn($c);
+            is($r->{key}, $key, "$c->{name} turn $round: its own key");
+            cmp_ok($r->{cached}, '>=', 0.9 * $prev,
+                   "$c->{name} turn $round: $r->{cached} of its previous "
+                   . "$prev tokens cached ($r->{action})");
+        }
+    }
+}
+
+# a client that names the module's id for a conversation (sys-…, known to
+# whoever knows the system prompt) with the same first message does not get
+# that conversation: the module's ids and the clients' are apart
+{
+    my $c = conversation('pi2');
+    my $r1 = turn($c, 'pi2: list the files');
+    my $r2 = turn($c);
+    like($r1->{id}, qr/^sys-[0-9a-f]{16}$/, 'a conversation without an id');
+    my $r = $t->post('/v1/chat/completions',
+                     { model => 'qwen3-coder', max_tokens => 4,
+                       temperature => 0,
+                       messages => [ @{ $c->{messages} }[0 .. 2],
+                                     { role => 'user',
+                                       content => 'pi2: and the secrets?' } ]
+                     },
+                     headers => { 'X-Session-Id' => $r1->{id} });
+    is($r->{status}, 200, 'a client that sends that id as its own: answered');
+    is($r->{headers}{'x-s-id'}, $r1->{id}, 'under the id it gave');
+    isnt($r->{headers}{'x-s-key'}, $r1->{key},
+         'but not with the conversation\'s key');
+    my $r3 = turn($c);
+    is($r3->{key}, $r1->{key}, 'the conversation keeps its key');
+    cmp_ok($r3->{cached}, '>=', 0.9 * $r2->{prompt},
+           "and its cache ($r3->{cached} of $r2->{prompt})");
+}
+
 # nginx restarts: the zone learns the conversations from their files
 {
     $t->stop_nginx;
     $t->start_nginx;
 
-    for my $c (@q[1, 2]) {
+    for my $c (@q[1, 2], @fork) {
         my $prev = $c->{last}{prompt};
         my $r = turn($c);
-        is($r->{key}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{key},
+        is($r->{key}, $c->{prev}{key},
            "$c->{name} after a restart: its own key");
-        is($r->{id}, $first[$c->{name} =~ /(\d)/ && $1 - 1]{id},
+        is($r->{id}, $c->{prev}{id},
            "$c->{name} after a restart: its own id");
         cmp_ok($r->{cached}, '>=', 0.9 * $prev,
                "$c->{name} after a restart: $r->{cached} of $prev cached "

@@ -43,11 +43,15 @@
 # restored since its last erase; media (top level): a save of a slot whose text holds an
 # "image_url" part answers 501 as a build that cannot serialise an image
 # chunk does; restore_ms (restore): the time its reply reports (a slow
-# disk); close_reused: N (save, restore, erase, completion): drop the
+# disk); close_reused: N (save, restore, erase): drop the
 # connection without an answer, the first N times the call comes on a
 # connection that served a request before (a kept-alive one); times: N
 # (any fault of the calls above): only the first N calls of that path and
-# query get it.
+# query get it; close_after (completion, with status): the error reply
+# says keep-alive and the connection is closed unanswered when the next
+# request comes on it, as a llama-server that closes after an error races
+# nginx's next request; cut: N (completion, not streamed): the reply's
+# headers and N bytes of its body, then the connection dropped.
 # --idle-close S: a request that comes on a connection idle for S seconds
 # or more gets the connection closed, no answer, as cpp-httplib (which
 # closes idle keep-alive connections after 5 s) does to a request that
@@ -111,6 +115,13 @@ sub serve {
         $req->{reused} = defined $last;
         my $keep = handle($c, $req);
         $last = time;
+        if (($keep // 0) == 3) {
+            # closed as the next request comes on it, unanswered
+            my $next = read_request($c);
+            log_call({ %$next, closed => 'after_error' }) if $next;
+            close $c;
+            return;
+        }
         return unless $keep;
         return if ($req->{headers}{connection} // '') =~ /close/i;
     }
@@ -502,7 +513,10 @@ sub completion {
         if ($f->{close}) { $done->(); close $c; return 0; }
         if ($f->{status} && $f->{status} != 200) {
             $done->();
-            return error($c, $f->{status}, 'scripted failure');
+            error($c, $f->{status}, 'scripted failure');
+            # it said keep-alive, and closes as the next request comes:
+            # llama-server after an error
+            return $f->{close_after} ? 3 : 1;
         }
     }
 
@@ -539,6 +553,19 @@ sub completion {
         }
         print $c "0\r\n\r\n";
         $done->();
+        return 0;
+    }
+
+    # the reply's headers and "cut" bytes of its body, then the
+    # connection dropped: a backend that began to answer and died
+    if ($f && $f->{cut} && !$body->{stream}) {
+        my $out = $json->encode({ content => 'tok' x 64,
+                                  timings => \%timings, usage => $usage });
+        print $c "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+               . "Content-Length: " . length($out) . "\r\n\r\n"
+               . substr($out, 0, $f->{cut});
+        $done->();
+        close $c;
         return 0;
     }
 
