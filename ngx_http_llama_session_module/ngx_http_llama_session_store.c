@@ -1781,8 +1781,9 @@ done:
 /*
  * Room on the store's disk for a save (min_free, as proxy_cache_path's):
  * before it, the file it will write (the slot's tokens times the bytes per
- * token of the zone's earlier saves) and min_free (by default twice that
- * file) must fit in the file system's free space, else the least recently
+ * token of the zone's earlier saves) and min_free (none by default, as
+ * proxy_cache_path's) must fit in the file system's free space, else the
+ * least recently
  * used files of this zone go (never a session in a slot, nor "keep": the
  * session saved, whose previous file stays until the new one is whole).
  * Files of other zones or programs in the folder are never touched.
@@ -1823,7 +1824,7 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
                                : 0;
     }
 
-    min = (zone->min_free >= 0) ? zone->min_free : 2 * file;
+    min = (zone->min_free >= 0) ? zone->min_free : 0;
 
     ngx_snprintf(path, sizeof(path), "%V%Z", &zone->store);
 

@@ -5,8 +5,8 @@
 # last three taking turns.  Before, once the disk held what fitted, every
 # later save failed (llama-server's bare 500) for good, the oldest files
 # stayed and the sessions in use were computed from nothing on every turn.
-# Now the store keeps min_free (by default twice the file a save writes)
-# free: the least recently used files of the zone go before a save, a save
+# Now the store keeps room for the file a save writes (and min_free, none
+# by default): the least recently used files of the zone go before a save, a save
 # that failed on the full disk is tried once more after making room, and
 # the log says so.  Files of other programs in the folder stay.
 
@@ -28,11 +28,12 @@ if (system("mount -t tmpfs -o size=120m tmpfs $small 2>/dev/null") != 0) {
 LlamaTest::slots_dir($small, (getpwnam($LlamaTest::LLAMA_USER))[2]);
 
 my @words = map { "word$_" } 1 .. 4000;
+my $fsize;
 
 sub ask {
-    my ($name) = @_;
+    my ($name, $on) = @_;
     my $text = join ' ', map { "$name$_" } @words[0 .. 330];
-    my $r = $t->post('/v1/chat/completions',
+    my $r = ($on // $t)->post('/v1/chat/completions',
                      { max_tokens => 2, temperature => 0,
                        messages => [ { role => 'user',
                                        content => "This is conversation $name." },
@@ -65,6 +66,7 @@ eval {
     }
     my ($file) = glob("$small/s1-*.bin");
     diag('a session\'s file: ' . ($file ? -s $file : 'gone') . ' bytes');
+    ($fsize) = sort { $b <=> $a } map { -s } glob("$small/s*.bin");
 
     my @last = @names[5 .. 7];
     my ($restored, $turns) = (0, 0);
@@ -94,6 +96,48 @@ $t->stop_llama;
 system("umount $small");
 $t->stop;
 die $err if $err;
+
+# a disk small for its files (review 4: a 200 MB disk, files of 38 MB):
+# one that holds five files and a bit, three conversations in use on one
+# slot after five first turns; the default min_free keeps what the disk
+# holds, so every return is restored (twice the file kept free kept two
+# files, and one of the three was computed from nothing on every turn)
+SKIP: {
+    skip 'no file size from the first part', 2 unless $fsize;
+    my $mb = int(5.4 * $fsize / 2 ** 20) + 1;
+    my $s = LlamaTest->new(workers => 2, timeout => 300);
+    my $five = $s->dir . '/five';
+    mkdir $five;
+    system("mount -t tmpfs -o size=${mb}m tmpfs $five") == 0 or die;
+    LlamaTest::slots_dir($five, (getpwnam($LlamaTest::LLAMA_USER))[2]);
+    my ($restored, $turns) = (0, 0);
+    eval {
+        $s->llama(slots => $five);
+        $s->nginx($s->site(
+            zone => "llama_session_zone zone=llama:1m store=$five;",
+            upstream => 'keepalive 4;',
+            server => 'add_header X-S-Action $llama_session_action always;',
+            location => 'proxy_read_timeout 300s;',
+            slots => 'proxy_read_timeout 300s;'));
+        ask($_, $s) for map { "f$_" } 1 .. 5;
+        for my $round (1 .. 2) {
+            for my $n (qw(f3 f4 f5)) {
+                my $r = ask($n, $s);
+                $turns++;
+                $restored++ if $r->{action} eq 'restore' && $r->{cached} > 0;
+                diag("$n: $r->{action}, $r->{cached} tokens cached");
+            }
+        }
+    };
+    my $e = $@;
+    $s->stop_nginx;
+    $s->stop_llama;
+    system("umount $five");
+    $s->stop;
+    die $e if $e;
+    is($turns, 6, "a ${mb} MB disk, files of $fsize bytes: six returns");
+    is($restored, $turns, 'every one restored from its file');
+}
 
 # a save that llama-server fails while the disk is full (the estimate
 # before it was short: another program filled the disk meanwhile): room is
