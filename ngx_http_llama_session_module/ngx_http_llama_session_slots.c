@@ -62,7 +62,7 @@ ngx_int_t
 ngx_http_llama_session_parse_slots(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t *processing)
 {
-    cJSON  *json, *slot, *id, *tokens, *task;
+    cJSON  *json, *slot, *id, *tokens, *task, *n_ctx;
 
     json = ngx_http_llama_session_reply_json(log, ctx);
     if (json == NULL) {
@@ -98,6 +98,27 @@ ngx_http_llama_session_parse_slots(ngx_log_t *log,
         ctx->job->slot_tokens = (cJSON_IsNumber(tokens)
                                 && tokens->valuedouble >= 0)
                            ? tokens->valueint : -1;
+
+        /*
+         * more tokens than the slot's context holds is a bogus reply: the
+         * estimate of the slot's file (store_room()) would make room for
+         * what no slot can hold; a full context is the most it holds
+         */
+
+        n_ctx = cJSON_GetObjectItemCaseSensitive(slot, "n_ctx");
+
+        if (ctx->job->slot_tokens > 0 && cJSON_IsNumber(n_ctx)
+            && n_ctx->valuedouble >= 1
+            && tokens->valuedouble > n_ctx->valuedouble)
+        {
+            ngx_log_error(NGX_LOG_WARN, log, 0,
+                          "llama_session: GET /slots says slot %ui holds "
+                          "%.0f tokens, more than its context of %.0f: "
+                          "taken as that", ctx->job->slot,
+                          tokens->valuedouble, n_ctx->valuedouble);
+
+            ctx->job->slot_tokens = (ngx_int_t) n_ctx->valuedouble;
+        }
 
         task = cJSON_GetObjectItemCaseSensitive(slot, "id_task");
         ctx->job->slot_task = cJSON_IsNumber(task) ? task->valueint : -1;

@@ -186,4 +186,43 @@ SKIP: {
     die $e if $e;
 }
 
+# review 4: GET /slots that says a slot holds more tokens than its
+# context (a bogus reply) does not make room for that on the disk (a 64 MB
+# one): the estimate of the file stops at a full context (16 MB of the
+# fake's), and no file goes for it; before, all but the slot's went
+{
+    my $f = LlamaTest->new(workers => 1);
+    my $disk = $f->dir . '/disk';
+    mkdir $disk;
+    system("mount -t tmpfs -o size=64m tmpfs $disk") == 0 or die;
+    LlamaTest::slots_dir($disk);
+    eval {
+    $f->fake(np => 1, slots => $disk);
+    $f->nginx($f->site(zone => "llama_session_zone zone=llama:1m "
+                               . "store=$disk;"));
+    for my $n (qw(a b c)) {
+        is($f->post('/completion', { prompt => "$n " x 2000, n_predict => 2 },
+                    headers => { 'X-Session-Id' => $n })->{status}, 200,
+           "bogus count: $n");
+    }
+    $f->fake_script({ slots => { n_prompt_tokens => 2 ** 50 } });
+    is($f->post('/completion', { prompt => 'd ' x 2000, n_predict => 2 },
+                headers => { 'X-Session-Id' => 'd' })->{status}, 200,
+       'bogus count: d takes the slot');
+    ok($f->log_lines(qr/GET \/slots says slot 0 holds \d+ tokens, more than its context of \d+: taken as that/),
+       'bogus count: logged');
+    ok(!$f->log_lines(qr/evicted session/), 'bogus count: no file evicted');
+    ok(scalar(() = glob("$disk/a-*.bin"))
+       && scalar(() = glob("$disk/b-*.bin")),
+       'bogus count: a\'s and b\'s files stay');
+    ok(scalar(() = glob("$disk/c-*.bin")), 'bogus count: c is saved');
+    };
+    my $e = $@;
+    $f->stop_nginx;
+    $f->stop_proc('fake', 'TERM');
+    system("umount $disk");
+    $f->stop;
+    die $e if $e;
+}
+
 done_testing;

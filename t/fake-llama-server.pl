@@ -314,13 +314,16 @@ sub handle {
         my $st = read_state();
         my $i = 0;
         return reply($c, 200, [ map {
-            { id => $i++, n_ctx => 16384,
+            # (a fake token is a character: its context holds any
+            # prompt; "n_prompt_tokens" in the slots fault: a bogus count)
+            { id => $i++, n_ctx => 1 << 24,
               speculative => $script->{speculative} ? JSON::PP::true
                                                     : JSON::PP::false,
               is_processing => ($script->{slots}{processing}
                                 || $_->{busy}) ? JSON::PP::true
                                                : JSON::PP::false,
-              $_->{ran} ? (n_prompt_tokens => $_->{n},
+              $_->{ran} ? (n_prompt_tokens => $script->{slots}{n_prompt_tokens}
+                                              // $_->{n},
                            id_task => $_->{task}) : () } }
             @{ $st->{slots} } ]);
     }
