@@ -130,7 +130,8 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_DONE,
     NGX_HTTP_LLAMA_SESSION_ST_OLLAMA,   /* GET /v1/models for Ollama's */
     NGX_HTTP_LLAMA_SESSION_ST_BIND,     /* models=: the router lists it */
-    NGX_HTTP_LLAMA_SESSION_ST_REPRIME   /* before a save (reprime.c) */
+    NGX_HTTP_LLAMA_SESSION_ST_REPRIME,  /* before a save (reprime.c) */
+    NGX_HTTP_LLAMA_SESSION_ST_LOOK      /* at the store, in a thread */
 } ngx_http_llama_session_state_e;
 
 
@@ -326,6 +327,23 @@ typedef struct {
 } ngx_http_llama_session_fid_t;
 
 
+/*
+ * What a look at the store, in a thread (io.c), found of the session's
+ * file and its .json, for the request's decisions that need them (store.c)
+ */
+
+typedef struct {
+    ngx_int_t                       rc;         /* NGX_OK: a regular file;
+                                                   NGX_DECLINED: none;
+                                                   NGX_ERROR: the store did
+                                                   not answer */
+    ngx_http_llama_session_fid_t    fid;
+    u_char                         *meta;       /* its .json, NULL: none */
+    size_t                          meta_len;
+    unsigned                        valid:1;
+} ngx_http_llama_session_disk_t;
+
+
 /* a session's state for one backend configuration: "<key>.<fp>" */
 
 typedef struct {
@@ -397,6 +415,7 @@ typedef struct {
     ngx_atomic_uint_t               reprefills; /* a restore cost more */
     ngx_atomic_uint_t               newer_saves; /* shared=on: not kept */
     ngx_atomic_uint_t               newer_hits; /* ... restored instead */
+    ngx_atomic_uint_t               store_timeouts; /* went on without it */
     ngx_atomic_uint_t               ram_hits;   /* swaps through RAM */
     ngx_atomic_uint_t               ram_misses; /* ... that found nothing */
     ngx_atomic_uint_t               ram_stored; /* sessions that went in */
@@ -584,8 +603,13 @@ struct ngx_http_llama_session_zone_s {
     ngx_str_t                       store;      /* empty: not visible */
     ngx_uint_t                      max_files;  /* 0: no limit */
     off_t                           max_size;   /* 0: no limit */
-    off_t                           min_free;   /* -1: twice the file that
-                                                   a save writes */
+    off_t                           min_free;   /* -1: none, room for the
+                                                   file a save writes */
+#if (NGX_THREADS)
+    ngx_thread_pool_t              *tp;         /* the store's file calls,
+                                                   NULL: in the event loop */
+#endif
+    ngx_msec_t                      store_timeout; /* the bound on them */
     ngx_msec_t                      save_idle;  /* 0: off */
     off_t                           ram;        /* llama-server's RAM cache,
                                                    the hot tier; 0: none */
@@ -821,6 +845,12 @@ typedef struct {
     unsigned                        ram_leaving:1; /* the slot still holds
                                                    the session that leaves */
     ngx_uint_t                      ram_tokens; /* what RAM held of it */
+
+    /* the store call it waits for (io.c), and what the look found */
+    void                           *io;
+    ngx_uint_t                      look_next;  /* where the request goes
+                                                   on: plan() or files() */
+    ngx_http_llama_session_disk_t   disk;
 } ngx_http_llama_session_job_t;
 
 

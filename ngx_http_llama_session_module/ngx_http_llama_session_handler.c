@@ -30,6 +30,7 @@
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_router.h"
 #include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_io.h"
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
@@ -73,6 +74,8 @@ static ngx_int_t ngx_http_llama_session_loaded(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_pinned(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
+static ngx_int_t ngx_http_llama_session_look(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t next);
 static ngx_int_t ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_proxy(ngx_http_request_t *r,
@@ -139,6 +142,21 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         }
 
         return ngx_http_llama_session_props(r, ctx);
+
+    case NGX_HTTP_LLAMA_SESSION_ST_LOOK:
+        if (ctx->job->io
+            && !((ngx_http_llama_session_io_t *) ctx->job->io)->done
+            && (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted))
+        {
+            return NGX_AGAIN;
+        }
+
+        /* done, or its store_timeout= passed */
+        ngx_http_llama_session_store_looked(r, ctx);
+
+        return (ctx->job->look_next == NGX_HTTP_LLAMA_SESSION_ST_PROPS)
+               ? ngx_http_llama_session_files(r, ctx)
+               : ngx_http_llama_session_plan(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_CHECK:
         if (!ctx->job->call_done) {
@@ -750,15 +768,54 @@ ngx_http_llama_session_wait(ngx_http_request_t *r,
 }
 
 
+/*
+ * A look at the store before a decision that needs it (store_look(), in a
+ * thread); the request goes on in plan() or files() ("next": the state it
+ * came from, ACQUIRE or PROPS) once it is done or its bound passed
+ */
+
+static ngx_int_t
+ngx_http_llama_session_look(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t next)
+{
+    ngx_int_t  rc;
+
+    rc = ngx_http_llama_session_store_look(r, ctx);
+
+    if (rc == NGX_AGAIN) {
+        ctx->job->look_next = next;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_LOOK);
+
+        r->read_event_handler = ngx_http_test_reading;
+        r->write_event_handler = ngx_http_core_run_phases;
+    }
+
+    return rc;
+}
+
+
 /* the request holds the slot: decide what the swap needs */
 
 static ngx_int_t
 ngx_http_llama_session_plan(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
+    ngx_int_t  rc;
+
     if (ctx->zone->model.len && !ctx->route->routed) {
         /* router mode: the model is up first, see router.c */
         return ngx_http_llama_session_route(r, ctx);
+    }
+
+    if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT
+        && ctx->zone->shared)
+    {
+        /* has another owner saved it since? the store says, in a thread */
+        rc = ngx_http_llama_session_look(r, ctx,
+                                         NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
+        if (rc != NGX_DECLINED) {
+            return rc;
+        }
     }
 
     if (ctx->action == NGX_HTTP_LLAMA_SESSION_ACTION_HIT
@@ -884,7 +941,15 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     off_t       bytes;
+    ngx_int_t   rc;
     ngx_uint_t  tokens;
+
+    /* the session's file and its .json, in a thread */
+
+    rc = ngx_http_llama_session_look(r, ctx, NGX_HTTP_LLAMA_SESSION_ST_PROPS);
+    if (rc != NGX_DECLINED) {
+        return rc;
+    }
 
     if (!ctx->default_session) {
         ngx_http_llama_session_job_remember(ctx, ctx->key, ctx->key_len,
@@ -1529,6 +1594,13 @@ ngx_http_llama_session_cleanup(void *data)
 
     if (ctx->job->wait_ev.posted) {
         ngx_delete_posted_event(&ctx->job->wait_ev);
+    }
+
+    if (ctx->job->io) {
+        /* a store call in its thread: cleaned up when it ends */
+        ngx_http_llama_session_io_leave(ctx->job->io, r->connection->log,
+                                        NULL);
+        ctx->job->io = NULL;
     }
 
     ngx_http_llama_session_wait_end(ctx->job);

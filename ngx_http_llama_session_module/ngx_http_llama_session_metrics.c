@@ -71,6 +71,7 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_M_MEDIA_UNSAVED,
     NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER,
     NGX_HTTP_LLAMA_SESSION_M_RAM,
+    NGX_HTTP_LLAMA_SESSION_M_STORE_TIMEOUTS,
     NGX_HTTP_LLAMA_SESSION_M_FAMILIES
 } ngx_http_llama_session_family_e;
 
@@ -175,7 +176,11 @@ static ngx_http_llama_session_family_t  ngx_http_llama_session_families[] = {
       "ram=: llama-server's RAM cache as the zone models it: swaps that "
       "found the session there (event=\"hit\") or not (\"miss\"), sessions "
       "that went in (\"stored\"), that it evicted (\"evicted\"), of them "
-      "with turns their file lacked (\"lost\")." }
+      "with turns their file lacked (\"lost\")." },
+    { "store_timeouts_total", "counter",
+      "Requests that went on without the store: a file call on it did not "
+      "answer within the zone's store_timeout= (a store that stopped "
+      "answering)." }
 };
 
 
@@ -254,6 +259,8 @@ static ngx_http_llama_session_counter_t  ngx_http_llama_session_counts[] = {
       offsetof(ngx_http_llama_session_sh_t, stats.newer_saves) },
     { NGX_HTTP_LLAMA_SESSION_M_SHARED_NEWER, ",at=\"hit\"",
       offsetof(ngx_http_llama_session_sh_t, stats.newer_hits) },
+    { NGX_HTTP_LLAMA_SESSION_M_STORE_TIMEOUTS, "",
+      offsetof(ngx_http_llama_session_sh_t, stats.store_timeouts) },
     { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"hit\"",
       offsetof(ngx_http_llama_session_sh_t, stats.ram_hits) },
     { NGX_HTTP_LLAMA_SESSION_M_RAM, ",event=\"miss\"",

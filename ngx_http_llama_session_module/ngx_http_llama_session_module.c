@@ -36,6 +36,7 @@ typedef struct {
                                                    of the router it drives */
     ngx_uint_t                      models;     /* models=: any of them, up
                                                    to N */
+    ngx_str_t                       thread_pool; /* thread_pool=name */
 } ngx_http_llama_session_zone_conf_t;
 
 
@@ -632,6 +633,51 @@ ngx_http_llama_session_zone_store(ngx_conf_t *cf,
 }
 
 
+/* store_timeout=: how long a request waits for a store call */
+
+static ngx_int_t
+ngx_http_llama_session_zone_store_timeout(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    ngx_msec_t  timeout;
+
+    timeout = ngx_parse_time(arg, 0);
+
+    if (timeout == (ngx_msec_t) NGX_ERROR || timeout == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid time \"%V\": store_timeout= is how "
+                           "long a request waits for the store, such as 10s",
+                           value);
+        return NGX_ERROR;
+    }
+
+    zc->zone.store_timeout = timeout;
+
+    return NGX_OK;
+}
+
+
+/* thread_pool=: the nginx thread pool of the store's file calls */
+
+static ngx_int_t
+ngx_http_llama_session_zone_thread_pool(ngx_conf_t *cf,
+    ngx_http_llama_session_zone_param_t *param,
+    ngx_http_llama_session_zone_conf_t *zc, ngx_str_t *value, ngx_str_t *arg)
+{
+    if (arg->len == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "empty \"thread_pool=\": the name of a "
+                           "thread_pool, or \"default\"");
+        return NGX_ERROR;
+    }
+
+    zc->thread_pool = *arg;
+
+    return NGX_OK;
+}
+
+
 static ngx_int_t
 ngx_http_llama_session_zone_save_idle(ngx_conf_t *cf,
     ngx_http_llama_session_zone_param_t *param,
@@ -731,6 +777,7 @@ ngx_http_llama_session_zone_model(ngx_conf_t *cf,
 /*
  * llama_session_zone zone=name:size [slots=N] [store=path] [max_files=N]
  *     [max_size=size] [min_free=size] [save_idle=time] [ram=size]
+ *     [store_timeout=time] [thread_pool=name]
  *     [model=name | models=N]
  *     [reprime=on|off];
  * (backend= and api_key=: deprecated, ignored)
@@ -761,6 +808,10 @@ static ngx_http_llama_session_zone_param_t  ngx_http_llama_session_params[] = {
       0, 0, "invalid size \"%V\": min_free= is the free space to keep on "
             "the store's disk, such as 2g" },
     { ngx_string("save_idle="), ngx_http_llama_session_zone_save_idle,
+      0, 0, 0, NULL },
+    { ngx_string("store_timeout="),
+      ngx_http_llama_session_zone_store_timeout, 0, 0, 0, NULL },
+    { ngx_string("thread_pool="), ngx_http_llama_session_zone_thread_pool,
       0, 0, 0, NULL },
     { ngx_string("ram="), ngx_http_llama_session_zone_offset,
       offsetof(ngx_http_llama_session_zone_conf_t, zone.ram),
@@ -803,6 +854,7 @@ ngx_http_llama_session_zone(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     zc.zone.nslots = 1;
     zc.zone.min_free = -1;
     zc.zone.reprime = 1;
+    zc.zone.store_timeout = 10000;
 
     for (i = 1; i < cf->args->nelts; i++) {
 
@@ -936,6 +988,37 @@ ngx_http_llama_session_zone_check(ngx_conf_t *cf,
                            "deletes files there");
         return NGX_ERROR;
     }
+
+    if (store->len == 0) {
+        return NGX_OK;
+    }
+
+    /* the store's file calls: in a thread pool, off the event loop (io.c) */
+
+#if (NGX_THREADS)
+
+    zc->zone.tp = ngx_thread_pool_add(cf, zc->thread_pool.len
+                                          ? &zc->thread_pool : NULL);
+    if (zc->zone.tp == NULL) {
+        return NGX_ERROR;
+    }
+
+#else
+
+    ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                       "zone \"%V\": this nginx was built without threads "
+                       "(--with-threads): the store's file calls run in the "
+                       "event loop, and a store that stops answering (NFS) "
+                       "holds every request of the worker", name);
+
+    if (zc->thread_pool.len) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"thread_pool=\" needs an nginx built with "
+                           "threads (--with-threads)");
+        return NGX_ERROR;
+    }
+
+#endif
 
     return NGX_OK;
 }

@@ -16,6 +16,7 @@
 #include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_io.h"
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
@@ -60,6 +61,13 @@ typedef struct {
 static ngx_int_t ngx_http_llama_session_store_name(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
     size_t *base);
+static void ngx_http_llama_session_store_look_work(
+    ngx_http_llama_session_io_t *io);
+static ssize_t ngx_http_llama_session_store_read(u_char *file, u_char *buf,
+    size_t size, ngx_log_t *log);
+static void ngx_http_llama_session_store_parse_meta(
+    ngx_http_llama_session_found_t *f, u_char *file, u_char *buf, size_t n,
+    ngx_log_t *log);
 static void ngx_http_llama_session_store_read_meta(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_found_t *f,
     ngx_log_t *log);
@@ -702,6 +710,177 @@ ngx_http_llama_session_found_cmp(const void *one, const void *two)
  * (miss.c).  A small read in the store folder; nothing when absent.
  */
 
+/*
+ * A look at the session's file and its .json, in a thread (io.c), before
+ * the request decides by them: whether it has a file to restore (when the
+ * zone's index does not know, or shared=on), whether another owner's is
+ * newer (shared=on, a hit), its previous prompt (miss.c).  NGX_AGAIN: the
+ * request waits for it (store_looked() then); NGX_DECLINED: nothing to
+ * wait for.
+ */
+
+typedef struct {
+    u_char                          bin[NGX_MAX_PATH];
+    u_char                          json[NGX_MAX_PATH];
+    u_char                          meta[NGX_HTTP_LLAMA_SESSION_META_MAX];
+    ngx_http_llama_session_disk_t   disk;
+} ngx_http_llama_session_look_t;
+
+
+ngx_int_t
+ngx_http_llama_session_store_look(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_int_t                       rc;
+    ngx_http_llama_session_io_t    *io;
+    ngx_http_llama_session_zone_t  *zone;
+    ngx_http_llama_session_look_t  *look;
+
+    zone = ctx->zone;
+
+    if (ctx->job->disk.valid || zone->store.len == 0 || ctx->default_session
+        || !ngx_http_llama_session_fingerprint(zone, ctx->job->fp))
+    {
+        return NGX_DECLINED;
+    }
+
+    io = ngx_http_llama_session_io_create(zone, r->connection->log,
+                                     sizeof(ngx_http_llama_session_look_t));
+    if (io == NULL) {
+        return NGX_DECLINED;
+    }
+
+    look = io->data;
+
+    n = ngx_http_llama_session_file_name(name, ctx->key, ctx->key_len,
+                                         ctx->job->fp);
+
+    ngx_snprintf(look->bin, sizeof(look->bin), "%V/%*s.bin%Z", &zone->store,
+                 n, name);
+    ngx_snprintf(look->json, sizeof(look->json), "%V/%*s.json%Z",
+                 &zone->store, n, name);
+
+    io->work = ngx_http_llama_session_store_look_work;
+
+    rc = ngx_http_llama_session_io_post(io, &ctx->job->wait_ev);
+
+    if (rc == NGX_ERROR) {
+        /* the calls where they are made, as without threads */
+        ngx_http_llama_session_io_free(io);
+        return NGX_DECLINED;
+    }
+
+    ctx->job->io = io;
+
+    if (rc == NGX_AGAIN) {
+        return NGX_AGAIN;
+    }
+
+    ngx_http_llama_session_store_looked(r, ctx);
+
+    return NGX_DECLINED;
+}
+
+
+/* in a thread */
+
+static void
+ngx_http_llama_session_store_look_work(ngx_http_llama_session_io_t *io)
+{
+    ssize_t                         n;
+    ngx_err_t                       err;
+    ngx_file_info_t                 fi;
+    ngx_http_llama_session_look_t  *look;
+
+    look = io->data;
+
+    /* a regular file: a link is never restored (nor committed) */
+
+    if (ngx_link_info(look->bin, &fi) == NGX_FILE_ERROR) {
+        err = ngx_errno;
+
+        if (err == NGX_ENOENT || err == NGX_ENOTDIR) {
+            look->disk.rc = NGX_DECLINED;
+            return;
+        }
+
+        ngx_log_error(NGX_LOG_ERR, &io->log, err,
+                      ngx_link_info_n " \"%s\" failed: the store of zone "
+                      "\"%V\" cannot be read, the session starts fresh",
+                      look->bin, &io->zone->name);
+
+        look->disk.rc = NGX_ERROR;
+        return;
+    }
+
+    if (!ngx_is_file(&fi)) {
+        look->disk.rc = NGX_DECLINED;
+        return;
+    }
+
+    look->disk.rc = NGX_OK;
+    look->disk.fid.uniq = ngx_file_uniq(&fi);
+    look->disk.fid.size = ngx_file_size(&fi);
+    look->disk.fid.mtime = ngx_file_mtime(&fi);
+
+    n = ngx_http_llama_session_store_read(look->json, look->meta,
+                                          sizeof(look->meta), &io->log);
+    if (n > 0) {
+        look->disk.meta = look->meta;
+        look->disk.meta_len = n;
+    }
+}
+
+
+/* back in the request: what the look found, or that the store was silent */
+
+void
+ngx_http_llama_session_store_looked(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    ngx_http_llama_session_io_t    *io;
+    ngx_http_llama_session_disk_t  *disk;
+    ngx_http_llama_session_look_t  *look;
+
+    io = ctx->job->io;
+    ctx->job->io = NULL;
+
+    disk = &ctx->job->disk;
+
+    if (io == NULL) {
+        return;
+    }
+
+    if (!io->done) {
+        ngx_http_llama_session_io_leave(io, r->connection->log,
+                                        "the session goes on without its "
+                                        "file (fresh, or as its slot holds "
+                                        "it)");
+        disk->rc = NGX_ERROR;
+        disk->valid = 1;
+        return;
+    }
+
+    look = io->data;
+    *disk = look->disk;
+    disk->valid = 1;
+
+    if (disk->meta) {
+        disk->meta = ngx_pnalloc(r->pool, disk->meta_len);
+        if (disk->meta == NULL) {
+            disk->meta_len = 0;
+
+        } else {
+            ngx_memcpy(disk->meta, look->meta, disk->meta_len);
+        }
+    }
+
+    ngx_http_llama_session_io_free(io);
+}
+
+
 ngx_int_t
 ngx_http_llama_session_store_prev(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
@@ -709,33 +888,32 @@ ngx_http_llama_session_store_prev(ngx_http_request_t *r,
     u_char    file[NGX_MAX_PATH], *buf;
     cJSON    *json, *msgs, *tokens;
     ssize_t   n;
-    ngx_fd_t  fd;
 
     if (ctx->zone->store.len == 0 || ctx->msgs == NULL) {
         return NGX_DECLINED;
     }
 
-    ngx_snprintf(file, sizeof(file), "%V/%*s.%*s.json%Z", &ctx->zone->store,
-                 ctx->key_len, ctx->key,
-                 (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
+    if (ctx->job->disk.valid) {
+        /* as the look before the swap read it (store_look()) */
+        buf = ctx->job->disk.meta;
+        n = ctx->job->disk.meta_len;
 
-    fd = ngx_http_llama_session_file_open(file,
-                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
-                                          r->connection->log);
-    if (fd == NGX_INVALID_FILE) {
-        return NGX_DECLINED;
+    } else {
+        ngx_snprintf(file, sizeof(file), "%V/%*s.%*s.json%Z",
+                     &ctx->zone->store, ctx->key_len, ctx->key,
+                     (size_t) NGX_HTTP_LLAMA_SESSION_FP_LEN, ctx->job->fp);
+
+        buf = ngx_pnalloc(r->pool, NGX_HTTP_LLAMA_SESSION_META_MAX);
+        if (buf == NULL) {
+            return NGX_ERROR;
+        }
+
+        n = ngx_http_llama_session_store_read(file, buf,
+                                              NGX_HTTP_LLAMA_SESSION_META_MAX,
+                                              r->connection->log);
     }
 
-    buf = ngx_pnalloc(r->pool, NGX_HTTP_LLAMA_SESSION_META_MAX);
-    if (buf == NULL) {
-        ngx_close_file(fd);
-        return NGX_ERROR;
-    }
-
-    n = ngx_read_fd(fd, buf, NGX_HTTP_LLAMA_SESSION_META_MAX);
-    ngx_close_file(fd);
-
-    if (n <= 0) {
+    if (buf == NULL || n <= 0) {
         return NGX_DECLINED;
     }
 
@@ -766,27 +944,48 @@ static void
 ngx_http_llama_session_store_read_meta(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_found_t *f, ngx_log_t *log)
 {
-    u_char           file[NGX_MAX_PATH], buf[NGX_HTTP_LLAMA_SESSION_META_MAX];
-    cJSON           *json, *item, *msgs;
-    ssize_t          n;
-    ngx_fd_t         fd;
+    u_char   file[NGX_MAX_PATH], buf[NGX_HTTP_LLAMA_SESSION_META_MAX];
+    ssize_t  n;
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store,
                  f->len, f->name);
+
+    n = ngx_http_llama_session_store_read(file, buf, sizeof(buf), log);
+
+    if (n > 0) {
+        ngx_http_llama_session_store_parse_meta(f, file, buf, n, log);
+    }
+}
+
+
+/* a small file of the store (a .json), at most size bytes; -1: none */
+
+static ssize_t
+ngx_http_llama_session_store_read(u_char *file, u_char *buf, size_t size,
+    ngx_log_t *log)
+{
+    ssize_t   n;
+    ngx_fd_t  fd;
 
     fd = ngx_http_llama_session_file_open(file,
                                           NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
                                           log);
     if (fd == NGX_INVALID_FILE) {
-        return;
+        return -1;
     }
 
-    n = ngx_read_fd(fd, buf, sizeof(buf));
+    n = ngx_read_fd(fd, buf, size);
     ngx_close_file(fd);
 
-    if (n <= 0) {
-        return;
-    }
+    return n;
+}
+
+
+static void
+ngx_http_llama_session_store_parse_meta(ngx_http_llama_session_found_t *f,
+    u_char *file, u_char *buf, size_t n, ngx_log_t *log)
+{
+    cJSON  *json, *item, *msgs;
 
     json = cJSON_ParseWithLength((const char *) buf, n);
     if (json == NULL) {
@@ -1922,8 +2121,16 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
          * orders this owner's next save of it against theirs
          */
 
-        rc = ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp, key,
-                                              len, &fid, r->connection->log);
+        if (key == ctx->key && ctx->job->disk.valid) {
+            /* as the look before the swap found it (store_look()) */
+            rc = ctx->job->disk.rc;
+            fid = ctx->job->disk.fid;
+
+        } else {
+            rc = ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp,
+                                                  key, len, &fid,
+                                                  r->connection->log);
+        }
 
         ngx_http_llama_session_file_seen(ctx->zone, ctx->job->fp, key, len,
                                          (rc == NGX_ERROR) ? NULL : &fid);
@@ -1949,6 +2156,10 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
 
     if (store->len == 0) {
         return 1;
+    }
+
+    if (key == ctx->key && ctx->job->disk.valid) {
+        return ctx->job->disk.rc == NGX_OK;
     }
 
     path = ngx_pnalloc(r->pool, store->len + len
@@ -2027,17 +2238,33 @@ ngx_uint_t
 ngx_http_llama_session_store_newer(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    ngx_uint_t                    tokens;
-    ngx_http_llama_session_fid_t  fid;
+    ngx_uint_t                       tokens;
+    ngx_http_llama_session_fid_t     fid;
+    ngx_http_llama_session_found_t   f;
+    ngx_http_llama_session_disk_t   *disk;
+
+    disk = &ctx->job->disk;
 
     if (!ctx->zone->shared || ctx->zone->store.len == 0
         || ctx->default_session
         || !ngx_http_llama_session_fingerprint(ctx->zone, ctx->job->fp)
-        || ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp)
-        || ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp, ctx->key,
-                                            ctx->key_len, &fid,
-                                            r->connection->log)
-           != NGX_OK)
+        || ngx_http_llama_session_restores_off(ctx->zone, ctx->job->fp))
+    {
+        return 0;
+    }
+
+    if (disk->valid) {
+        /* as the look before it found it (store_look()) */
+        if (disk->rc != NGX_OK) {
+            return 0;
+        }
+
+        fid = disk->fid;
+
+    } else if (ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp,
+                                                ctx->key, ctx->key_len, &fid,
+                                                r->connection->log)
+               != NGX_OK)
     {
         return 0;
     }
@@ -2053,9 +2280,23 @@ ngx_http_llama_session_store_newer(ngx_http_request_t *r,
      * prompt (a later turn; its own idle save of an older turn is not)
      */
 
-    tokens = ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
-                                                 ctx->key, ctx->key_len,
-                                                 r->connection->log);
+    if (disk->valid) {
+        ngx_memzero(&f, sizeof(ngx_http_llama_session_found_t));
+
+        if (disk->meta) {
+            ngx_http_llama_session_store_parse_meta(&f, (u_char *) "(.json)",
+                                                    disk->meta,
+                                                    disk->meta_len,
+                                                    r->connection->log);
+        }
+
+        tokens = f.tokens;
+
+    } else {
+        tokens = ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
+                                                     ctx->key, ctx->key_len,
+                                                     r->connection->log);
+    }
 
     if (tokens <= ctx->prev_tokens) {
         return 0;

@@ -36,6 +36,10 @@ ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_uint_t slot);
 ngx_int_t ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
     ngx_str_t *tmp_suffix, u_char *text, size_t len, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_look(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+void ngx_http_llama_session_store_looked(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_store_prev(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_store_delete(u_char *file);

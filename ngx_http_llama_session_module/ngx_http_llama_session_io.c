@@ -1,0 +1,213 @@
+
+/*
+ * Copyright (C) ngx_http_llama_session_module authors
+ *
+ * The store's file calls off the event loop.  A store on NFS or CephFS
+ * can stop answering (a hard mount waits for its server): a file call made
+ * in the event loop would hold every connection of the worker, also those
+ * that never needed the store.  As nginx's cache does with aio threads, a
+ * look at the store or a change of it runs as a task in an nginx thread
+ * pool (the zone's thread_pool=, nginx's "default" one unless named): the
+ * request waits for its task, the worker serves everyone else.
+ *
+ * A task has a pool of its own and copies of what it needs, never the
+ * request's memory, so its waiter may go on without it: after the zone's
+ * store_timeout= the request goes on as if the store had nothing (fresh,
+ * or unsaved), logged at warn and counted, while the call finishes in its
+ * thread; then late() applies what still matters and the task's pool
+ * goes.  The shared memory is never locked across a file call.  Where
+ * nginx was built without threads the work runs where it is posted, as
+ * before (nginx -t says so).
+ */
+
+
+#include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_io.h"
+#include "ngx_http_llama_session_shm.h"
+
+
+#if (NGX_THREADS)
+static void ngx_http_llama_session_io_thread(void *data, ngx_log_t *log);
+static void ngx_http_llama_session_io_event(ngx_event_t *ev);
+#endif
+
+
+ngx_http_llama_session_io_t *
+ngx_http_llama_session_io_create(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log, size_t size)
+{
+    ngx_pool_t                   *pool;
+    ngx_http_llama_session_io_t  *io;
+
+    pool = ngx_create_pool(ngx_max(1024, size + 512), log);
+    if (pool == NULL) {
+        return NULL;
+    }
+
+    io = ngx_pcalloc(pool, sizeof(ngx_http_llama_session_io_t));
+    if (io == NULL) {
+        ngx_destroy_pool(pool);
+        return NULL;
+    }
+
+    if (size) {
+        io->data = ngx_pcalloc(pool, size);
+        if (io->data == NULL) {
+            ngx_destroy_pool(pool);
+            return NULL;
+        }
+    }
+
+    io->pool = pool;
+    io->zone = zone;
+
+    /* the request's connection may be gone when the call ends */
+    io->log = *log;
+    io->log.handler = NULL;
+    io->log.data = NULL;
+    io->log.action = NULL;
+    pool->log = &io->log;
+
+    return io;
+}
+
+
+/*
+ * Runs io->work in the zone's thread pool and wakes "wake" when it is
+ * done, or after the zone's store_timeout=, whichever comes first (the
+ * waiter tells by io->done).  NGX_AGAIN: posted; NGX_OK: done here (no
+ * threads); NGX_ERROR: not run.
+ */
+
+ngx_int_t
+ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,
+    ngx_event_t *wake)
+{
+#if (NGX_THREADS)
+    ngx_thread_task_t  *task;
+
+    if (io->zone->tp) {
+        task = ngx_thread_task_alloc(io->pool, 0);
+        if (task == NULL) {
+            return NGX_ERROR;
+        }
+
+        task->ctx = io;
+        task->handler = ngx_http_llama_session_io_thread;
+        task->event.handler = ngx_http_llama_session_io_event;
+        task->event.data = io;
+        task->event.log = &io->log;
+
+        io->start = ngx_current_msec;
+
+        if (ngx_thread_task_post(io->zone->tp, task) != NGX_OK) {
+            return NGX_ERROR;
+        }
+
+        io->wake = wake;
+
+        if (wake->timer_set) {
+            ngx_del_timer(wake);
+        }
+
+        ngx_add_timer(wake, io->zone->store_timeout);
+
+        return NGX_AGAIN;
+    }
+#endif
+
+    io->work(io);
+    io->done = 1;
+
+    return NGX_OK;
+}
+
+
+/*
+ * The waiter goes on without the call (its bound passed: "what" says what
+ * it does instead; or its request ended: NULL); the call finishes in its
+ * thread and is cleaned up then.
+ */
+
+void
+ngx_http_llama_session_io_leave(ngx_http_llama_session_io_t *io,
+    ngx_log_t *log, const char *what)
+{
+    if (what) {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: the store of zone \"%V\" did not "
+                      "answer within store_timeout=%M (%M ms): %s",
+                      &io->zone->name, io->zone->store_timeout,
+                      ngx_current_msec - io->start, what);
+
+        ngx_http_llama_session_stat(&io->zone->sh->stats.store_timeouts);
+    }
+
+    io->wake = NULL;
+
+    if (io->done) {
+        ngx_destroy_pool(io->pool);
+        return;
+    }
+
+    io->left = 1;
+}
+
+
+void
+ngx_http_llama_session_io_free(ngx_http_llama_session_io_t *io)
+{
+    ngx_destroy_pool(io->pool);
+}
+
+
+#if (NGX_THREADS)
+
+static void
+ngx_http_llama_session_io_thread(void *data, ngx_log_t *log)
+{
+    ngx_http_llama_session_io_t  *io = data;
+
+    io->work(io);
+}
+
+
+static void
+ngx_http_llama_session_io_event(ngx_event_t *ev)
+{
+    ngx_event_t                  *wake;
+    ngx_http_llama_session_io_t  *io;
+
+    io = ev->data;
+    io->done = 1;
+
+    if (io->left) {
+        ngx_log_error(NGX_LOG_INFO, &io->log, 0,
+                      "llama_session: the store of zone \"%V\" answered "
+                      "after %M ms, its request went on without it",
+                      &io->zone->name, ngx_current_msec - io->start);
+
+        if (io->late) {
+            io->late(io);
+        }
+
+        ngx_destroy_pool(io->pool);
+        return;
+    }
+
+    wake = io->wake;
+
+    if (wake == NULL) {
+        return;
+    }
+
+    if (wake->timer_set) {
+        ngx_del_timer(wake);
+    }
+
+    if (!wake->posted) {
+        ngx_post_event(wake, &ngx_posted_events);
+    }
+}
+
+#endif
