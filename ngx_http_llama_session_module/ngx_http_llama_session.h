@@ -850,6 +850,9 @@ typedef struct {
     void                           *io;
     ngx_uint_t                      look_next;  /* where the request goes
                                                    on: plan() or files() */
+    ngx_uint_t                      store_silent; /* a call on the store
+                                                   outlived its bound: no
+                                                   more for this request */
     ngx_http_llama_session_disk_t   disk;
 } ngx_http_llama_session_job_t;
 

@@ -1578,7 +1578,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
         rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
                                               NGX_HTTP_LLAMA_SESSION_SAVE_API,
                                               ctx->job->out_key,
-                                              ctx->job->out_len);
+                                              ctx->job->out_len, NULL);
 
         if (rc == NGX_DECLINED) {
             /* shared=on: the store holds another owner's newer state */

@@ -185,7 +185,12 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_reprime_next(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
-        if (!ctx->job->call_done) {
+        if (!ctx->job->call_done
+            || (ctx->job->io
+                && !((ngx_http_llama_session_io_t *) ctx->job->io)->done
+                && (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted)))
+        {
+            /* the save, then its commit in a thread (store_commit()) */
             return NGX_AGAIN;
         }
 
@@ -1251,7 +1256,15 @@ ngx_http_llama_session_saved(ngx_http_request_t *r,
     rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
                                           NGX_HTTP_LLAMA_SESSION_SAVE_SWAP,
                                           ctx->job->out_key,
-                                          ctx->job->out_len);
+                                          ctx->job->out_len,
+                                          &ctx->job->wait_ev);
+    if (rc == NGX_AGAIN) {
+        /* the commit's file calls run in a thread (store_commit()) */
+        r->read_event_handler = ngx_http_test_reading;
+        r->write_event_handler = ngx_http_core_run_phases;
+        return NGX_AGAIN;
+    }
+
     if (rc != NGX_OK) {
         /*
          * the session's previous file, if any, stays as it was; shared=on,

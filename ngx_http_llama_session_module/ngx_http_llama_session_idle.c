@@ -21,6 +21,7 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_idle.h"
+#include "ngx_http_llama_session_io.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_models.h"
 #include "ngx_http_llama_session_reprime.h"
@@ -403,6 +404,10 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
     ctx->route = &idle->route;
     ctx->request = r;
     ctx->job->own = 1;
+
+    /* the commit's thread (store_commit()) wakes it by the job's timer */
+    ngx_memzero(&ctx->job->wait_ev, sizeof(ngx_event_t));
+    ngx_http_llama_session_job_timer(ctx);
     ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_ACQUIRE);
 
     idle->failed = 1;
@@ -596,7 +601,14 @@ ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
 
     rc = ngx_http_llama_session_save_done(r->connection->log, ctx, reason,
                                           ctx->job->out_key,
-                                          ctx->job->out_len);
+                                          ctx->job->out_len,
+                                          &ctx->job->wait_ev);
+
+    if (rc == NGX_AGAIN) {
+        /* the commit's file calls run in a thread: back here after them */
+        r->write_event_handler = ngx_http_llama_session_idle_resume;
+        return;
+    }
 
     if (rc == NGX_DECLINED) {
         /* shared=on: another owner's newer state stays, no failure */
@@ -633,6 +645,22 @@ ngx_http_llama_session_idle_end(void *data)
 
     ctx = &idle->ctx;
     zone = ctx->zone;
+
+    if (ctx->job->wait_ev.timer_set) {
+        ngx_del_timer(&ctx->job->wait_ev);
+    }
+
+    if (ctx->job->wait_ev.posted) {
+        ngx_delete_posted_event(&ctx->job->wait_ev);
+    }
+
+    if (ctx->job->io) {
+        /* its commit still runs in a thread: it cleans up after itself */
+        ngx_http_llama_session_io_leave(ctx->job->io,
+                                        ctx->request->connection->log, NULL);
+        ctx->job->io = NULL;
+        ctx->job->store_silent = 1;
+    }
 
     if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE) {
         /* committed (renamed) or not: no temporary file stays */

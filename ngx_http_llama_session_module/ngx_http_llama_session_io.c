@@ -32,6 +32,30 @@ static void ngx_http_llama_session_io_event(ngx_event_t *ev);
 #endif
 
 
+/* thread pools run in workers only, once nginx started them */
+static ngx_uint_t  ngx_http_llama_session_io_ready;
+
+
+void
+ngx_http_llama_session_io_init_process(void)
+{
+    ngx_http_llama_session_io_ready = 1;
+}
+
+
+/* does the zone's store have threads for its calls here? */
+
+ngx_uint_t
+ngx_http_llama_session_io_threads(ngx_http_llama_session_zone_t *zone)
+{
+#if (NGX_THREADS)
+    return zone->tp != NULL && ngx_http_llama_session_io_ready;
+#else
+    return 0;
+#endif
+}
+
+
 ngx_http_llama_session_io_t *
 ngx_http_llama_session_io_create(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log, size_t size)
@@ -75,8 +99,9 @@ ngx_http_llama_session_io_create(ngx_http_llama_session_zone_t *zone,
 /*
  * Runs io->work in the zone's thread pool and wakes "wake" when it is
  * done, or after the zone's store_timeout=, whichever comes first (the
- * waiter tells by io->done).  NGX_AGAIN: posted; NGX_OK: done here (no
- * threads); NGX_ERROR: not run.
+ * waiter tells by io->done); wake NULL: nobody waits, the task cleans up
+ * after itself.  NGX_AGAIN: posted; NGX_OK: done here (no threads);
+ * NGX_ERROR: not run.
  */
 
 ngx_int_t
@@ -86,7 +111,7 @@ ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,
 #if (NGX_THREADS)
     ngx_thread_task_t  *task;
 
-    if (io->zone->tp) {
+    if (ngx_http_llama_session_io_threads(io->zone)) {
         task = ngx_thread_task_alloc(io->pool, 0);
         if (task == NULL) {
             return NGX_ERROR;
@@ -105,6 +130,11 @@ ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,
         }
 
         io->wake = wake;
+
+        if (wake == NULL) {
+            io->left = 1;
+            return NGX_AGAIN;
+        }
 
         if (wake->timer_set) {
             ngx_del_timer(wake);
@@ -141,6 +171,8 @@ ngx_http_llama_session_io_leave(ngx_http_llama_session_io_t *io,
                       ngx_current_msec - io->start, what);
 
         ngx_http_llama_session_stat(&io->zone->sh->stats.store_timeouts);
+
+        io->late_log = 1;
     }
 
     io->wake = NULL;
@@ -182,10 +214,13 @@ ngx_http_llama_session_io_event(ngx_event_t *ev)
     io->done = 1;
 
     if (io->left) {
-        ngx_log_error(NGX_LOG_INFO, &io->log, 0,
-                      "llama_session: the store of zone \"%V\" answered "
-                      "after %M ms, its request went on without it",
-                      &io->zone->name, ngx_current_msec - io->start);
+        if (io->late_log) {
+            ngx_log_error(NGX_LOG_INFO, &io->log, 0,
+                          "llama_session: the store of zone \"%V\" "
+                          "answered after %M ms, its request went on "
+                          "without it", &io->zone->name,
+                          ngx_current_msec - io->start);
+        }
 
         if (io->late) {
             io->late(io);

@@ -34,10 +34,15 @@ struct ngx_http_llama_session_io_s {
     ngx_msec_t                      start;
     void                           *data;       /* the call's, in pool */
     unsigned                        done:1;
-    unsigned                        left:1;     /* its waiter went on */
+    unsigned                        left:1;     /* no waiter (any more) */
+    unsigned                        late_log:1; /* its waiter went on
+                                                   for its bound */
 };
 
 
+void ngx_http_llama_session_io_init_process(void);
+ngx_uint_t ngx_http_llama_session_io_threads(
+    ngx_http_llama_session_zone_t *zone);
 ngx_http_llama_session_io_t *ngx_http_llama_session_io_create(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log, size_t size);
 ngx_int_t ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,

@@ -258,13 +258,14 @@ ngx_http_llama_session_may_save(ngx_http_llama_session_ctx_t *ctx)
  * what llama-server says it wrote (it does not check its last fclose: a
  * full disk or NFS can answer 200 with a short file).  Then the file
  * takes its name and the session is recorded.  Else its previous file is
- * kept, untouched.  NGX_OK: saved.
+ * kept, untouched.  NGX_OK: saved.  With "wake", the commit's file calls
+ * run in a thread: NGX_AGAIN, and the caller calls again when woken.
  */
 
 ngx_int_t
 ngx_http_llama_session_save_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
-    size_t len)
+    size_t len, ngx_event_t *wake)
 {
     off_t        bytes;
     double       ms;
@@ -293,9 +294,12 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
 
         } else if ((rc = ngx_http_llama_session_store_commit(log, ctx, key,
                                                              len, bytes,
-                                                             tokens))
-                   == NGX_DECLINED)
+                                                             tokens, wake))
+                   == NGX_AGAIN)
         {
+            return NGX_AGAIN;
+
+        } else if (rc == NGX_DECLINED) {
             /*
              * shared=on: another owner saved a newer state of the session
              * meanwhile; nothing of the slot's is to be kept, now or later
@@ -331,6 +335,12 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
         /* llama-server wrote over the file itself: it cannot be trusted */
         ngx_http_llama_session_file_saved(ctx->zone, ctx->job, key, len, 0,
                                           0, 0, 0);
+    }
+
+    if (ctx->job->store_silent) {
+        /* its commit goes on in a thread (io.c), logged: nothing more */
+        ngx_http_llama_session_save_stat(ctx->zone, reason, 0, 0, 0);
+        return NGX_ERROR;
     }
 
     ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);

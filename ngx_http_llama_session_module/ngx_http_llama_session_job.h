@@ -34,7 +34,7 @@ ngx_int_t ngx_http_llama_session_media_refused(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len);
 ngx_int_t ngx_http_llama_session_save_done(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t reason, u_char *key,
-    size_t len);
+    size_t len, ngx_event_t *wake);
 ngx_int_t ngx_http_llama_session_learn(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 ngx_int_t ngx_http_llama_session_job_acquire(

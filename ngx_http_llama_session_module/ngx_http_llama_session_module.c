@@ -13,6 +13,7 @@
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_handler.h"
 #include "ngx_http_llama_session_idle.h"
+#include "ngx_http_llama_session_io.h"
 #include "ngx_http_llama_session_metrics.h"
 #include "ngx_http_llama_session_convert.h"
 #include "ngx_http_llama_session_dialect.h"
@@ -668,7 +669,7 @@ ngx_http_llama_session_zone_thread_pool(ngx_conf_t *cf,
     if (arg->len == 0) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "empty \"thread_pool=\": the name of a "
-                           "thread_pool, or \"default\"");
+                           "thread_pool, \"default\", or \"off\"");
         return NGX_ERROR;
     }
 
@@ -989,7 +990,11 @@ ngx_http_llama_session_zone_check(ngx_conf_t *cf,
         return NGX_ERROR;
     }
 
-    if (store->len == 0) {
+    if (store->len == 0
+        || (zc->thread_pool.len == 3
+            && ngx_strncmp(zc->thread_pool.data, "off", 3) == 0))
+    {
+        /* thread_pool=off: the store's calls in the event loop, as before */
         return NGX_OK;
     }
 
@@ -1005,18 +1010,18 @@ ngx_http_llama_session_zone_check(ngx_conf_t *cf,
 
 #else
 
+    if (zc->thread_pool.len) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"thread_pool=%V\" needs an nginx built with "
+                           "threads (--with-threads)", &zc->thread_pool);
+        return NGX_ERROR;
+    }
+
     ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
                        "zone \"%V\": this nginx was built without threads "
                        "(--with-threads): the store's file calls run in the "
                        "event loop, and a store that stops answering (NFS) "
                        "holds every request of the worker", name);
-
-    if (zc->thread_pool.len) {
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "\"thread_pool=\" needs an nginx built with "
-                           "threads (--with-threads)");
-        return NGX_ERROR;
-    }
 
 #endif
 
@@ -1821,6 +1826,7 @@ static ngx_int_t
 ngx_http_llama_session_init_process(ngx_cycle_t *cycle)
 {
     ngx_http_llama_session_process_init();
+    ngx_http_llama_session_io_init_process();
 
     return ngx_http_llama_session_idle_init(cycle);
 }

@@ -61,6 +61,54 @@ typedef struct {
 static ngx_int_t ngx_http_llama_session_store_name(
     ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
     size_t *base);
+/* a save's file taking its name (store_commit()), in a thread */
+
+typedef struct {
+    u_char                          from[NGX_MAX_PATH];
+    u_char                          to[NGX_MAX_PATH];
+    u_char                          old[NGX_MAX_PATH];
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          name_len;
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    size_t                          key_len;
+    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+    off_t                           size;
+    ngx_uint_t                      tokens;
+    ngx_uint_t                      slot;
+    ngx_int_t                       rc;
+    unsigned                        check_newer:1;
+    unsigned                        aside:1;
+} ngx_http_llama_session_commit_t;
+
+
+/* a change of the store that nobody waits for (store_remove()...) */
+
+typedef struct {
+    u_char                          rm[2][NGX_MAX_PATH]; /* "": none */
+    u_char                          file[NGX_MAX_PATH];  /* a .json to
+                                                           write, "": none */
+    u_char                          tmp[NGX_MAX_PATH];
+    u_char                         *text;
+    size_t                          len;
+    ngx_uint_t                      access;     /* its mode */
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          name_len;   /* its use to record, 0 */
+    ngx_uint_t                      touch;
+} ngx_http_llama_session_change_t;
+
+
+static ngx_http_llama_session_change_t *ngx_http_llama_session_store_change(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log,
+    ngx_http_llama_session_io_t **iop);
+static void ngx_http_llama_session_store_apply(
+    ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_store_change_work(
+    ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_store_touch(
+    ngx_http_llama_session_zone_t *zone, u_char *name, size_t len,
+    ngx_log_t *log);
+static ngx_int_t ngx_http_llama_session_store_write_path(u_char *file,
+    u_char *tmp, u_char *text, size_t len, ngx_uint_t access, ngx_log_t *log);
 static void ngx_http_llama_session_store_look_work(
     ngx_http_llama_session_io_t *io);
 static ssize_t ngx_http_llama_session_store_read(u_char *file, u_char *buf,
@@ -79,9 +127,18 @@ static void ngx_http_llama_session_store_chain(
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
-static ngx_int_t ngx_http_llama_session_store_superseded(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, u_char *to,
-    ngx_uint_t tokens);
+static void ngx_http_llama_session_store_commit_work(
+    ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_store_commit_run(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_commit_t *cm,
+    ngx_log_t *log);
+static ngx_int_t ngx_http_llama_session_store_committed(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_commit_t *cm);
+static void ngx_http_llama_session_store_commit_late(
+    ngx_http_llama_session_io_t *io);
+static ngx_int_t ngx_http_llama_session_store_superseded(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_commit_t *cm,
+    ngx_log_t *log);
 static ngx_uint_t ngx_http_llama_session_store_evictable(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_evicted_t *e,
     ngx_log_t *log);
@@ -1208,6 +1265,8 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
     char                          *text;
     cJSON                         *json;
     ngx_http_llama_session_node_t  node;
+    ngx_http_llama_session_io_t      *io;
+    ngx_http_llama_session_change_t  *ch;
     ngx_http_llama_session_msg_t   prompt[NGX_HTTP_LLAMA_SESSION_MSGS_MAX];
 
     if (ngx_http_llama_session_node_info(zone, name, len, &node) != NGX_OK) {
@@ -1321,16 +1380,258 @@ ngx_http_llama_session_store_meta(ngx_log_t *log,
 
     ngx_snprintf(file, sizeof(file), "%*s.json%Z", len, name);
 
-    rc = ngx_http_llama_session_store_write(&zone->store, file, &zone->tmp,
-                                            (u_char *) text,
-                                            ngx_strlen(text), log);
-    cJSON_free(text);
+    ch = ngx_http_llama_session_store_change(zone, log, &io);
 
-    if (rc == NGX_OK && zone->shared) {
-        ngx_http_llama_session_store_used(zone, name, len, 0, log);
+    if (ch == NULL) {
+        rc = ngx_http_llama_session_store_write(&zone->store, file,
+                                                &zone->tmp, (u_char *) text,
+                                                ngx_strlen(text), log);
+        cJSON_free(text);
+
+        if (rc == NGX_OK && zone->shared) {
+            ngx_http_llama_session_store_used(zone, name, len, 0, log);
+        }
+
+        return rc;
     }
 
-    return rc;
+    /* written in a thread: the request does not wait for it */
+
+    ch->len = ngx_strlen(text);
+    ch->text = ngx_pnalloc(io->pool, ch->len);
+
+    if (ch->text == NULL) {
+        cJSON_free(text);
+        ngx_http_llama_session_io_free(io);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(ch->text, text, ch->len);
+    cJSON_free(text);
+
+    ch->access = NGX_FILE_DEFAULT_ACCESS;
+
+    ngx_snprintf(ch->file, sizeof(ch->file), "%V/%s%Z", &zone->store, file);
+    ngx_snprintf(ch->tmp, sizeof(ch->tmp), "%V/%s%V%Z", &zone->store, file,
+                 &zone->tmp);
+
+    if (zone->shared) {
+        ngx_memcpy(ch->name, name, len);
+        ch->name_len = len;
+    }
+
+    ngx_http_llama_session_store_apply(io);
+
+    return NGX_OK;
+}
+
+
+/*
+ * Changes of the store that no request waits for (a file deleted, a .json
+ * written, a use recorded): in a thread of the zone's pool (io.c), the
+ * request going on at once; where they are asked without threads
+ */
+
+
+static ngx_http_llama_session_change_t *
+ngx_http_llama_session_store_change(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log, ngx_http_llama_session_io_t **iop)
+{
+#if (NGX_THREADS)
+    ngx_http_llama_session_io_t  *io;
+
+    if (ngx_http_llama_session_io_threads(zone)) {
+        io = ngx_http_llama_session_io_create(zone, log,
+                                   sizeof(ngx_http_llama_session_change_t));
+        if (io) {
+            io->work = ngx_http_llama_session_store_change_work;
+            *iop = io;
+            return io->data;
+        }
+    }
+#endif
+
+    *iop = NULL;
+
+    return NULL;
+}
+
+
+/* posts the change (nobody waits for it), or makes it here */
+
+static void
+ngx_http_llama_session_store_apply(ngx_http_llama_session_io_t *io)
+{
+    ngx_int_t  rc;
+
+    rc = ngx_http_llama_session_io_post(io, NULL);
+
+    if (rc == NGX_AGAIN) {
+        return;
+    }
+
+    if (rc == NGX_ERROR) {
+        /* not posted (the pool's queue is full): here */
+        io->work(io);
+    }
+
+    ngx_http_llama_session_io_free(io);
+}
+
+
+static void
+ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
+{
+    ngx_uint_t                        i;
+    ngx_http_llama_session_change_t  *ch;
+
+    ch = io->data;
+
+    for (i = 0; i < 2; i++) {
+        if (ch->rm[i][0]
+            && ngx_delete_file(ch->rm[i]) == NGX_FILE_ERROR
+            && ngx_errno != NGX_ENOENT)
+        {
+            ngx_log_error(NGX_LOG_WARN, &io->log, ngx_errno,
+                          ngx_delete_file_n " \"%s\" failed", ch->rm[i]);
+        }
+    }
+
+    if (ch->file[0]
+        && ngx_http_llama_session_store_write_path(ch->file, ch->tmp,
+                                                   ch->text, ch->len,
+                                                   ch->access, &io->log)
+           != NGX_OK)
+    {
+        return;
+    }
+
+    if (ch->name_len) {
+        ngx_http_llama_session_store_used(io->zone, ch->name, ch->name_len,
+                                          ch->touch, &io->log);
+    }
+}
+
+
+/*
+ * A small file of the store written whole (a slot's turn, turn.c): its
+ * bytes, n parts, go to "tmp", then take the name "file"; off the loop
+ */
+
+ngx_int_t
+ngx_http_llama_session_store_put(ngx_http_llama_session_zone_t *zone,
+    u_char *file, u_char *tmp, ngx_str_t *parts, ngx_uint_t n,
+    ngx_uint_t access, ngx_log_t *log)
+{
+    u_char                           *p, *text;
+    size_t                            len;
+    ngx_int_t                         rc;
+    ngx_uint_t                        i;
+    ngx_pool_t                       *pool;
+    ngx_http_llama_session_io_t      *io;
+    ngx_http_llama_session_change_t  *ch;
+
+    len = 0;
+
+    for (i = 0; i < n; i++) {
+        len += parts[i].len;
+    }
+
+    ch = ngx_http_llama_session_store_change(zone, log, &io);
+
+    pool = io ? io->pool : ngx_create_pool(1024, log);
+    if (pool == NULL) {
+        return NGX_ERROR;
+    }
+
+    text = ngx_pnalloc(pool, len ? len : 1);
+    if (text == NULL) {
+        ngx_destroy_pool(pool);
+        return NGX_ERROR;
+    }
+
+    p = text;
+
+    for (i = 0; i < n; i++) {
+        p = ngx_cpymem(p, parts[i].data, parts[i].len);
+    }
+
+    if (ch == NULL) {
+        rc = ngx_http_llama_session_store_write_path(file, tmp, text, len,
+                                                     access, log);
+        ngx_destroy_pool(pool);
+        return rc;
+    }
+
+    ngx_cpystrn(ch->file, file, NGX_MAX_PATH);
+    ngx_cpystrn(ch->tmp, tmp, NGX_MAX_PATH);
+    ch->text = text;
+    ch->len = len;
+    ch->access = access;
+
+    ngx_http_llama_session_store_apply(io);
+
+    return NGX_OK;
+}
+
+
+/* a file of the store goes: the delete of store_delete(), off the loop */
+
+void
+ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
+    u_char *file, u_char *file2, ngx_log_t *log)
+{
+    ngx_http_llama_session_io_t      *io;
+    ngx_http_llama_session_change_t  *ch;
+
+    ch = ngx_http_llama_session_store_change(zone, log, &io);
+
+    if (ch == NULL) {
+        if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+            && ngx_errno != NGX_ENOENT)
+        {
+            ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                          ngx_delete_file_n " \"%s\" failed", file);
+        }
+
+        if (file2) {
+            (void) ngx_delete_file(file2);
+        }
+
+        return;
+    }
+
+    ngx_cpystrn(ch->rm[0], file, NGX_MAX_PATH);
+
+    if (file2) {
+        ngx_cpystrn(ch->rm[1], file2, NGX_MAX_PATH);
+    }
+
+    ngx_http_llama_session_store_apply(io);
+}
+
+
+/* shared=on: a session taken in here (store_used()), off the loop */
+
+static void
+ngx_http_llama_session_store_touch(ngx_http_llama_session_zone_t *zone,
+    u_char *name, size_t len, ngx_log_t *log)
+{
+    ngx_http_llama_session_io_t      *io;
+    ngx_http_llama_session_change_t  *ch;
+
+    ch = ngx_http_llama_session_store_change(zone, log, &io);
+
+    if (ch == NULL) {
+        ngx_http_llama_session_store_used(zone, name, len, 1, log);
+        return;
+    }
+
+    ngx_memcpy(ch->name, name, len);
+    ch->name_len = len;
+    ch->touch = 1;
+
+    ngx_http_llama_session_store_apply(io);
 }
 
 
@@ -1345,18 +1646,29 @@ ngx_int_t
 ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
     ngx_str_t *tmp_suffix, u_char *text, size_t len, ngx_log_t *log)
 {
-    u_char    file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
-    ssize_t   n;
-    ngx_fd_t  fd;
+    u_char  file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
 
     ngx_snprintf(file, sizeof(file), "%V/%s%Z", folder, name);
     ngx_snprintf(tmp, sizeof(tmp), "%V/%s%V%Z", folder, name, tmp_suffix);
+
+    return ngx_http_llama_session_store_write_path(file, tmp, text, len,
+                                                   NGX_FILE_DEFAULT_ACCESS,
+                                                   log);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_store_write_path(u_char *file, u_char *tmp,
+    u_char *text, size_t len, ngx_uint_t access, ngx_log_t *log)
+{
+    ssize_t   n;
+    ngx_fd_t  fd;
 
     (void) ngx_delete_file(tmp);
 
     fd = ngx_http_llama_session_file_open(tmp,
                                           NGX_HTTP_LLAMA_SESSION_FILE_CREATE,
-                                          NGX_FILE_DEFAULT_ACCESS, log);
+                                          access, log);
     if (fd == NGX_INVALID_FILE) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_open_file_n " \"%s\" failed", tmp);
@@ -1387,31 +1699,19 @@ ngx_int_t
 ngx_http_llama_session_store_unlink(ngx_http_llama_session_zone_t *zone,
     u_char *name, size_t len, ngx_log_t *log)
 {
-    u_char     file[NGX_MAX_PATH];
-    ngx_int_t  rc;
+    u_char  file[NGX_MAX_PATH], json[NGX_MAX_PATH];
 
     if (zone->store.len == 0) {
         return NGX_DECLINED;
     }
 
-    rc = NGX_OK;
-
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin%Z", &zone->store, len, name);
-
-    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
-        && ngx_errno != NGX_ENOENT)
-    {
-        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", file);
-        rc = NGX_ERROR;
-    }
-
-    ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, len,
+    ngx_snprintf(json, sizeof(json), "%V/%*s.json%Z", &zone->store, len,
                  name);
 
-    (void) ngx_delete_file(file);
+    ngx_http_llama_session_store_remove(zone, file, json, log);
 
-    return rc;
+    return NGX_OK;
 }
 
 
@@ -1578,6 +1878,10 @@ ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
  * temporary file must be a regular file (no link) of the size llama-server
  * says it wrote.
  *
+ * With "wake" (a request that can wait for it), the file calls run in a
+ * thread (io.c): NGX_AGAIN, and the request calls again once they are done
+ * or their bound (store_timeout=) passed.
+ *
  * The previous file is first moved aside to ".bin.old", then the new one
  * takes its name, then the old one goes: a rename over an existing file
  * makes ext4 (auto_da_alloc) write the new file's data out at once, which
@@ -1589,99 +1893,234 @@ ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
 ngx_int_t
 ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size,
-    ngx_uint_t tokens)
+    ngx_uint_t tokens, ngx_event_t *wake)
 {
-    u_char                        from[NGX_MAX_PATH], to[NGX_MAX_PATH];
-    u_char                        old[NGX_MAX_PATH];
-    u_char                        name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t                        n;
-    ngx_int_t                     rc;
-    ngx_str_t                    *store;
-    ngx_uint_t                    aside;
-    ngx_file_info_t               fi;
-    ngx_http_llama_session_fid_t  fid;
+    u_char                           name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                           n;
+    ngx_int_t                        rc;
+    ngx_str_t                       *store;
+    ngx_http_llama_session_io_t     *io;
+    ngx_http_llama_session_commit_t  *cm, local;
 
     store = &ctx->zone->store;
+    io = ctx->job->io;
+
+    if (io) {
+        /* back from its thread, or its bound passed */
+
+        ctx->job->io = NULL;
+
+        if (!io->done) {
+            io->late = ngx_http_llama_session_store_commit_late;
+
+            ngx_http_llama_session_io_leave(io, log,
+                                            "the save is not committed "
+                                            "yet, the session's turns since "
+                                            "its file stay unsaved until it "
+                                            "is");
+            ctx->job->store_silent = 1;
+            return NGX_ERROR;
+        }
+
+        cm = io->data;
+        rc = ngx_http_llama_session_store_committed(log, ctx, cm);
+        ngx_http_llama_session_io_free(io);
+
+        return rc;
+    }
 
     if (store->len == 0) {
         return NGX_OK;
     }
 
-    n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
+    cm = &local;
 
-    ngx_snprintf(to, sizeof(to), "%V/%*s.bin%Z", store, n, name);
-    ngx_snprintf(from, sizeof(from), "%V/%*s.bin%V%Z", store, n, name,
-                 &ctx->zone->tmp);
-    ngx_snprintf(old, sizeof(old), "%V/%*s.bin%V%Z", store, n, name,
-                 &ctx->zone->old);
-
-    if (ngx_link_info(from, &fi) == NGX_FILE_ERROR) {
-        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
-                      ngx_link_info_n " \"%s\" failed: is store= the folder "
-                      "of llama-server's --slot-save-path?", from);
-        return NGX_ERROR;
+    if (wake && ngx_http_llama_session_io_threads(ctx->zone)) {
+        io = ngx_http_llama_session_io_create(ctx->zone, log,
+                                   sizeof(ngx_http_llama_session_commit_t));
+        if (io) {
+            cm = io->data;
+        }
     }
 
-    if (!ngx_is_file(&fi) || size <= 0 || ngx_file_size(&fi) != size) {
+    ngx_memzero(cm, sizeof(ngx_http_llama_session_commit_t));
+
+    n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
+
+    ngx_snprintf(cm->to, sizeof(cm->to), "%V/%*s.bin%Z", store, n, name);
+    ngx_snprintf(cm->from, sizeof(cm->from), "%V/%*s.bin%V%Z", store, n,
+                 name, &ctx->zone->tmp);
+    ngx_snprintf(cm->old, sizeof(cm->old), "%V/%*s.bin%V%Z", store, n, name,
+                 &ctx->zone->old);
+
+    ngx_memcpy(cm->name, name, n);
+    cm->name_len = n;
+    ngx_memcpy(cm->key, key, len);
+    cm->key_len = len;
+    ngx_memcpy(cm->fp, ctx->job->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+    cm->size = size;
+    cm->tokens = tokens;
+    cm->slot = ctx->job->slot;
+    cm->check_newer = (ctx->zone->shared && key != ctx->base_key);
+
+    if (io) {
+        io->work = ngx_http_llama_session_store_commit_work;
+
+        rc = ngx_http_llama_session_io_post(io, wake);
+
+        if (rc == NGX_AGAIN) {
+            ctx->job->io = io;
+            return NGX_AGAIN;
+        }
+
+        if (rc == NGX_OK) {
+            rc = ngx_http_llama_session_store_committed(log, ctx, cm);
+            ngx_http_llama_session_io_free(io);
+            return rc;
+        }
+
+        /* not posted: here, as without threads */
+        local = *cm;
+        cm = &local;
+        ngx_http_llama_session_io_free(io);
+    }
+
+    ngx_http_llama_session_store_commit_run(ctx->zone, cm, log);
+
+    return ngx_http_llama_session_store_committed(log, ctx, cm);
+}
+
+
+/* in a thread */
+
+static void
+ngx_http_llama_session_store_commit_work(ngx_http_llama_session_io_t *io)
+{
+    ngx_http_llama_session_store_commit_run(io->zone, io->data, &io->log);
+}
+
+
+/*
+ * The commit's file calls, in a thread or where it is asked; the shared
+ * memory is read (file_newer(), file_seen()) under its lock, never held
+ * across a file call
+ */
+
+static void
+ngx_http_llama_session_store_commit_run(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_commit_t *cm, ngx_log_t *log)
+{
+    ngx_file_info_t               fi;
+    ngx_http_llama_session_fid_t  fid;
+
+    cm->rc = NGX_ERROR;
+
+    if (ngx_link_info(cm->from, &fi) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+                      ngx_link_info_n " \"%s\" failed: is store= the folder "
+                      "of llama-server's --slot-save-path?", cm->from);
+        return;
+    }
+
+    if (!ngx_is_file(&fi) || cm->size <= 0 || ngx_file_size(&fi) != cm->size)
+    {
         ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: \"%s\" is not the file llama-server "
                       "said it wrote (%O bytes, it has %O): a full disk?",
-                      from, size,
+                      cm->from, cm->size,
                       ngx_is_file(&fi) ? ngx_file_size(&fi) : (off_t) -1);
-        return NGX_ERROR;
+        return;
     }
 
-    if (ctx->zone->shared && key != ctx->base_key) {
-        rc = ngx_http_llama_session_store_superseded(log, ctx, key, len, to,
-                                                     tokens);
+    if (cm->check_newer) {
+        cm->rc = ngx_http_llama_session_store_superseded(zone, cm, log);
 
-        if (rc != NGX_OK) {
-            (void) ngx_delete_file(from);
-            return rc;
+        if (cm->rc != NGX_OK) {
+            (void) ngx_delete_file(cm->from);
+            return;
         }
     }
 
-    aside = (ngx_rename_file(to, old) != NGX_FILE_ERROR);
+    cm->aside = (ngx_rename_file(cm->to, cm->old) != NGX_FILE_ERROR);
 
-    if (ngx_rename_file(from, to) == NGX_FILE_ERROR) {
+    if (ngx_rename_file(cm->from, cm->to) == NGX_FILE_ERROR) {
         ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
                       ngx_rename_file_n " \"%s\" to \"%s\" failed: is "
                       "store= the folder of llama-server's --slot-save-path "
-                      "and writable by nginx's workers?", from, to);
+                      "and writable by nginx's workers?", cm->from, cm->to);
 
-        if (aside) {
-            (void) ngx_rename_file(old, to);
+        if (cm->aside) {
+            (void) ngx_rename_file(cm->old, cm->to);
+            cm->aside = 0;
         }
 
-        return NGX_ERROR;
+        cm->rc = NGX_ERROR;
+        return;
     }
 
-    if (ctx->zone->shared) {
+    if (zone->shared) {
         /* the file the slot's state went to: the rename keeps it */
         fid.uniq = ngx_file_uniq(&fi);
         fid.size = ngx_file_size(&fi);
         fid.mtime = ngx_file_mtime(&fi);
 
-        ngx_http_llama_session_file_seen(ctx->zone, ctx->job->fp, key, len,
+        ngx_http_llama_session_file_seen(zone, cm->fp, cm->key, cm->key_len,
                                          &fid);
     }
 
-    if (aside && ctx->request && !ctx->api && !ctx->job->own
+    cm->rc = NGX_OK;
+}
+
+
+/* back in the event loop: what the commit did, for the request */
+
+static ngx_int_t
+ngx_http_llama_session_store_committed(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, ngx_http_llama_session_commit_t *cm)
+{
+    if (cm->rc == NGX_DECLINED) {
+        ctx->job->superseded = 1;
+        return NGX_DECLINED;
+    }
+
+    if (cm->rc != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (cm->aside && ctx->request && !ctx->api && !ctx->job->own
         && ctx->job->old_len == 0)
     {
         /* deleting a large file takes its time: after the request */
-        ngx_memcpy(ctx->job->old_name, name, n);
-        ctx->job->old_len = n;
+        ngx_memcpy(ctx->job->old_name, cm->name, cm->name_len);
+        ctx->job->old_len = cm->name_len;
         return NGX_OK;
     }
 
-    if (aside && ngx_http_llama_session_store_delete(old) == NGX_FILE_ERROR)
-    {
-        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", old);
+    if (cm->aside) {
+        ngx_http_llama_session_store_remove(ctx->zone, cm->old, NULL, log);
     }
 
     return NGX_OK;
+}
+
+
+/*
+ * A commit that ended after its request went on (its bound passed): the
+ * file took its name (the index learns it from the folder), the previous
+ * one goes
+ */
+
+static void
+ngx_http_llama_session_store_commit_late(ngx_http_llama_session_io_t *io)
+{
+    ngx_http_llama_session_commit_t  *cm;
+
+    cm = io->data;
+
+    if (cm->rc == NGX_OK && cm->aside) {
+        ngx_http_llama_session_store_remove(io->zone, cm->old, NULL,
+                                            &io->log);
+    }
 }
 
 
@@ -1698,16 +2137,15 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
  */
 
 static ngx_int_t
-ngx_http_llama_session_store_superseded(ngx_log_t *log,
-    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, u_char *to,
-    ngx_uint_t tokens)
+ngx_http_llama_session_store_superseded(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_commit_t *cm, ngx_log_t *log)
 {
     ngx_err_t                     err;
     ngx_uint_t                    theirs;
     ngx_file_info_t               fi;
     ngx_http_llama_session_fid_t  fid;
 
-    if (ngx_link_info(to, &fi) == NGX_FILE_ERROR) {
+    if (ngx_link_info(cm->to, &fi) == NGX_FILE_ERROR) {
         err = ngx_errno;
 
         if (err == NGX_ENOENT) {
@@ -1717,7 +2155,7 @@ ngx_http_llama_session_store_superseded(ngx_log_t *log,
 
         ngx_log_error(NGX_LOG_ERR, log, err,
                       ngx_link_info_n " \"%s\" failed: the store of zone "
-                      "\"%V\" cannot be read", to, &ctx->zone->name);
+                      "\"%V\" cannot be read", cm->to, &zone->name);
         return NGX_ERROR;
     }
 
@@ -1730,22 +2168,22 @@ ngx_http_llama_session_store_superseded(ngx_log_t *log,
     fid.size = ngx_file_size(&fi);
     fid.mtime = ngx_file_mtime(&fi);
 
-    if (!ngx_http_llama_session_file_newer(ctx->zone, ctx->job->fp, key, len,
+    if (!ngx_http_llama_session_file_newer(zone, cm->fp, cm->key, cm->key_len,
                                            &fid))
     {
         return NGX_OK;
     }
 
-    theirs = ngx_http_llama_session_store_tokens(ctx->zone, ctx->job->fp,
-                                                 key, len, log);
+    theirs = ngx_http_llama_session_store_tokens(zone, cm->fp, cm->key,
+                                                 cm->key_len, log);
 
-    if (theirs <= tokens) {
+    if (theirs <= cm->tokens) {
         ngx_log_error(NGX_LOG_INFO, log, 0,
                       "llama_session: another owner saved session \"%*s\" "
                       "since slot %ui of zone \"%V\" took it in, %ui tokens "
                       "against the slot's %ui: replaced",
-                      len, key, ctx->job->slot, &ctx->zone->name, theirs,
-                      tokens);
+                      cm->key_len, cm->key, cm->slot, &zone->name, theirs,
+                      cm->tokens);
         return NGX_OK;
     }
 
@@ -1754,9 +2192,8 @@ ngx_http_llama_session_store_superseded(ngx_log_t *log,
                   "since slot %ui of zone \"%V\" took it in, %ui tokens "
                   "against the slot's %ui: its newer file stays, the slot's "
                   "older state is not kept",
-                  len, key, ctx->job->slot, &ctx->zone->name, theirs, tokens);
-
-    ctx->job->superseded = 1;
+                  cm->key_len, cm->key, cm->slot, &zone->name, theirs,
+                  cm->tokens);
 
     return NGX_DECLINED;
 }
@@ -1793,12 +2230,7 @@ ngx_http_llama_session_store_drop_old(ngx_log_t *log,
 
     ctx->job->old_len = 0;
 
-    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
-        && ngx_errno != NGX_ENOENT)
-    {
-        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", file);
-    }
+    ngx_http_llama_session_store_remove(ctx->zone, file, NULL, log);
 }
 
 
@@ -1812,7 +2244,8 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     u_char     name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t     n;
 
-    if (ctx->zone->store.len == 0) {
+    if (ctx->zone->store.len == 0 || ctx->job->store_silent) {
+        /* silent: a commit of it may still run in its thread (io.c) */
         return;
     }
 
@@ -1821,12 +2254,7 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
     ngx_snprintf(file, sizeof(file), "%V/%*s.bin%V%Z", &ctx->zone->store,
                  n, name, &ctx->zone->tmp);
 
-    if (ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
-        && ngx_errno != NGX_ENOENT)
-    {
-        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", file);
-    }
+    ngx_http_llama_session_store_remove(ctx->zone, file, NULL, log);
 }
 
 
@@ -2139,8 +2567,8 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
             /* in use here from now: no other owner's eviction takes it */
             n = ngx_http_llama_session_file_name(name, key, len,
                                                  ctx->job->fp);
-            ngx_http_llama_session_store_used(ctx->zone, name, n, 1,
-                                              r->connection->log);
+            ngx_http_llama_session_store_touch(ctx->zone, name, n,
+                                               r->connection->log);
         }
 
         return rc == NGX_OK;

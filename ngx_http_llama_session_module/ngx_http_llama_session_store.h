@@ -17,7 +17,7 @@ ngx_int_t ngx_http_llama_session_store_sync(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size,
-    ngx_uint_t tokens);
+    ngx_uint_t tokens, ngx_event_t *wake);
 void ngx_http_llama_session_store_drop_old(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
@@ -36,6 +36,11 @@ ngx_int_t ngx_http_llama_session_store_meta(ngx_log_t *log,
     ngx_uint_t slot);
 ngx_int_t ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
     ngx_str_t *tmp_suffix, u_char *text, size_t len, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_put(
+    ngx_http_llama_session_zone_t *zone, u_char *file, u_char *tmp,
+    ngx_str_t *parts, ngx_uint_t n, ngx_uint_t access, ngx_log_t *log);
+void ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
+    u_char *file, u_char *file2, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_look(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_looked(ngx_http_request_t *r,

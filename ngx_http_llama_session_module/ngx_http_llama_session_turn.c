@@ -30,6 +30,7 @@
 #include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_sched.h"
+#include "ngx_http_llama_session_store.h"
 #include "ngx_http_llama_session_turn.h"
 
 
@@ -129,10 +130,8 @@ ngx_http_llama_session_turn_drop(ngx_http_llama_session_zone_t *zone,
 
     (void) ngx_http_llama_session_turn_path(zone, slot, path);
 
-    if (ngx_delete_file(path) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
-        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", path);
-    }
+    /* in a thread of the store's (store_remove()) */
+    ngx_http_llama_session_store_remove(zone, path, NULL, log);
 }
 
 
@@ -644,14 +643,12 @@ static ngx_int_t
 ngx_http_llama_session_turn_write(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx, ngx_uint_t seq, cJSON *message)
 {
-    u_char       path[NGX_MAX_PATH], tmp[NGX_MAX_PATH], *head, *p;
-    char        *text;
-    size_t       hlen;
-    ngx_fd_t     fd;
-    ngx_int_t    rc;
-    ngx_str_t    body;
-    ngx_log_t   *log;
-    ngx_file_t   file;
+    u_char      path[NGX_MAX_PATH], tmp[NGX_MAX_PATH], *head, *p;
+    char       *text;
+    size_t      hlen;
+    ngx_int_t   rc;
+    ngx_str_t   body, parts[2];
+    ngx_log_t  *log;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     log = r->connection->log;
@@ -685,42 +682,18 @@ ngx_http_llama_session_turn_write(ngx_http_request_t *r,
     (void) ngx_http_llama_session_turn_path(ctx->zone, ctx->job->slot, path);
     ngx_snprintf(tmp, sizeof(tmp), "%s.tmp%Z", path);
 
-    /* a name left by a crash, or planted (a link, a FIFO): removed */
+    /*
+     * written in a thread of the store's (store_put()), the request not
+     * waiting: a name left by a crash or planted (a link, a FIFO) is
+     * removed first, the file is written whole, then takes its name
+     */
 
-    if (ngx_delete_file(tmp) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
-        ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", tmp);
-    }
+    parts[0].data = head;
+    parts[0].len = p - head;
+    parts[1] = body;
 
-    fd = ngx_http_llama_session_file_open(tmp,
-                                          NGX_HTTP_LLAMA_SESSION_FILE_CREATE,
+    rc = ngx_http_llama_session_store_put(ctx->zone, path, tmp, parts, 2,
                                           0640, log);
-
-    if (fd == NGX_INVALID_FILE) {
-        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
-                      ngx_open_file_n " \"%s\" failed, the session's next "
-                      "save is not re-primed", tmp);
-        return NGX_ERROR;
-    }
-
-    ngx_memzero(&file, sizeof(ngx_file_t));
-    file.fd = fd;
-    file.log = log;
-    file.name.data = tmp;
-    file.name.len = ngx_strlen(tmp);
-
-    rc = NGX_OK;
-
-    if (ngx_write_file(&file, head, p - head, 0) != p - head
-        || ngx_write_file(&file, body.data, body.len, p - head)
-           != (ssize_t) body.len)
-    {
-        rc = NGX_ERROR;
-    }
-
-    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
-        rc = NGX_ERROR;
-    }
 
     if (body.data != r->request_body->bufs->buf->pos) {
         ngx_pfree(r->pool, body.data);
@@ -728,15 +701,10 @@ ngx_http_llama_session_turn_write(ngx_http_request_t *r,
 
     ngx_pfree(r->pool, head);
 
-    if (rc == NGX_OK && ngx_rename_file(tmp, path) == NGX_FILE_ERROR) {
-        rc = NGX_ERROR;
-    }
-
     if (rc != NGX_OK) {
-        ngx_log_error(NGX_LOG_ERR, log, ngx_errno,
+        ngx_log_error(NGX_LOG_ERR, log, 0,
                       "llama_session: cannot write \"%s\", the session's "
                       "next save is not re-primed", path);
-        (void) ngx_delete_file(tmp);
     }
 
     return rc;

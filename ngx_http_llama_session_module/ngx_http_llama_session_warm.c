@@ -398,7 +398,7 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
         if (ngx_http_llama_session_save_done(r->connection->log, ctx,
                                              NGX_HTTP_LLAMA_SESSION_SAVE_BASE,
                                              ctx->base_key,
-                                             ctx->base_len)
+                                             ctx->base_len, NULL)
             == NGX_OK)
         {
             ctx->warm->base_built = 1;

@@ -1,7 +1,9 @@
 #!/usr/bin/perl
 
 # The isolation review: a large store file is deleted in steps (renamed to
-# ".del", cut by 64 MB every 10 ms).  A llama-server (the folder's owner)
+# ".del", cut by 64 MB every 10 ms) where the store's calls run in the
+# event loop (thread_pool=off, or an nginx without threads); in threads
+# (the default) it is deleted by its name.  A llama-server (the folder's owner)
 # that swaps that name for a link must not make the worker (www-data) cut
 # the file the link points at: it is cut through a descriptor of the very
 # file renamed (O_NOFOLLOW, the same inode), else only the name goes.
@@ -19,6 +21,35 @@ my $t = LlamaTest->new(workers => 2);
 $t->fake(np => 1);
 $t->nginx($t->site(
     zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%%;',
+    extra => 'location /api/ { llama_session_api llama; }'));
+
+# with the store's calls in threads (the default), a large file is
+# deleted by its name in a thread: a link never is followed, nothing is
+# cut, the worker is not held
+{
+    my $big = "$t->{slots}/big-" . ('9' x 24) . '.' . LlamaTest::fake_fp()
+              . '.bin';
+    open my $fh, '>', $big or die;
+    truncate $fh, 4 * 1024 * 1024 * 1024 or die;
+    close $fh;
+    is($t->post('/completion', { prompt => 'x', n_predict => 2 },
+                headers => { 'X-Session-Id' => 'warmup' })->{status}, 200,
+       'threads: the zone knows the backend');
+    is($t->get('/api/sessions')->{status}, 200, 'threads: the folder is read');
+    is($t->request('DELETE', '/api/sessions/big-' . ('9' x 24))->{status},
+       200, 'threads: DELETE a 4 GB file');
+    ok($t->wait_for(sub { !-e $big && !glob("$big*") }, 10),
+       'threads: it goes, no .del name');
+}
+$t->stop;
+
+# thread_pool=off: the store's calls in the event loop, the large file
+# cut in steps there
+$t = LlamaTest->new(workers => 2);
+$t->fake(np => 1);
+$t->nginx($t->site(
+    zone => 'llama_session_zone zone=llama:1m store=%%SLOTS%% '
+            . 'thread_pool=off;',
     extra => 'location /api/ { llama_session_api llama; }'));
 
 my $slots = $t->{slots};
