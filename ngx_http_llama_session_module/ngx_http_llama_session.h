@@ -636,6 +636,7 @@ struct ngx_http_llama_session_zone_s {
     ngx_msec_t                      idle_backoff;
     ngx_msec_t                      idle_next;
     ngx_msec_t                      reaped;     /* the folder looked at */
+    ngx_uint_t                      syncing;    /* ... in a thread now */
     ngx_uint_t                      generation; /* sh->cycles at start */
     uint64_t                        stop_tried; /* slots, at a stop */
     unsigned                        stop_failed:1; /* a save at stop */

@@ -29,6 +29,7 @@
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_io.h"
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
@@ -84,6 +85,12 @@ struct ngx_http_llama_session_api_s {
     ngx_uint_t                           failed;
     char                                *message;  /* a refusal's */
     char                                *allow;
+
+    /* the list's look at the folder, in a thread (store_sync_start()) */
+    ngx_http_request_t                  *request;
+    ngx_http_llama_session_io_t         *io;
+    ngx_event_t                          sync_ev;
+    ngx_uint_t                           synced;
 };
 
 
@@ -135,6 +142,10 @@ static ngx_int_t ngx_http_llama_session_api_done(ngx_http_request_t *r,
     ngx_http_llama_session_api_t *api, cJSON *item);
 static void ngx_http_llama_session_api_resume(ngx_http_request_t *r);
 static void ngx_http_llama_session_api_cleanup(void *data);
+static ngx_int_t ngx_http_llama_session_api_sync(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api);
+static void ngx_http_llama_session_api_synced(ngx_event_t *ev);
+static void ngx_http_llama_session_api_sync_end(void *data);
 static ngx_int_t ngx_http_llama_session_api_send(ngx_http_request_t *r,
     ngx_uint_t status, cJSON *json);
 static ngx_int_t ngx_http_llama_session_api_error(ngx_http_request_t *r,
@@ -586,6 +597,10 @@ ngx_http_llama_session_api_list(ngx_http_request_t *r,
     zone = api->zone;
     sh = zone->sh;
 
+    if (ngx_http_llama_session_api_sync(r, api) == NGX_AGAIN) {
+        return NGX_DONE;
+    }
+
     nodes = ngx_http_llama_session_api_records(r, api, slots, &n);
     if (nodes == NULL) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -667,8 +682,6 @@ ngx_http_llama_session_api_records(ngx_http_request_t *r,
     ctx = api->ctx;
     sh = api->zone->sh;
     one = (api->route->op == NGX_HTTP_LLAMA_SESSION_API_ONE);
-
-    (void) ngx_http_llama_session_store_sync(api->zone, r->connection->log);
 
     ngx_shmtx_lock(&api->zone->shpool->mutex);
 
@@ -796,6 +809,10 @@ ngx_http_llama_session_api_one(ngx_http_request_t *r,
     ngx_http_llama_session_slot_t   slots[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
 
     delete = (r->method == NGX_HTTP_DELETE);
+
+    if (ngx_http_llama_session_api_sync(r, api) == NGX_AGAIN) {
+        return NGX_DONE;
+    }
 
     nodes = ngx_http_llama_session_api_records(r, api, slots, &n);
     if (nodes == NULL) {
@@ -1686,6 +1703,104 @@ ngx_http_llama_session_api_resume(ngx_http_request_t *r)
     }
 
     ngx_http_finalize_request(r, rc);
+}
+
+
+/*
+ * The folder is read again before a list, in a thread of the store's
+ * (store_sync_start()): NGX_AGAIN, the request waits for it, at most the
+ * zone's store_timeout=, and the route's handler runs again then
+ */
+
+static ngx_int_t
+ngx_http_llama_session_api_sync(ngx_http_request_t *r,
+    ngx_http_llama_session_api_t *api)
+{
+    ngx_int_t            rc;
+    ngx_pool_cleanup_t  *cln;
+
+    if (api->synced) {
+        if (api->io) {
+            ngx_http_llama_session_store_sync_end(api->io,
+                                                  r->connection->log);
+            api->io = NULL;
+        }
+
+        return NGX_OK;
+    }
+
+    api->synced = 1;
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_OK;
+    }
+
+    cln->handler = ngx_http_llama_session_api_sync_end;
+    cln->data = api;
+
+    api->request = r;
+    api->sync_ev.handler = ngx_http_llama_session_api_synced;
+    api->sync_ev.data = api;
+    api->sync_ev.log = r->connection->log;
+
+    rc = ngx_http_llama_session_store_sync_start(api->zone,
+                                                 r->connection->log,
+                                                 &api->sync_ev, &api->io);
+    if (rc != NGX_AGAIN) {
+        return NGX_OK;
+    }
+
+    /* a client that leaves while the folder is read ends the request */
+
+    r->main->count++;
+    r->read_event_handler = ngx_http_test_reading;
+    r->write_event_handler = ngx_http_request_empty_handler;
+
+    return NGX_AGAIN;
+}
+
+
+static void
+ngx_http_llama_session_api_synced(ngx_event_t *ev)
+{
+    ngx_int_t                      rc;
+    ngx_connection_t              *c;
+    ngx_http_request_t            *r;
+    ngx_http_llama_session_api_t  *api;
+
+    api = ev->data;
+    r = api->request;
+    c = r->connection;
+
+    ngx_http_set_log_request(c->log, r);
+
+    rc = api->route->handler(r, api);
+
+    ngx_http_finalize_request(r, rc);
+    ngx_http_run_posted_requests(c);
+}
+
+
+/* the request ends while the folder is read: the read ends in its thread */
+
+static void
+ngx_http_llama_session_api_sync_end(void *data)
+{
+    ngx_http_llama_session_api_t *api = data;
+
+    if (api->sync_ev.timer_set) {
+        ngx_del_timer(&api->sync_ev);
+    }
+
+    if (api->sync_ev.posted) {
+        ngx_delete_posted_event(&api->sync_ev);
+    }
+
+    if (api->io) {
+        ngx_http_llama_session_io_leave(api->io, api->sync_ev.log, NULL);
+        api->io = NULL;
+    }
 }
 
 

@@ -186,7 +186,8 @@ ngx_http_llama_session_idle_tick(ngx_event_t *ev)
     {
         /* every 5 minutes: the folder again, and its leftovers reaped */
         zone->reaped = ngx_current_msec;
-        (void) ngx_http_llama_session_store_sync(zone, ev->log);
+        (void) ngx_http_llama_session_store_sync_start(zone, ev->log, NULL,
+                                                       NULL);
     }
 
     if (zone->idle_busy

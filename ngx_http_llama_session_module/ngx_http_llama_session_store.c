@@ -127,6 +127,16 @@ static void ngx_http_llama_session_store_chain(
 static ngx_int_t ngx_http_llama_session_file_info(u_char *file,
     ngx_file_info_t *fi);
 static ngx_int_t ngx_http_llama_session_store_hex(char *s, u_char *out);
+static ngx_int_t ngx_http_llama_session_store_sync_read(
+    ngx_http_llama_session_zone_t *zone, ngx_pool_t *pool, ngx_log_t *log,
+    ngx_array_t **out);
+static void ngx_http_llama_session_store_sync_apply(
+    ngx_http_llama_session_zone_t *zone, ngx_array_t *found, ngx_uint_t seq,
+    ngx_log_t *log);
+static void ngx_http_llama_session_store_sync_work(
+    ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_store_sync_late(
+    ngx_http_llama_session_io_t *io);
 static void ngx_http_llama_session_store_commit_work(
     ngx_http_llama_session_io_t *io);
 static void ngx_http_llama_session_store_commit_run(
@@ -620,13 +630,10 @@ ngx_int_t
 ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     ngx_log_t *log)
 {
-    ngx_int_t                        rc;
-    ngx_uint_t                       i, lo, hi, mid, seen, seq;
-    ngx_pool_t                      *pool;
-    ngx_array_t                     *found;
-    ngx_queue_t                     *q, *next;
-    ngx_http_llama_session_node_t   *node;
-    ngx_http_llama_session_found_t  *f;
+    ngx_int_t     rc;
+    ngx_uint_t    seq;
+    ngx_pool_t   *pool;
+    ngx_array_t  *found;
 
     if (zone->store.len == 0) {
         return NGX_DECLINED;
@@ -641,10 +648,152 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     seq = zone->sh->seq;
     ngx_shmtx_unlock(&zone->shpool->mutex);
 
+    rc = ngx_http_llama_session_store_sync_read(zone, pool, log, &found);
+
+    if (rc == NGX_OK) {
+        ngx_http_llama_session_store_sync_apply(zone, found, seq, log);
+    }
+
+    ngx_destroy_pool(pool);
+
+    return rc;
+}
+
+
+/*
+ * The same in a thread of the zone's pool (io.c): NGX_AGAIN, "wake" is
+ * woken when it is done or its bound passed (then store_sync_end()); wake
+ * NULL: nobody waits, it is applied when done.  NGX_OK: done here (no
+ * threads); NGX_DECLINED: no store, or a look at it already runs.
+ */
+
+typedef struct {
+    ngx_array_t                    *found;
+    ngx_uint_t                      seq;
+    ngx_int_t                       rc;
+} ngx_http_llama_session_sync_t;
+
+
+ngx_int_t
+ngx_http_llama_session_store_sync_start(ngx_http_llama_session_zone_t *zone,
+    ngx_log_t *log, ngx_event_t *wake, ngx_http_llama_session_io_t **iop)
+{
+    ngx_int_t                       rc;
+    ngx_http_llama_session_io_t    *io;
+    ngx_http_llama_session_sync_t  *sy;
+
+    if (zone->store.len == 0 || zone->syncing) {
+        return NGX_DECLINED;
+    }
+
+    io = NULL;
+
+    if (ngx_http_llama_session_io_threads(zone)) {
+        io = ngx_http_llama_session_io_create(zone, log,
+                                     sizeof(ngx_http_llama_session_sync_t));
+    }
+
+    if (io == NULL) {
+        (void) ngx_http_llama_session_store_sync(zone, log);
+        return NGX_OK;
+    }
+
+    sy = io->data;
+
+    ngx_shmtx_lock(&zone->shpool->mutex);
+    sy->seq = zone->sh->seq;
+    ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    io->work = ngx_http_llama_session_store_sync_work;
+    io->late = ngx_http_llama_session_store_sync_late;
+
+    rc = ngx_http_llama_session_io_post(io, wake);
+
+    if (rc == NGX_AGAIN) {
+        /* one at a time: a store that hangs holds one thread for it */
+        zone->syncing = 1;
+
+        if (iop) {
+            *iop = io;
+        }
+
+        return NGX_AGAIN;
+    }
+
+    ngx_http_llama_session_io_free(io);
+
+    (void) ngx_http_llama_session_store_sync(zone, log);
+
+    return NGX_OK;
+}
+
+
+/* its waiter woke: the folder as read, or the index as it is */
+
+void
+ngx_http_llama_session_store_sync_end(ngx_http_llama_session_io_t *io,
+    ngx_log_t *log)
+{
+    if (!io->done) {
+        ngx_http_llama_session_io_leave(io, log,
+                                        "the zone's index as it is, without "
+                                        "a look at the folder");
+        return;
+    }
+
+    ngx_http_llama_session_store_sync_late(io);
+    ngx_http_llama_session_io_free(io);
+}
+
+
+/* in a thread */
+
+static void
+ngx_http_llama_session_store_sync_work(ngx_http_llama_session_io_t *io)
+{
+    ngx_http_llama_session_sync_t  *sy;
+
+    sy = io->data;
+
+    sy->rc = ngx_http_llama_session_store_sync_read(io->zone, io->pool,
+                                                    &io->log, &sy->found);
+}
+
+
+static void
+ngx_http_llama_session_store_sync_late(ngx_http_llama_session_io_t *io)
+{
+    ngx_http_llama_session_sync_t  *sy;
+
+    sy = io->data;
+
+    io->zone->syncing = 0;
+
+    if (sy->rc == NGX_OK) {
+        ngx_http_llama_session_store_sync_apply(io->zone, sy->found, sy->seq,
+                                                &io->log);
+    }
+}
+
+
+/*
+ * The folder read: its files, sorted by name, and the .json of those the
+ * index does not know (the lock taken only to ask it, between file calls)
+ */
+
+static ngx_int_t
+ngx_http_llama_session_store_sync_read(ngx_http_llama_session_zone_t *zone,
+    ngx_pool_t *pool, ngx_log_t *log, ngx_array_t **out)
+{
+    ngx_int_t                        rc;
+    ngx_uint_t                       i;
+    ngx_array_t                     *found;
+    ngx_http_llama_session_node_t   *node;
+    ngx_http_llama_session_found_t  *f;
+
     rc = ngx_http_llama_session_store_scan(zone, pool, 0, log, &found);
 
     if (rc != NGX_OK) {
-        ngx_destroy_pool(pool);
         return rc;
     }
 
@@ -669,6 +818,26 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
             ngx_http_llama_session_store_read_meta(zone, &f[i], log);
         }
     }
+
+    *out = found;
+
+    return NGX_OK;
+}
+
+
+/* what the folder held, into the index (seq: the index's when it began) */
+
+static void
+ngx_http_llama_session_store_sync_apply(ngx_http_llama_session_zone_t *zone,
+    ngx_array_t *found, ngx_uint_t seq, ngx_log_t *log)
+{
+    ngx_int_t                        rc;
+    ngx_uint_t                       i, lo, hi, mid, seen;
+    ngx_queue_t                     *q, *next;
+    ngx_http_llama_session_node_t   *node;
+    ngx_http_llama_session_found_t  *f;
+
+    f = found->elts;
 
     ngx_shmtx_lock(&zone->shpool->mutex);
 
@@ -736,10 +905,6 @@ ngx_http_llama_session_store_sync(ngx_http_llama_session_zone_t *zone,
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
-
-    ngx_destroy_pool(pool);
-
-    return NGX_OK;
 }
 
 

@@ -11,10 +11,16 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_io.h"
 
 
 ngx_int_t ngx_http_llama_session_store_sync(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
+ngx_int_t ngx_http_llama_session_store_sync_start(
+    ngx_http_llama_session_zone_t *zone, ngx_log_t *log, ngx_event_t *wake,
+    ngx_http_llama_session_io_t **iop);
+void ngx_http_llama_session_store_sync_end(ngx_http_llama_session_io_t *io,
+    ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_commit(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len, off_t size,
     ngx_uint_t tokens, ngx_event_t *wake);

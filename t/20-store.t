@@ -215,7 +215,8 @@ cmp_ok(scalar @bins, '<=', 4, 'at most max_files files');
 ok($t->log_lines(qr/evicted session "[\w-]+\.\w+" \(\d+ bytes\) to keep zone "llama" within max_files=4/),
    'evictions are logged');
 ok(-e "$slots/" . key('s5') . ".$fp.bin", 'the most recent ones stay');
-ok(!-e "$slots/" . key('s1') . ".$fp.bin", 'the least recently used went');
+ok($t->wait_for(sub { !-e "$slots/" . key('s1') . ".$fp.bin" }, 5),
+   'the least recently used went (in a thread of the store\'s)');
 $list = $t->get('/api/sessions')->{json};
 is($list->{files}, scalar(@bins), 'the API agrees with the folder');
 
@@ -223,8 +224,9 @@ is($list->{files}, scalar(@bins), 'the API agrees with the folder');
 my $s5 = key('s5');
 $r = $t->request('DELETE', "/api/sessions/$s5");
 is($r->{status}, 200, 'DELETE a saved session');
-ok(!-e "$slots/$s5.$fp.bin", 'its file is gone');
-ok(!-e "$slots/$s5.$fp.json", 'and its .json');
+# (the index forgets it at once; the files go in a thread of the store's)
+ok($t->wait_for(sub { !-e "$slots/$s5.$fp.bin" }, 5), 'its file is gone');
+ok($t->wait_for(sub { !-e "$slots/$s5.$fp.json" }, 5), 'and its .json');
 is($t->request('DELETE', "/api/sessions/$s5")->{status}, 404,
    'DELETE it again: 404');
 is($t->request('DELETE', '/api/sessions/never-seen')->{status}, 404,

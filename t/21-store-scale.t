@@ -51,7 +51,8 @@ is_deeply([ sort map { /"(bulk\d+)/ } @evicted ],
           'the ten least recently used ones');
 my @bins = glob("$slots/*.bin");
 is(scalar @bins, 990, '990 files are left');
-ok(!-e sprintf("$slots/bulk0009-%024x.$fp.bin", 9), 'the 10th oldest is gone');
+ok($t->wait_for(sub { !-e sprintf("$slots/bulk0009-%024x.$fp.bin", 9) }, 5),
+   'the 10th oldest is gone');
 ok(-e sprintf("$slots/bulk0010-%024x.$fp.bin", 10), 'the 11th oldest stays');
 
 my $list = $t->get('/api/sessions')->{json};

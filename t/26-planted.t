@@ -162,7 +162,8 @@ sub chat {
 
     my $r = $t->post('/api/sessions/clear', {});
     is($r->{status}, 200, 'clear');
-    ok(!-e $turn0 && !-e $turn1, 'clear removes the turn files');
+    ok($t->wait_for(sub { !-e $turn0 && !-e $turn1 }, 5),
+       'clear removes the turn files (in a thread of the store\'s)');
 
     # DELETE: ann saved, then in no slot (a clear), and a turn file that
     # still names her (one the slot's next use has not replaced yet)
@@ -183,7 +184,8 @@ sub chat {
 
     $r = $t->request('DELETE', '/api/sessions/ann');
     is($r->{status}, 200, 'DELETE ann');
-    ok(!-e $file, 'DELETE removes the turn file that names her');
+    ok($t->wait_for(sub { !-e $file }, 5),
+       'DELETE removes the turn file that names her');
     ok(-e $other, 'and no other');
     $t->stop;
 }
