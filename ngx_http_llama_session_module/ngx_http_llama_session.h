@@ -340,6 +340,9 @@ typedef struct {
     ngx_http_llama_session_fid_t    fid;
     u_char                         *meta;       /* its .json, NULL: none */
     size_t                          meta_len;
+    off_t                           avail;      /* free on the store's file
+                                                   system; NGX_MAX_OFF_T_VALUE:
+                                                   unknown */
     unsigned                        valid:1;
 } ngx_http_llama_session_disk_t;
 
@@ -637,6 +640,9 @@ struct ngx_http_llama_session_zone_s {
     ngx_msec_t                      idle_next;
     ngx_msec_t                      reaped;     /* the folder looked at */
     ngx_uint_t                      syncing;    /* ... in a thread now */
+    off_t                           avail;      /* free on its file system,
+                                                   as last seen in a thread;
+                                                   0: not yet */
     ngx_uint_t                      generation; /* sh->cycles at start */
     uint64_t                        stop_tried; /* slots, at a stop */
     unsigned                        stop_failed:1; /* a save at stop */

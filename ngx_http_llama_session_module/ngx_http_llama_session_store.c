@@ -671,6 +671,8 @@ typedef struct {
     ngx_array_t                    *found;
     ngx_uint_t                      seq;
     ngx_int_t                       rc;
+    u_char                          store[NGX_MAX_PATH];
+    off_t                           avail;
 } ngx_http_llama_session_sync_t;
 
 
@@ -703,6 +705,8 @@ ngx_http_llama_session_store_sync_start(ngx_http_llama_session_zone_t *zone,
     ngx_shmtx_lock(&zone->shpool->mutex);
     sy->seq = zone->sh->seq;
     ngx_shmtx_unlock(&zone->shpool->mutex);
+
+    ngx_snprintf(sy->store, sizeof(sy->store), "%V%Z", &zone->store);
 
     io->work = ngx_http_llama_session_store_sync_work;
     io->late = ngx_http_llama_session_store_sync_late;
@@ -755,6 +759,7 @@ ngx_http_llama_session_store_sync_work(ngx_http_llama_session_io_t *io)
 
     sy = io->data;
 
+    sy->avail = ngx_fs_available(sy->store);
     sy->rc = ngx_http_llama_session_store_sync_read(io->zone, io->pool,
                                                     &io->log, &sy->found);
 }
@@ -768,6 +773,10 @@ ngx_http_llama_session_store_sync_late(ngx_http_llama_session_io_t *io)
     sy = io->data;
 
     io->zone->syncing = 0;
+
+    if (sy->avail != NGX_MAX_OFF_T_VALUE) {
+        io->zone->avail = sy->avail;
+    }
 
     if (sy->rc == NGX_OK) {
         ngx_http_llama_session_store_sync_apply(io->zone, sy->found, sy->seq,
@@ -942,6 +951,7 @@ ngx_http_llama_session_found_cmp(const void *one, const void *two)
  */
 
 typedef struct {
+    u_char                          store[NGX_MAX_PATH];
     u_char                          bin[NGX_MAX_PATH];
     u_char                          json[NGX_MAX_PATH];
     u_char                          meta[NGX_HTTP_LLAMA_SESSION_META_MAX];
@@ -979,6 +989,7 @@ ngx_http_llama_session_store_look(ngx_http_request_t *r,
     n = ngx_http_llama_session_file_name(name, ctx->key, ctx->key_len,
                                          ctx->job->fp);
 
+    ngx_snprintf(look->store, sizeof(look->store), "%V%Z", &zone->store);
     ngx_snprintf(look->bin, sizeof(look->bin), "%V/%*s.bin%Z", &zone->store,
                  n, name);
     ngx_snprintf(look->json, sizeof(look->json), "%V/%*s.json%Z",
@@ -1017,6 +1028,9 @@ ngx_http_llama_session_store_look_work(ngx_http_llama_session_io_t *io)
     ngx_http_llama_session_look_t  *look;
 
     look = io->data;
+
+    /* the room for a save (store_room()) */
+    look->disk.avail = ngx_fs_available(look->store);
 
     /* a regular file: a link is never restored (nor committed) */
 
@@ -1081,6 +1095,7 @@ ngx_http_llama_session_store_looked(ngx_http_request_t *r,
                                         "file (fresh, or as its slot holds "
                                         "it)");
         disk->rc = NGX_ERROR;
+        disk->avail = NGX_MAX_OFF_T_VALUE;
         disk->valid = 1;
         return;
     }
@@ -1088,6 +1103,10 @@ ngx_http_llama_session_store_looked(ngx_http_request_t *r,
     look = io->data;
     *disk = look->disk;
     disk->valid = 1;
+
+    if (disk->avail != NGX_MAX_OFF_T_VALUE) {
+        ctx->zone->avail = disk->avail;
+    }
 
     if (disk->meta) {
         disk->meta = ngx_pnalloc(r->pool, disk->meta_len);
@@ -2618,9 +2637,18 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
 
     min = (zone->min_free >= 0) ? zone->min_free : 0;
 
-    ngx_snprintf(path, sizeof(path), "%V%Z", &zone->store);
+    if (ctx->job->disk.valid && !failed) {
+        /* as the look before the swap saw it, in a thread */
+        avail = ctx->job->disk.avail;
 
-    avail = ngx_fs_available(path);
+    } else if (ngx_http_llama_session_io_threads(zone) && !failed) {
+        /* as a look last saw it (an idle save): no file call here */
+        avail = zone->avail ? zone->avail : NGX_MAX_OFF_T_VALUE;
+
+    } else {
+        ngx_snprintf(path, sizeof(path), "%V%Z", &zone->store);
+        avail = ngx_fs_available(path);
+    }
 
     if (avail == NGX_MAX_OFF_T_VALUE) {
         /* statvfs() failed: nothing is known */
