@@ -28,7 +28,7 @@ SOURCES     := config $(wildcard ngx_http_llama_session_module/*.[ch])
 CFLAGS_EXTRA := -Wall -Wextra -Wno-unused-parameter -Werror
 DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev openssl python3-numpy perl prometheus \
                 debhelper lintian \
-                dpkg-dev
+                dpkg-dev python3-fusepy fuse3 libfuse2
 # command:package, installed when the command is missing (npm may come
 # with a nodejs of another origin)
 DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \

@@ -77,6 +77,7 @@ typedef struct {
     ngx_uint_t                      slot;
     ngx_int_t                       rc;
     unsigned                        check_newer:1;
+    unsigned                        is_base:1;
     unsigned                        aside:1;
 } ngx_http_llama_session_commit_t;
 
@@ -2146,6 +2147,7 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
     cm->tokens = tokens;
     cm->slot = ctx->job->slot;
     cm->check_newer = (ctx->zone->shared && key != ctx->base_key);
+    cm->is_base = (key == ctx->base_key);
 
     if (io) {
         io->work = ngx_http_llama_session_store_commit_work;
@@ -2290,18 +2292,36 @@ ngx_http_llama_session_store_committed(ngx_log_t *log,
 
 /*
  * A commit that ended after its request went on (its bound passed): the
- * file took its name (the index learns it from the folder), the previous
- * one goes
+ * file took its name, the index and its .json learn it, the previous one
+ * goes
  */
 
 static void
 ngx_http_llama_session_store_commit_late(ngx_http_llama_session_io_t *io)
 {
+    ngx_http_llama_session_job_t     *job;
     ngx_http_llama_session_commit_t  *cm;
 
     cm = io->data;
 
-    if (cm->rc == NGX_OK && cm->aside) {
+    if (cm->rc != NGX_OK) {
+        return;
+    }
+
+    job = ngx_pcalloc(io->pool, sizeof(ngx_http_llama_session_job_t));
+
+    if (job) {
+        ngx_memcpy(job->fp, cm->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
+        job->log = &io->log;
+
+        ngx_http_llama_session_file_saved(io->zone, job, cm->key, cm->key_len,
+                                          cm->is_base, 1, cm->tokens,
+                                          cm->size);
+        (void) ngx_http_llama_session_store_meta(&io->log, io->zone, cm->name,
+                                                 cm->name_len, cm->slot);
+    }
+
+    if (cm->aside) {
         ngx_http_llama_session_store_remove(io->zone, cm->old, NULL,
                                             &io->log);
     }

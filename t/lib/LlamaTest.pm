@@ -831,7 +831,8 @@ sub async_post {
 
     if ($pid == 0) {
         my $t0 = time;
-        my $r = $self->post($path, $body, %o);
+        my $get = delete $o{get};
+        my $r = $get ? $self->get($path, %o) : $self->post($path, $body, %o);
         open my $fh, '>', "$file.tmp" or die;
         print $fh $JSON->encode({ status => $r->{status},
                                   headers => $r->{headers},
@@ -847,11 +848,23 @@ sub async_post {
     return { pid => $pid, file => $file };
 }
 
+sub async_get { my ($self, $path, %o) = @_;
+                $self->async_post($path, undef, %o, get => 1) }
+
+# has the request of async_post() been answered yet?
+sub async_done {
+    my ($self, $h) = @_;
+    return 1 if $h->{reaped};
+    return 0 if waitpid($h->{pid}, WNOHANG) == 0;
+    $h->{reaped} = 1;
+    return 1;
+}
+
 sub async_wait {
     my ($self, $h, $timeout) = @_;
     my $end = time + ($timeout // 120);
     while (time < $end) {
-        if (waitpid($h->{pid}, WNOHANG) != 0) {
+        if ($h->{reaped} || waitpid($h->{pid}, WNOHANG) != 0) {
             my $s = $self->read_file($h->{file});
             return $s ? $JSON->decode($s) : { status => 0 };
         }

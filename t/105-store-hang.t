@@ -1,0 +1,203 @@
+#!/usr/bin/perl
+
+# A store that stops answering never blocks a worker (issue 43).  The
+# store folder is mounted through a FUSE pass-through (t/hangfs.py) whose
+# calls from nginx's workers (www-data) wait while a control file exists,
+# as a hard NFS mount waits for its server; the backend (the fake, as
+# root) reads and writes the folder beneath as before.  One worker, the
+# store's calls in nginx's thread pool (the default): while a swap, an
+# idle save and the API's list each wait on the store, a plain location of
+# the same worker answers within a second; each waiting request is
+# answered at its bound (store_timeout=2s); once the store answers, the
+# calls left in their threads finish: the saves take their names, no
+# temporary file stays, a session restores from the file committed late.
+# Then the same with thread_pool=off: the plain location waits for the
+# store, which is what the threads are for (the test can fail).
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use LlamaTest;
+use Test::More;
+use Time::HiRes qw(time sleep);
+
+plan skip_all => 'needs root, /dev/fuse and python3-fusepy'
+    unless $> == 0 && -c '/dev/fuse'
+           && system('/usr/bin/python3 -c "import fusepy" 2>/dev/null') == 0;
+
+my $uid = (getpwnam($LlamaTest::USER))[2];
+
+# a store mounted through hangfs, for the workers' user; returns
+# (root folder, mount point, control file)
+sub hung_store {
+    my ($t) = @_;
+    my $root = LlamaTest::slots_dir($t->dir . '/store-root');
+    my $mnt = $t->dir . '/store';
+    my $control = $t->dir . '/hang';
+    mkdir $mnt or die;
+    $t->spawn('hangfs', $t->dir . '/hangfs.log', '/usr/bin/python3',
+              "$FindBin::Bin/hangfs.py", $root, $mnt, $control, $uid,
+              $t->dir . '/hangfs.calls');
+    my $end = time + 10;
+    sleep 0.1 until system("mountpoint -q $mnt") == 0 || time > $end;
+    die "hangfs did not mount\n" unless system("mountpoint -q $mnt") == 0;
+    return ($root, $mnt, $control);
+}
+
+sub unmount {
+    my ($t, $mnt, $control) = @_;
+    unlink $control;
+    system("fusermount -u -z $mnt 2>/dev/null || umount -l $mnt 2>/dev/null");
+    $t->stop_proc('hangfs', 'TERM');
+}
+
+sub ask {
+    my ($t, $id, $text) = @_;
+    my $t0 = time;
+    my $r = $t->post('/completion', { prompt => "$id: $text", n_predict => 2 },
+                     headers => { 'X-Session-Id' => $id });
+    $r->{secs} = time - $t0;
+    return $r;
+}
+
+# GET /ping n times while something else waits: the slowest answer
+sub pings {
+    my ($t, $n) = @_;
+    my ($worst, $ok) = (0, 0);
+    for (1 .. $n) {
+        my $t0 = time;
+        my $r = $t->get('/ping');
+        my $secs = time - $t0;
+        $worst = $secs if $secs > $worst;
+        $ok++ if $r->{status} == 200;
+        sleep 0.2;
+    }
+    return ($ok, $worst);
+}
+
+sub nginx_with {
+    my ($t, $mnt, $more) = @_;
+    $t->nginx($t->site(
+        zone => "llama_session_zone zone=llama:1m store=$mnt "
+                . "store_timeout=2s save_idle=1s $more;",
+        location => 'add_header X-S-Action $llama_session_action always;',
+        extra => 'location = /ping { return 200 "pong\n"; }
+                  location /api/ { llama_session_api llama; }'));
+}
+
+# 1. threads (the default)
+{
+    my $t = LlamaTest->new(workers => 1);
+    my ($root, $mnt, $control) = hung_store($t);
+    eval {
+        $t->fake(np => 1, slots => $root);
+        nginx_with($t, $mnt, '');
+
+        is(ask($t, 'ann', 'first')->{status}, 200, 'ann: a first turn');
+
+        # the store stops answering the workers
+        open my $fh, '>', $control or die;
+        close $fh;
+
+        # a swap: bob's look at the store and ann's commit wait on it
+        my $h = $t->async_post('/completion', { prompt => 'bob: first',
+                                               n_predict => 2 },
+                               headers => { 'X-Session-Id' => 'bob' });
+        sleep 0.3;
+        my ($ok, $worst) = pings($t, 5);
+        is($ok, 5, 'while a swap waits on the store, /ping is answered');
+        cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
+        my $r = $t->async_wait($h, 30);
+        is($r->{status}, 200, 'the swap is answered once its calls\' '
+                              . 'bounds passed');
+        ok($t->log_lines(qr/the store of zone "llama" did not answer within store_timeout=2000/),
+           'the log says the store did not answer, and what went on without it');
+        ok(!glob("$root/ann-*.bin"), 'ann\'s save is not committed while '
+                                      . 'the store hangs');
+
+        # the API's list: the index as it is, at its bound
+        my $hl = $t->async_get('/api/sessions');
+        sleep 0.3;
+        ($ok, $worst) = pings($t, 4);
+        is($ok, 4, 'while the API\'s list waits on the store, /ping is answered');
+        cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
+        my $l = $t->async_wait($hl, 20);
+        is($l->{status}, 200, 'the list is answered, the index as it is');
+        cmp_ok($l->{end} - $l->{start}, '<', 4,
+               sprintf('at its bound at most (%.1f s: at once when a look '
+                       . 'at the folder already waits)',
+                       $l->{end} - $l->{start}));
+
+        # bob's slot changed: its idle save (save_idle=1s) waits on the store
+        ok($t->wait_for(sub {
+               $t->log_lines(qr/the save is not committed yet/) >= 2 }, 15),
+           'bob\'s idle save waited on the store too');
+        ($ok, $worst) = pings($t, 3);
+        is($ok, 3, 'and /ping is answered meanwhile');
+        cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
+
+        # the store answers again: what waited in its threads finishes
+        unlink $control;
+        ok($t->wait_for(sub { glob("$root/ann-*.bin")
+                              && glob("$root/bob-*.bin") }, 10),
+           'the store answers: ann\'s and bob\'s saves take their names');
+        ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
+           'no temporary file stays');
+        ok($t->log_lines(qr/the store of zone "llama" answered after \d+ ms, its request went on without it/),
+           'the log says the calls ended late');
+
+        $r = ask($t, 'ann', 'second');
+        is($r->{status}, 200, 'ann returns');
+        is($r->{headers}{'x-s-action'}, 'restore',
+           'from the file committed late');
+        cmp_ok($r->{json}{timings}{cache_n} // 0, '>', 0,
+               'with its state (cache_n ' . ($r->{json}{timings}{cache_n} // 0)
+               . ')');
+
+        my $m = $t->get('/api/sessions');
+        is($m->{status}, 200, 'the API lists again at once');
+        ok($t->wait_for(sub {
+               ($t->get('/metrics')->{content} // '')
+                   =~ /nginx_llama_session_store_timeouts_total\{zone="llama"\} [1-9]/ }, 5)
+           || $t->log_lines(qr/did not answer within/),
+           'counted');
+    };
+    my $err = $@;
+    unmount($t, $mnt, $control);
+    $t->stop;
+    die $err if $err;
+}
+
+# 2. thread_pool=off: the calls in the event loop, a plain location of the
+# worker waits for the store (what the threads are for)
+{
+    my $t = LlamaTest->new(workers => 1);
+    my ($root, $mnt, $control) = hung_store($t);
+    eval {
+        $t->fake(np => 1, slots => $root);
+        nginx_with($t, $mnt, 'thread_pool=off');
+        is(ask($t, 'ann', 'first')->{status}, 200, 'off: ann');
+        open my $fh, '>', $control or die;
+        close $fh;
+        my $h = $t->async_post('/completion', { prompt => 'bob: first',
+                                               n_predict => 2 },
+                               headers => { 'X-Session-Id' => 'bob' });
+        sleep 0.5;
+        my $p = $t->async_get('/ping');
+        sleep 2;
+        ok(!$t->async_done($p), 'off: /ping waits while the store hangs');
+        unlink $control;
+        is($t->async_wait($p, 20)->{status}, 200,
+           'off: and is answered once it answers');
+        is($t->async_wait($h, 20)->{status}, 200, 'off: so is the swap');
+    };
+    my $err = $@;
+    unmount($t, $mnt, $control);
+    $t->stop;
+    die $err if $err;
+}
+
+done_testing;
