@@ -131,7 +131,9 @@ typedef enum {
     NGX_HTTP_LLAMA_SESSION_ST_OLLAMA,   /* GET /v1/models for Ollama's */
     NGX_HTTP_LLAMA_SESSION_ST_BIND,     /* models=: the router lists it */
     NGX_HTTP_LLAMA_SESSION_ST_REPRIME,  /* before a save (reprime.c) */
-    NGX_HTTP_LLAMA_SESSION_ST_LOOK      /* at the store, in a thread */
+    NGX_HTTP_LLAMA_SESSION_ST_LOOK,     /* at the store, in a thread */
+    NGX_HTTP_LLAMA_SESSION_ST_TURN      /* the slot's turn file, read in
+                                           a thread (reprime.c) */
 } ngx_http_llama_session_state_e;
 
 

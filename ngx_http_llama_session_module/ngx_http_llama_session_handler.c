@@ -143,6 +143,17 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
 
         return ngx_http_llama_session_props(r, ctx);
 
+    case NGX_HTTP_LLAMA_SESSION_ST_TURN:
+        if (ctx->job->io
+            && !((ngx_http_llama_session_io_t *) ctx->job->io)->done
+            && (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted))
+        {
+            return NGX_AGAIN;
+        }
+
+        /* the turn file read (reprime.c), or its bound passed */
+        return ngx_http_llama_session_save(r, ctx);
+
     case NGX_HTTP_LLAMA_SESSION_ST_LOOK:
         if (ctx->job->io
             && !((ngx_http_llama_session_io_t *) ctx->job->io)->done

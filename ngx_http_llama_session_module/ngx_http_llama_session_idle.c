@@ -454,7 +454,39 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 
     idle = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
 
-    if (idle == NULL || !idle->ctx.job->call_done) {
+    if (idle == NULL) {
+        return;
+    }
+
+    if (idle->ctx.job->state == NGX_HTTP_LLAMA_SESSION_ST_TURN) {
+        /* the slot's turn file, read in a thread (reprime.c) */
+
+        if (idle->ctx.job->io
+            && !((ngx_http_llama_session_io_t *) idle->ctx.job->io)->done
+            && (idle->ctx.job->wait_ev.timer_set
+                || idle->ctx.job->wait_ev.posted))
+        {
+            return;
+        }
+
+        r->write_event_handler = ngx_http_llama_session_idle_resume;
+
+        rc = ngx_http_llama_session_save(r, &idle->ctx);
+
+        if (rc == NGX_AGAIN) {
+            return;
+        }
+
+        if (rc == NGX_DONE) {
+            /* gave way to a request of the session: no failure */
+            idle->failed = 0;
+        }
+
+        ngx_http_llama_session_job_close(r);
+        return;
+    }
+
+    if (!idle->ctx.job->call_done) {
         return;
     }
 

@@ -81,7 +81,8 @@ static void ngx_http_llama_session_job_event(ngx_event_t *ev);
 
 static char  *ngx_http_llama_session_state_names[] = {
     "body", "acquire", "router", "props", "check", "pause", "save", "load",
-    "warm", "proxy", "done", "ollama", "bind", "reprime", "look"
+    "warm", "proxy", "done", "ollama", "bind", "reprime", "look",
+    "turn"
 };
 
 #endif

@@ -54,6 +54,7 @@
 #include "ngx_http_llama_session_file.h"
 #include "ngx_http_llama_session_gguf.h"
 #include "ngx_http_llama_session_json.h"
+#include "ngx_http_llama_session_io.h"
 #include "ngx_http_llama_session_job.h"
 #include "ngx_http_llama_session_reprime.h"
 #include "ngx_http_llama_session_sched.h"
@@ -255,25 +256,116 @@ ngx_http_llama_session_reprime_yield(ngx_http_llama_session_ctx_t *ctx)
 }
 
 
-/* NGX_AGAIN: the first render is on its way; NGX_DECLINED: no re-prime */
+/*
+ * The slot's turn file, read once and deleted (the conversation's text
+ * stays no longer than needed): in a thread of the store's (io.c), or
+ * here without threads and for the API
+ */
+
+typedef struct {
+    u_char                          path[NGX_MAX_PATH];
+    size_t                          max;
+    u_char                         *data;       /* NUL-terminated */
+    size_t                          len;
+    ngx_err_t                       err;        /* of the open, 0: none */
+    ngx_int_t                       rc;
+} ngx_http_llama_session_turn_read_t;
+
+
+static void
+ngx_http_llama_session_reprime_read(ngx_http_llama_session_io_t *io)
+{
+    ssize_t                              n;
+    ngx_fd_t                             fd;
+    ngx_file_t                           file;
+    ngx_file_info_t                      fi;
+    ngx_http_llama_session_turn_read_t  *tr;
+
+    tr = io->data;
+    tr->rc = NGX_DECLINED;
+
+    fd = ngx_http_llama_session_file_open(tr->path,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
+                                          &io->log);
+    if (fd == NGX_INVALID_FILE) {
+        tr->err = ngx_errno;
+        return;
+    }
+
+    if (ngx_fd_info(fd, &fi) != NGX_FILE_ERROR
+        && ngx_file_size(&fi) > 0
+        && ngx_file_size(&fi) <= (off_t) tr->max)
+    {
+        tr->len = (size_t) ngx_file_size(&fi);
+        tr->data = ngx_pnalloc(io->pool, tr->len + 1);
+
+        if (tr->data) {
+            ngx_memzero(&file, sizeof(ngx_file_t));
+            file.fd = fd;
+            file.log = &io->log;
+            file.name.data = tr->path;
+            file.name.len = ngx_strlen(tr->path);
+
+            n = ngx_read_file(&file, tr->data, tr->len, 0);
+
+            if (n == (ssize_t) tr->len) {
+                tr->data[tr->len] = '\0';
+                tr->rc = NGX_OK;
+            }
+        }
+    }
+
+    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ALERT, &io->log, ngx_errno,
+                      ngx_close_file_n " \"%s\" failed", tr->path);
+    }
+
+    /* read once: the conversation's text stays no longer than needed */
+
+    if (ngx_delete_file(tr->path) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT)
+    {
+        ngx_log_error(NGX_LOG_ERR, &io->log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", tr->path);
+    }
+}
+
+
+/*
+ * NGX_AGAIN: the turn file is read in a thread (state TURN, then save()
+ * again) or the first render is on its way; NGX_DECLINED: no re-prime
+ */
 
 static ngx_int_t
 ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
-    u_char                            *data, path[NGX_MAX_PATH];
-    size_t                             len;
-    ssize_t                            n;
-    ngx_fd_t                           fd;
-    ngx_int_t                          rc;
-    ngx_uint_t                         seq, kind;
-    ngx_file_t                         file;
-    ngx_file_info_t                    fi;
-    ngx_buf_t                         *first, *second;
-    ngx_http_llama_session_zone_t     *zone;
-    ngx_http_llama_session_loc_conf_t *llcf;
+    u_char                               *data;
+    size_t                                len;
+    ngx_int_t                             rc;
+    ngx_uint_t                            seq, kind;
+    ngx_buf_t                            *first, *second;
+    ngx_http_llama_session_io_t          *io;
+    ngx_http_llama_session_zone_t        *zone;
+    ngx_http_llama_session_loc_conf_t    *llcf;
+    ngx_http_llama_session_turn_read_t   *tr;
 
     zone = ctx->zone;
+    io = ctx->job->io;
+
+    if (io) {
+        /* back from the thread that read the turn file, or its bound */
+
+        ctx->job->io = NULL;
+
+        if (!io->done) {
+            ngx_http_llama_session_io_leave(io, r->connection->log,
+                                            "the session is saved without a "
+                                            "re-prime");
+            return NGX_DECLINED;
+        }
+
+        goto read;
+    }
 
     if (!zone->reprime || zone->store.len == 0 || ctx->job->out_len == 0) {
         return NGX_DECLINED;
@@ -309,75 +401,70 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     llcf = ngx_http_get_module_loc_conf(r, ngx_http_llama_session_module);
 
-    (void) ngx_http_llama_session_turn_path(zone, ctx->job->slot, path);
-
-    fd = ngx_http_llama_session_file_open(path,
-                                          NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
-                                          r->connection->log);
-
-    if (fd == NGX_INVALID_FILE) {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, ngx_errno,
-                      "llama_session: " ngx_open_file_n " \"%s\" failed, "
-                      "\"%*s\" is saved without a re-prime", path,
-                      ctx->job->out_len, ctx->job->out_key);
+    io = ngx_http_llama_session_io_create(zone, r->connection->log,
+                                 sizeof(ngx_http_llama_session_turn_read_t));
+    if (io == NULL) {
         return NGX_DECLINED;
     }
 
-    data = NULL;
-    rc = NGX_DECLINED;
+    tr = io->data;
+    tr->max = llcf->body_max + 4 * 1024 * 1024;
+    (void) ngx_http_llama_session_turn_path(zone, ctx->job->slot, tr->path);
 
-    if (ngx_fd_info(fd, &fi) == NGX_FILE_ERROR
-        || ngx_file_size(&fi) <= 0
-        || ngx_file_size(&fi) > (off_t) (llcf->body_max + 4 * 1024 * 1024))
+    io->work = ngx_http_llama_session_reprime_read;
+
+    /* the API's save reads here (its steps are not re-entered) */
+
+    if (ctx->api == NULL && ngx_http_llama_session_io_threads(zone)
+        && ngx_http_llama_session_io_post(io, &ctx->job->wait_ev)
+           == NGX_AGAIN)
     {
-        goto close;
-    }
+        ctx->job->io = io;
+        ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_TURN);
 
-    len = (size_t) ngx_file_size(&fi);
-
-    data = ngx_pnalloc(r->pool, len + 1);
-    if (data == NULL) {
-        goto close;
-    }
-
-    ngx_memzero(&file, sizeof(ngx_file_t));
-    file.fd = fd;
-    file.log = r->connection->log;
-    file.name.data = path;
-    file.name.len = ngx_strlen(path);
-
-    n = ngx_read_file(&file, data, len, 0);
-
-    if (n == (ssize_t) len) {
-        data[len] = '\0';
-        rc = NGX_OK;
-    }
-
-close:
-
-    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
-        ngx_log_error(NGX_LOG_ALERT, r->connection->log, ngx_errno,
-                      ngx_close_file_n " \"%s\" failed", path);
-    }
-
-    /* read once: the conversation's text stays no longer than needed */
-
-    if (ngx_delete_file(path) == NGX_FILE_ERROR && ngx_errno != NGX_ENOENT) {
-        ngx_log_error(NGX_LOG_ERR, r->connection->log, ngx_errno,
-                      ngx_delete_file_n " \"%s\" failed", path);
-    }
-
-    if (rc != NGX_OK) {
-        if (data) {
-            ngx_pfree(r->pool, data);
+        if (!ctx->job->own) {
+            /* a client's request: the phases again when woken */
+            r->read_event_handler = ngx_http_test_reading;
+            r->write_event_handler = ngx_http_core_run_phases;
         }
 
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session: cannot read \"%s\", \"%*s\" is saved "
-                      "without a re-prime", path, ctx->job->out_len,
-                      ctx->job->out_key);
+        return NGX_AGAIN;
+    }
+
+    io->work(io);
+
+read:
+
+    tr = io->data;
+
+    if (tr->rc != NGX_OK) {
+        if (tr->err) {
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, tr->err,
+                          "llama_session: " ngx_open_file_n " \"%s\" failed, "
+                          "\"%*s\" is saved without a re-prime", tr->path,
+                          ctx->job->out_len, ctx->job->out_key);
+
+        } else {
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: cannot read \"%s\", \"%*s\" is "
+                          "saved without a re-prime", tr->path,
+                          ctx->job->out_len, ctx->job->out_key);
+        }
+
+        ngx_http_llama_session_io_free(io);
         return NGX_DECLINED;
     }
+
+    len = tr->len;
+    data = ngx_pnalloc(r->pool, len + 1);
+
+    if (data == NULL) {
+        ngx_http_llama_session_io_free(io);
+        return NGX_DECLINED;
+    }
+
+    ngx_memcpy(data, tr->data, len + 1);
+    ngx_http_llama_session_io_free(io);
 
     rc = ngx_http_llama_session_reprime_bodies(r, ctx, data, len, &first,
                                                &second);

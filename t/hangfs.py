@@ -35,29 +35,39 @@
 #     kill PID                        (SIGTERM or SIGINT; SIGKILL also works)
 #     waitpid PID
 #
-# A plain `fusermount -u MOUNTPOINT` makes FUSE() return and the process
-# exit, but it fails with EBUSY while a process is held inside the mount;
-# the lazy unmount always works.  SIGTERM/SIGINT make libfuse leave its
-# loop, unmount (lazily) and exit, even while calls are being held.  Once
-# the process is gone, calls still held in the kernel fail with ENOTCONN.
+# With nothing held, the lazy unmount alone makes FUSE() return and the
+# process exit (so the kill may find it gone already); a plain
+# `fusermount -u` fails with EBUSY while a process is held in the mount,
+# the lazy one always works.  On SIGTERM or SIGINT libfuse leaves its
+# loop, the calls being held give up with EIO, and the process unmounts
+# (lazily) and exits within about 0.1 s, CONTROL or not.  Calls not yet
+# answered then fail with ECONNABORTED.  After a SIGKILL the same, but a
+# mount not yet unmounted stays behind ("Transport endpoint is not
+# connected") until `umount -l MOUNTPOINT`.
 #
 # Things a test should know:
 #
-# - A held process is in uninterruptible sleep once its request has been
-#   read by this process: `timeout`, SIGTERM and even SIGKILL do not free
-#   it before CONTROL is removed (or this process dies), as on a hard NFS
-#   mount.
+# - A held process sleeps in the kernel (request_wait_answer) and, once
+#   signalled, uninterruptibly (state D): `timeout`, SIGTERM and even
+#   SIGKILL do not free it until CONTROL is removed (or this process
+#   stops), as on a hard NFS mount.  `timeout 2 cat` returns 124 only
+#   when CONTROL goes.
 # - Other uids are never delayed here, but the kernel's own locks still
-#   apply: a held create, unlink, rename or mkdir holds its parent
-#   folder's lock, so anyone's lookups and listings in that folder wait
-#   too; a held write holds that file's lock.  Held reads, stats and opens
-#   hold no lock.
-# - This process runs as root and does not check permissions: any user
-#   may read and write any file through the mount.  Files, folders,
-#   symlinks and nodes made through the mount are chowned to the caller's
-#   uid and gid.
+#   apply.  A held create, unlink, rename or mkdir (its lookup) holds the
+#   parent folder's lock: anyone's listing of, or create in, that folder
+#   waits too (stat, open and read of a file already there do not).  A
+#   held write holds that file's pages: anyone's read, write or open of
+#   the same file waits too.  Held reads, stats and plain opens hold
+#   nothing.
+# - This process runs as root and checks no permissions: any user may
+#   read and write any file through the mount.  Files, folders, symlinks
+#   and nodes made through the mount are chowned to the caller's uid and
+#   gid.
+# - libfuse 2 drops a utimensat() that sets only one of the two times
+#   (touch -a, touch -m); setting both (futimens with two times, plain
+#   touch) works.
 # - An open file that is unlinked is renamed to .fuse_hiddenNNN in ROOT
-#   until it is closed (libfuse 2 behaviour).
+#   until it is closed (libfuse 2 behaviour; the rename is asynchronous).
 #
 # Needs only Debian's python3-fusepy (module "fusepy"; "fuse" elsewhere).
 
@@ -77,7 +87,7 @@ except ImportError:
 
 POLL = 0.020
 
-# the special tv_nsec values libfuse 2 passes (with tv_sec 0) to utimens
+# utimensat()'s special tv_nsec values, should a libfuse pass them on
 UTIME_NOW = (1 << 30) - 1
 UTIME_OMIT = (1 << 30) - 2
 
