@@ -171,6 +171,50 @@ sub nginx_with {
     die $err if $err;
 }
 
+# 3. a chat client's swap: its turn file (written in a thread after each
+# reply) is read in a thread before the save's re-prime; the swap waits
+# its bounds (look, turn, commit), /ping does not
+{
+    my $t = LlamaTest->new(workers => 1);
+    my ($root, $mnt, $control) = hung_store($t);
+    eval {
+        $t->fake(np => 1, slots => $root);
+        nginx_with($t, $mnt, '');
+        my $chat = sub {
+            my ($id, $text) = @_;
+            return $t->post('/v1/chat/completions',
+                            { messages => [ { role => 'user',
+                                              content => "$id: $text" } ] },
+                            headers => { 'X-Session-Id' => $id });
+        };
+        is($chat->('cat', 'first')->{status}, 200, 'chat: cat\'s turn');
+        ok($t->wait_for(sub { glob("$root/.turn.*") }, 5),
+           'chat: its turn file is written');
+        open my $fh, '>', $control or die;
+        close $fh;
+        my $h = $t->async_post('/v1/chat/completions',
+                               { messages => [ { role => 'user',
+                                                 content => 'dog: first' } ] },
+                               headers => { 'X-Session-Id' => 'dog' });
+        sleep 0.3;
+        my ($ok, $worst) = pings($t, 8);
+        is($ok, 8, 'chat: while the swap waits on the store, /ping is answered');
+        cmp_ok($worst, '<', 1, sprintf('chat: within a second (%.3f s)', $worst));
+        is($t->async_wait($h, 30)->{status}, 200, 'chat: the swap is answered');
+        ok($t->log_lines(qr/did not answer within store_timeout=2000 \(\d+ ms\): the session is saved without a re-prime/),
+           'chat: the turn file\'s read had its bound');
+        unlink $control;
+        ok($t->wait_for(sub { glob("$root/cat-*.bin") }, 10),
+           'chat: cat\'s save takes its name once the store answers');
+        ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
+           'chat: no temporary file stays');
+    };
+    my $err = $@;
+    unmount($t, $mnt, $control);
+    $t->stop;
+    die $err if $err;
+}
+
 # 2. thread_pool=off: the calls in the event loop, a plain location of the
 # worker waits for the store (what the threads are for)
 {
