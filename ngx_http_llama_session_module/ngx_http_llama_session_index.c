@@ -278,17 +278,19 @@ ngx_http_llama_session_file_meta(ngx_http_llama_session_zone_t *zone,
 
 
 /*
- * shared=on: a file eviction picked, whose .json is now "fid": did
- * another owner use the session since this zone did (a .json other than
- * the zone left it, or for a file the zone only found in the folder, one
- * changed after "since")?  Then the file stays, counted again and most
- * recently used, and 1 is returned; 0: it may go.
+ * shared=on: a file eviction picked, whose .json is now "fid" and .bin
+ * "bin" (NULL: none): did another owner use the session since this zone
+ * did (a .json other than the zone left it, or for a file the zone only
+ * found in the folder, one changed after "since"; or a .bin other than
+ * the zone saw, renamed in after "since", whatever its .json says)?  Then
+ * the file stays, counted again and most recently used, and 1 is
+ * returned; 0: it may go.
  */
 
 ngx_uint_t
 ngx_http_llama_session_file_kept(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_evicted_t *e, ngx_http_llama_session_fid_t *fid,
-    time_t since)
+    ngx_http_llama_session_fid_t *bin, time_t since)
 {
     ngx_uint_t                      kept;
     ngx_http_llama_session_sh_t    *sh;
@@ -303,10 +305,28 @@ ngx_http_llama_session_file_kept(ngx_http_llama_session_zone_t *zone,
                                          ngx_crc32_short(e->name, e->len));
 
     if (node && !node->saved
-        && (node->has_meta
-            ? (node->meta.uniq != fid->uniq || node->meta.mtime != fid->mtime
-               || node->meta.size != fid->size)
-            : fid->mtime >= since))
+        && bin && bin->mtime >= since
+        && !(node->has_seen && node->seen.uniq == bin->uniq
+             && node->seen.size == bin->size
+             && node->seen.mtime == bin->mtime))
+    {
+        /*
+         * another owner's file, renamed in lately (its .json may not be
+         * written yet, or its write failed): kept for the grace period
+         */
+        kept = 1;
+
+        node->used_at = ngx_time();
+        ngx_http_llama_session_node_file(sh, node, 1, e->bytes);
+
+        sh->stats.evictions--;
+
+    } else if (node && !node->saved && fid
+               && (node->has_meta
+                   ? (node->meta.uniq != fid->uniq
+                      || node->meta.mtime != fid->mtime
+                      || node->meta.size != fid->size)
+                   : fid->mtime >= since))
     {
         kept = 1;
 

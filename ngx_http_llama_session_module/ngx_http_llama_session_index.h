@@ -45,7 +45,8 @@ void ngx_http_llama_session_file_meta(ngx_http_llama_session_zone_t *zone,
     u_char *name, size_t len, ngx_http_llama_session_fid_t *fid);
 ngx_uint_t ngx_http_llama_session_file_kept(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_evicted_t *e,
-    ngx_http_llama_session_fid_t *fid, time_t since);
+    ngx_http_llama_session_fid_t *fid, ngx_http_llama_session_fid_t *bin,
+    time_t since);
 void ngx_http_llama_session_remember(ngx_http_llama_session_zone_t *zone,
     u_char *fp, u_char *key, size_t len, ngx_http_llama_session_record_t *rec);
 ngx_uint_t ngx_http_llama_session_base_used(

@@ -2516,25 +2516,47 @@ static ngx_uint_t
 ngx_http_llama_session_store_evictable(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_evicted_t *e, ngx_log_t *log)
 {
-    u_char                        file[NGX_MAX_PATH];
-    time_t                        since;
-    ngx_file_info_t               fi;
-    ngx_http_llama_session_fid_t  fid;
+    u_char                         file[NGX_MAX_PATH];
+    time_t                         since;
+    ngx_file_info_t                fi;
+    ngx_http_llama_session_fid_t   fid, bin, *json, *binp;
+
+    /*
+     * another owner's later use: its .json changed, or its .bin is another
+     * owner's, renamed in within the grace period (before its .json is
+     * written, or when that write failed)
+     */
+
+    json = NULL;
+    binp = NULL;
 
     ngx_snprintf(file, sizeof(file), "%V/%*s.json%Z", &zone->store, e->len,
                  e->name);
 
-    if (ngx_link_info(file, &fi) == NGX_FILE_ERROR || !ngx_is_file(&fi)) {
+    if (ngx_link_info(file, &fi) != NGX_FILE_ERROR && ngx_is_file(&fi)) {
+        fid.uniq = ngx_file_uniq(&fi);
+        fid.size = ngx_file_size(&fi);
+        fid.mtime = ngx_file_mtime(&fi);
+        json = &fid;
+    }
+
+    ngx_snprintf(file, sizeof(file), "%V/%*s.bin%Z", &zone->store, e->len,
+                 e->name);
+
+    if (ngx_link_info(file, &fi) != NGX_FILE_ERROR && ngx_is_file(&fi)) {
+        bin.uniq = ngx_file_uniq(&fi);
+        bin.size = ngx_file_size(&fi);
+        bin.mtime = ngx_file_mtime(&fi);
+        binp = &bin;
+    }
+
+    if (json == NULL && binp == NULL) {
         return 1;
     }
 
-    fid.uniq = ngx_file_uniq(&fi);
-    fid.size = ngx_file_size(&fi);
-    fid.mtime = ngx_file_mtime(&fi);
-
     since = ngx_time() - NGX_HTTP_LLAMA_SESSION_SHARED_GRACE;
 
-    if (!ngx_http_llama_session_file_kept(zone, e, &fid, since)) {
+    if (!ngx_http_llama_session_file_kept(zone, e, json, binp, since)) {
         return 1;
     }
 

@@ -54,6 +54,26 @@ is(turn('b', 'e1'), 'hit', 'e1 on b');
 turn('b', 'e6');
 is(turn('b', 'e1'), 'restore', 'e1 restores on b after e6 took its slot');
 
+# review 4: another owner's newer .bin renamed in before its .json is
+# written (or that write failed on a full disk): a's eviction leaves it
+# for the grace period, whatever the .json says
+turn('a', 'e7');
+turn('a', 'e8');
+ok(has_file('e7'), 'a saved e7');
+{
+    my ($bin) = glob "$dir/slots/${\key('e7')}.*.bin";
+    # as b's commit does: its own file, renamed over the name
+    system('cp', '-p', $bin, "$bin.b.tmp") == 0 or die;
+    utime time, time, "$bin.b.tmp";
+    rename "$bin.b.tmp", $bin or die;
+}
+turn('a', 'e9');
+turn('a', 'e10');
+my $k7 = key('e7');
+ok(scalar $t->log_lines(qr/session "\Q$k7\E\.[0-9a-f]{8}" of the shared store is not evicted: another owner used it since zone "a" did/),
+   'a\'s eviction leaves e7: another owner renamed a newer file in');
+ok(has_file('e7'), 'e7\'s newer file is there, its .json not written');
+
 # a zone's temporary and set-aside names are its own
 my @own = grep { /\.bin\.[0-9a-f]{8}\.(tmp|old)$|\.json\.[0-9a-f]{8}\.tmp$/ }
           glob "$dir/slots/*";
