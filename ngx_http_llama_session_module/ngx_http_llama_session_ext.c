@@ -50,6 +50,8 @@ typedef struct {
                                                    0: none */
     uint64_t                        birth;      /* its id's suffix, 0: the
                                                    family's own id */
+    uint32_t                        tenant;     /* its namespace's crc32,
+                                                   0: none */
     u_char                          idk[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          key_len;
     u_char                          kind;       /* EXT_REQUEST, ... */
@@ -75,6 +77,8 @@ static void ngx_http_llama_session_ext_insert_value(ngx_rbtree_node_t *temp,
     ngx_rbtree_node_t *node, ngx_rbtree_node_t *sentinel);
 static ngx_http_llama_session_ext_t *ngx_http_llama_session_ext_find(
     ngx_http_llama_session_sh_t *sh, uint64_t chain);
+static ngx_http_llama_session_ext_t *ngx_http_llama_session_ext_victim(
+    ngx_http_llama_session_sh_t *sh, uint32_t tenant);
 static void ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
     uint64_t chain, uint64_t parent, ngx_uint_t kind,
     ngx_http_llama_session_ext_t *who);
@@ -544,7 +548,7 @@ ngx_http_llama_session_ext_parse(u_char *hex, size_t len)
 void
 ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     uint64_t chain, u_char *key, size_t len, u_char *id, size_t id_len,
-    u_char *idk)
+    u_char *idk, u_char *ns)
 {
     u_char                        *p;
     ngx_int_t                      n;
@@ -557,6 +561,7 @@ ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     ngx_memzero(&who, sizeof(ngx_http_llama_session_ext_t));
     who.key_len = (u_char) len;
     ngx_memcpy(who.key, key, len);
+    who.tenant = ngx_crc32_short(ns, NGX_HTTP_LLAMA_SESSION_DIGEST);
     ngx_memcpy(who.idk, idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
 
     /* "sys-" 16 hex digits, then "-" 16 of its own */
@@ -600,6 +605,9 @@ ngx_http_llama_session_ext_who(ngx_http_llama_session_ctx_t *ctx,
     ngx_memcpy(who->key, ctx->key, who->key_len);
     who->birth = ctx->ext_birth;
     ngx_memcpy(who->idk, ctx->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
+    who->tenant = ctx->has_nsk
+                  ? ngx_crc32_short(ctx->nsk, NGX_HTTP_LLAMA_SESSION_DIGEST)
+                  : 0;
 }
 
 
@@ -764,7 +772,6 @@ ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
     uint64_t chain, uint64_t parent, ngx_uint_t kind,
     ngx_http_llama_session_ext_t *who)
 {
-    ngx_queue_t                   *q;
     ngx_http_llama_session_sh_t   *sh;
     ngx_http_llama_session_ext_t  *e;
 
@@ -774,18 +781,16 @@ ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
 
     if (e == NULL) {
         if (sh->ext_n >= sh->ext_max && !ngx_queue_empty(&sh->ext_lru)) {
-            q = ngx_queue_head(&sh->ext_lru);
             ngx_http_llama_session_ext_free(zone,
-                      ngx_queue_data(q, ngx_http_llama_session_ext_t, lru));
+                      ngx_http_llama_session_ext_victim(sh, who->tenant));
         }
 
         e = ngx_slab_alloc_locked(zone->shpool,
                                   sizeof(ngx_http_llama_session_ext_t));
 
         if (e == NULL && !ngx_queue_empty(&sh->ext_lru)) {
-            q = ngx_queue_head(&sh->ext_lru);
             ngx_http_llama_session_ext_free(zone,
-                      ngx_queue_data(q, ngx_http_llama_session_ext_t, lru));
+                      ngx_http_llama_session_ext_victim(sh, who->tenant));
 
             e = ngx_slab_alloc_locked(zone->shpool,
                                       sizeof(ngx_http_llama_session_ext_t));
@@ -809,9 +814,44 @@ ngx_http_llama_session_ext_add(ngx_http_llama_session_zone_t *zone,
     e->parent = parent;
     e->kind = (u_char) kind;
     e->birth = who->birth;
+    e->tenant = who->tenant;
     ngx_memcpy(e->idk, who->idk, NGX_HTTP_LLAMA_SESSION_DIGEST);
     e->key_len = who->key_len;
     ngx_memcpy(e->key, who->key, who->key_len);
+}
+
+
+/*
+ * The entry that goes for a new one of "tenant": the least recently used,
+ * unless one of the tenant's own is among the next ones; a tenant that
+ * fills the table with new conversations then pushes out its own, not
+ * the other tenants' (review 4)
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_EXT_LOOK  16
+
+static ngx_http_llama_session_ext_t *
+ngx_http_llama_session_ext_victim(ngx_http_llama_session_sh_t *sh,
+    uint32_t tenant)
+{
+    ngx_uint_t                     n;
+    ngx_queue_t                   *q;
+    ngx_http_llama_session_ext_t  *e;
+
+    for (q = ngx_queue_head(&sh->ext_lru), n = 0;
+         q != ngx_queue_sentinel(&sh->ext_lru)
+         && n < NGX_HTTP_LLAMA_SESSION_EXT_LOOK;
+         q = ngx_queue_next(q), n++)
+    {
+        e = ngx_queue_data(q, ngx_http_llama_session_ext_t, lru);
+
+        if (e->tenant == tenant) {
+            return e;
+        }
+    }
+
+    return ngx_queue_data(ngx_queue_head(&sh->ext_lru),
+                          ngx_http_llama_session_ext_t, lru);
 }
 
 

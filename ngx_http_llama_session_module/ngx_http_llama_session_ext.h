@@ -26,7 +26,7 @@ uint64_t ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys,
 uint64_t ngx_http_llama_session_ext_parse(u_char *hex, size_t len);
 void ngx_http_llama_session_ext_index(ngx_http_llama_session_zone_t *zone,
     uint64_t chain, u_char *key, size_t len, u_char *id, size_t id_len,
-    u_char *idk);
+    u_char *idk, u_char *ns);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_EXT_H_INCLUDED_ */

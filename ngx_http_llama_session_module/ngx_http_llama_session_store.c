@@ -1378,7 +1378,7 @@ ngx_http_llama_session_store_chain(ngx_http_llama_session_zone_t *zone,
     {
         ngx_http_llama_session_ext_index(zone, f->chain, f->name,
                                  f->len - 1 - NGX_HTTP_LLAMA_SESSION_FP_LEN,
-                                 f->id, f->id_len, f->idk);
+                                 f->id, f->id_len, f->idk, f->ns);
     }
 }
 

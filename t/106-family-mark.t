@@ -86,4 +86,51 @@ like($gkey, qr/^sys-[0-9a-f]{16}-[0-9a-f]+-[0-9a-f]{24}$/,
 is(turn($f, "F: after G"), $first, "F goes on with its key");
 
 $t->stop;
+
+# Review 4, the other suspicion: one tenant that sends many new
+# conversations without ids pushed every tenant's chains out of the one
+# table (least recently used first): a quiet tenant's conversation was new
+# again on its next turn (another key, its history prefilled anew).  Now a
+# tenant that fills the table pushes out its own oldest first.
+{
+    my $t = LlamaTest->new(workers => 1);
+    $t->fake(np => 2);
+    $t->nginx($t->site(
+        zone => 'llama_session_zone zone=llama:128k slots=2 store=%%SLOTS%%;',
+        location => 'llama_session_namespace $http_x_tenant;
+                     add_header X-S-Key $llama_session_key always;'));
+    my $ask = sub {
+        my ($tenant, $c, $text) = @_;
+        push @{ $c->{messages} }, { role => 'user', content => $text };
+        my $r = $t->post('/v1/chat/completions',
+                         { model => 'm', messages => $c->{messages},
+                           max_tokens => 2 },
+                         headers => { 'X-Tenant' => $tenant });
+        die "$text: $r->{status} $r->{content}\n" unless $r->{status} == 200;
+        push @{ $c->{messages} },
+            { role => 'assistant',
+              content => $r->{json}{choices}[0]{message}{content} // 'ok' };
+        return $r->{headers}{'x-s-key'};
+    };
+    is($t->post('/completion', { prompt => 'warm up', n_predict => 1 },
+                headers => { 'X-Session-Id' => 'warmup', 'X-Tenant' => 'q' })
+       ->{status}, 200, 'tenants: the zone knows its backend');
+
+    my $quiet = { messages => [ { role => 'system',
+                                  content => 'The quiet tenant\'s assistant.' } ] };
+    my $k = $ask->('quiet', $quiet, 'Q: first');
+    is($ask->('quiet', $quiet, 'Q: second'), $k, 'the quiet tenant\'s conversation');
+
+    # the other tenant: sixty new conversations, each of its own
+    for my $i (1 .. 60) {
+        my $c = { messages => [ { role => 'system',
+                                  content => "Busy assistant $i." } ] };
+        $ask->('busy', $c, "B$i: hello");
+    }
+    is($ask->('quiet', $quiet, 'Q: third'), $k,
+       'after another tenant\'s sixty new conversations, the quiet tenant\'s '
+       . 'next turn is still its conversation');
+    $t->stop;
+}
+
 done_testing;
