@@ -210,6 +210,9 @@ typedef enum {
  */
 
 #define NGX_HTTP_LLAMA_SESSION_MSGS_MAX         128
+#define NGX_HTTP_LLAMA_SESSION_EXT_KEEP         4096  /* prefixes a request
+                                                         may extend, from
+                                                         its end */
 #define NGX_HTTP_LLAMA_SESSION_PREFIXES         3     /* 64, 512, 4096 */
 #define NGX_HTTP_LLAMA_SESSION_META_MAX         8192  /* a .json, bytes */
 
@@ -1043,8 +1046,12 @@ struct ngx_http_llama_session_ctx_s {
     unsigned                        spans_off:1;   /* p_*: offsets */
 
     /* the prompt's messages, and the session's previous prompt (miss.c) */
-    ngx_http_llama_session_msg_t   *msgs;
+    ngx_http_llama_session_msg_t   *msgs;       /* the first MSGS_MAX */
     ngx_uint_t                      nmsgs;
+    uint64_t                       *ext_d;      /* the digests of every
+                                                   message's prefix, the last
+                                                   EXT_KEEP of them (ext.c) */
+    ngx_uint_t                      ext_total;  /* messages in all */
     ngx_http_llama_session_msg_t   *prev;
     ngx_uint_t                      nprev;
     ngx_uint_t                      prev_tokens;

@@ -7,9 +7,11 @@
  * was given "sys-<its system prompt's digest>", and with the start of its
  * first message in the key, conversations that open alike (Qwen Code's
  * injected first exchange, an agent's fixed first task) shared one
- * session.  Now each such request's message list is summed up as a chain:
- * C(0) from the tenant, the model and the system prompt, C(i) from C(i-1)
- * and message i (its hash, length and role, miss.c's).  The zone keeps,
+ * session.  Now each such request's message list is summed up as chains:
+ * D(i), the digest of its first i + 1 messages, from D(i - 1) and message
+ * i (its hash, length and role, miss.c's, every message however many),
+ * and C(i) from D(i) and the tenant, the model and the system prompt; the
+ * last EXT_KEEP of them are kept while the request is read.  The zone keeps,
  * per conversation, the chains of its last two requests, each naming the
  * conversation's key.  A request belongs to the conversation whose kept
  * chain is the longest prefix of its own:
@@ -71,8 +73,7 @@ static void ngx_http_llama_session_ext_init(
 static uint64_t ngx_http_llama_session_ext_mix(uint64_t x);
 static uint64_t ngx_http_llama_session_ext_seed(u_char *ns, u_char *sys,
     u_char *model, size_t model_len);
-static uint64_t ngx_http_llama_session_ext_step(uint64_t prev,
-    ngx_http_llama_session_msg_t *m);
+static uint64_t ngx_http_llama_session_ext_chain(uint64_t seed, uint64_t d);
 static void ngx_http_llama_session_ext_insert_value(ngx_rbtree_node_t *temp,
     ngx_rbtree_node_t *node, ngx_rbtree_node_t *sentinel);
 static ngx_http_llama_session_ext_t *ngx_http_llama_session_ext_find(
@@ -129,22 +130,30 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx)
 {
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
-    size_t                          n;
+    size_t                          len;
     uint64_t                        seed, family, said, *chain;
     ngx_int_t                       i;
-    ngx_uint_t                      taken;
+    ngx_uint_t                      n, k, kept, taken;
     ngx_http_llama_session_ext_t   *e, *g, who;
     ngx_http_llama_session_zone_t  *zone;
 
     zone = ctx->zone;
 
-    if (!ctx->ext_fallback || zone == NULL || ctx->bind || ctx->nmsgs == 0
-        || !ctx->has_nsk)
+    if (!ctx->ext_fallback || zone == NULL || ctx->bind
+        || ctx->ext_total == 0 || !ctx->has_nsk)
     {
         return NGX_OK;
     }
 
-    chain = ngx_palloc(r->pool, ctx->nmsgs * sizeof(uint64_t));
+    /*
+     * the chains of the last EXT_KEEP prefixes (a request that extends a
+     * kept one by more messages than that is a new conversation)
+     */
+
+    n = ctx->ext_total;
+    kept = ngx_min(n, NGX_HTTP_LLAMA_SESSION_EXT_KEEP);
+
+    chain = ngx_palloc(r->pool, kept * sizeof(uint64_t));
     if (chain == NULL) {
         return NGX_ERROR;
     }
@@ -152,14 +161,15 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
     seed = ngx_http_llama_session_ext_seed(ctx->nsk, ctx->sys,
                                            ctx->model.data, ctx->model.len);
 
-    chain[0] = ngx_http_llama_session_ext_step(seed, &ctx->msgs[0]);
+    /* chain[k]: the prefix of n - kept + k + 1 messages */
 
-    for (i = 1; i < (ngx_int_t) ctx->nmsgs; i++) {
-        chain[i] = ngx_http_llama_session_ext_step(chain[i - 1],
-                                                   &ctx->msgs[i]);
+    for (k = 0; k < kept; k++) {
+        chain[k] = ngx_http_llama_session_ext_chain(seed,
+                       ctx->ext_d[(n - kept + k)
+                                  % NGX_HTTP_LLAMA_SESSION_EXT_KEEP]);
     }
 
-    ctx->ext_chain = chain[ctx->nmsgs - 1];
+    ctx->ext_chain = chain[kept - 1];
     ctx->ext_seed = seed;
 
     /* the last reply it echoes, if it has one (outside the lock) */
@@ -174,7 +184,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
     e = NULL;
 
-    for (i = ctx->nmsgs - 1; i >= 0; i--) {
+    for (i = kept - 1; i >= 0; i--) {
         e = ngx_http_llama_session_ext_find(zone->sh, chain[i]);
         if (e && e->kind == NGX_HTTP_LLAMA_SESSION_EXT_REQUEST) {
             break;
@@ -189,7 +199,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
         ngx_queue_remove(&e->lru);
         ngx_queue_insert_tail(&zone->sh->ext_lru, &e->lru);
 
-        if (i < (ngx_int_t) ctx->nmsgs - 1) {
+        if (i < (ngx_int_t) kept - 1) {
             /* a longer request: the one before the last is let go */
 
             if (e->parent) {
@@ -212,7 +222,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
         ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "llama_session: %ui messages extend %ui of a kept "
-                       "conversation's", ctx->nmsgs, (ngx_uint_t) i + 1);
+                       "conversation's", n, n - kept + (ngx_uint_t) i + 1);
 
         return ngx_http_llama_session_ext_named(r, ctx, &who);
     }
@@ -264,9 +274,9 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
         taken = 1;
 
         if (zone->sh->fp_known) {
-            n = ngx_http_llama_session_file_name(name, ctx->key,
+            len = ngx_http_llama_session_file_name(name, ctx->key,
                                                  ctx->key_len, zone->sh->fp);
-            taken = (ngx_http_llama_session_lookup_name(zone, name, n)
+            taken = (ngx_http_llama_session_lookup_name(zone, name, len)
                      != NULL);
         }
     }
@@ -294,7 +304,7 @@ ngx_http_llama_session_extension(ngx_http_request_t *r,
 
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "llama_session: a new conversation of its family: \"%V\""
-                   ", %ui messages", &ctx->id, ctx->nmsgs);
+                   ", %ui messages", &ctx->id, ctx->ext_total);
 
     return NGX_DECLINED;
 }
@@ -482,7 +492,7 @@ ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys, u_char *model,
     u_char                        buf[NGX_HTTP_LLAMA_SESSION_MSGS_MAX
                                       * sizeof(ngx_http_llama_session_msg_t)
                                       + 3];
-    uint64_t                      chain;
+    uint64_t                      d;
     ngx_str_t                     src, out;
     ngx_uint_t                    i, n;
     ngx_http_llama_session_msg_t  m;
@@ -504,16 +514,17 @@ ngx_http_llama_session_ext_saved(u_char *ns, u_char *sys, u_char *model,
 
     n = out.len / sizeof(ngx_http_llama_session_msg_t);
 
-    chain = ngx_http_llama_session_ext_seed(ns, sys, model, model_len);
+    d = NGX_HTTP_LLAMA_SESSION_EXT_D0;
 
     for (i = 0; i < n; i++) {
         /* the buffer is not aligned for the record */
         ngx_memcpy(&m, buf + i * sizeof(ngx_http_llama_session_msg_t),
                    sizeof(ngx_http_llama_session_msg_t));
-        chain = ngx_http_llama_session_ext_step(chain, &m);
+        d = ngx_http_llama_session_ext_step(d, &m);
     }
 
-    return chain;
+    return ngx_http_llama_session_ext_chain(
+               ngx_http_llama_session_ext_seed(ns, sys, model, model_len), d);
 }
 
 
@@ -695,7 +706,7 @@ ngx_http_llama_session_ext_seed(u_char *ns, u_char *sys, u_char *model,
 }
 
 
-static uint64_t
+uint64_t
 ngx_http_llama_session_ext_step(uint64_t prev,
     ngx_http_llama_session_msg_t *m)
 {
@@ -707,6 +718,19 @@ ngx_http_llama_session_ext_step(uint64_t prev,
     x = ngx_http_llama_session_ext_mix(x ^ ((uint64_t) m->role << 56));
 
     /* 0 means "none" */
+
+    return x ? x : 1;
+}
+
+
+/* a prefix's chain: its digest (ext_step()) under the request's seed */
+
+static uint64_t
+ngx_http_llama_session_ext_chain(uint64_t seed, uint64_t d)
+{
+    uint64_t  x;
+
+    x = ngx_http_llama_session_ext_mix(seed ^ d);
 
     return x ? x : 1;
 }

@@ -16,6 +16,12 @@
 #include <cjson/cJSON.h>
 
 
+/* the digest of no message (a prefix's digest: ext_step() of each) */
+#define NGX_HTTP_LLAMA_SESSION_EXT_D0  0x636861696e73ULL
+
+
+uint64_t ngx_http_llama_session_ext_step(uint64_t prev,
+    ngx_http_llama_session_msg_t *m);
 ngx_int_t ngx_http_llama_session_extension(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_ext_record(ngx_http_llama_session_ctx_t *ctx);

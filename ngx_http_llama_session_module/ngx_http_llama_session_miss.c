@@ -19,6 +19,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_ext.h"
 #include "ngx_http_llama_session_json.h"
 #include "ngx_http_llama_session_miss.h"
 #include "ngx_http_llama_session_sched.h"
@@ -34,7 +35,13 @@ static size_t  ngx_http_llama_session_cuts[NGX_HTTP_LLAMA_SESSION_PREFIXES] =
     { 64, 512, 4096 };
 
 
-/* the prompt's messages: Anthropic's system first, then "messages" */
+/*
+ * The prompt's messages: Anthropic's system first, then "messages".  The
+ * first MSGS_MAX of them are kept (what a later miss is explained by); of
+ * every one, however many, the digest of the prefix it ends (ext.c: a
+ * conversation without an id is known by the messages it extends), the
+ * last EXT_KEEP of them kept; memory bound whatever the body holds
+ */
 
 ngx_int_t
 ngx_http_llama_session_msgs(ngx_http_request_t *r,
@@ -42,11 +49,12 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
     ngx_http_llama_session_span_t *messages)
 {
     u_char                         *pos;
-    ngx_int_t                       rc;
+    uint64_t                        d, *dp;
     ngx_str_t                       names[2];
-    ngx_array_t                     a;
+    ngx_uint_t                      first, total;
+    ngx_array_t                     a, ds;
     ngx_http_llama_session_span_t   elt, fields[2];
-    ngx_http_llama_session_msg_t   *m;
+    ngx_http_llama_session_msg_t    m, *mp;
 
     static ngx_str_t  role = ngx_string("role");
     static ngx_str_t  content = ngx_string("content");
@@ -58,37 +66,33 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
         return NGX_OK;
     }
 
-    /*
-     * every message, however many: a conversation is chained over all of
-     * them (ext.c); a slot and a .json keep the first MSGS_MAX (miss())
-     */
-
     if (ngx_array_init(&a, r->pool, 16, sizeof(ngx_http_llama_session_msg_t))
-        != NGX_OK)
+        != NGX_OK
+        || ngx_array_init(&ds, r->pool, 16, sizeof(uint64_t)) != NGX_OK)
     {
         return NGX_ERROR;
     }
 
-    if (system && system->start) {
-        m = ngx_array_push(&a);
-        if (m == NULL) {
-            return NGX_ERROR;
-        }
+    d = NGX_HTTP_LLAMA_SESSION_EXT_D0;
+    total = 0;
+    first = 1;
 
-        ngx_http_llama_session_msg(m, system, NULL, system);
-        m->role = 's';
-    }
+    names[0] = role;
+    names[1] = content;
 
-    if (messages && messages->start && *messages->start == '[') {
-        names[0] = role;
-        names[1] = content;
+    pos = messages && messages->start && *messages->start == '['
+          ? messages->start : NULL;
 
-        pos = messages->start;
+    for ( ;; ) {
+        if (first && system && system->start) {
+            ngx_http_llama_session_msg(&m, system, NULL, system);
+            m.role = 's';
 
-        for ( ;; ) {
-            rc = ngx_http_llama_session_json_next(&pos, messages->end, &elt);
-
-            if (rc != NGX_OK) {
+        } else {
+            if (pos == NULL
+                || ngx_http_llama_session_json_next(&pos, messages->end, &elt)
+                   != NGX_OK)
+            {
                 break;
             }
 
@@ -99,22 +103,48 @@ ngx_http_llama_session_msgs(ngx_http_request_t *r,
                                                           names, fields, 2);
             }
 
-            m = ngx_array_push(&a);
-            if (m == NULL) {
-                return NGX_ERROR;
-            }
+            ngx_http_llama_session_msg(&m, &elt, &fields[0], &fields[1]);
 
-            ngx_http_llama_session_msg(m, &elt, &fields[0], &fields[1]);
-
-            if (m->role == 'a') {
+            if (m.role == 'a') {
                 /* the reply the client echoes: what ext.c knows it by */
                 ctx->ext_reply = elt;
             }
         }
+
+        first = 0;
+
+        if (a.nelts < NGX_HTTP_LLAMA_SESSION_MSGS_MAX) {
+            mp = ngx_array_push(&a);
+            if (mp == NULL) {
+                return NGX_ERROR;
+            }
+
+            *mp = m;
+        }
+
+        d = ngx_http_llama_session_ext_step(d, &m);
+
+        if (ds.nelts < NGX_HTTP_LLAMA_SESSION_EXT_KEEP) {
+            dp = ngx_array_push(&ds);
+            if (dp == NULL) {
+                return NGX_ERROR;
+            }
+
+            *dp = d;
+
+        } else {
+            /* a ring of the last EXT_KEEP */
+            ((uint64_t *) ds.elts)[total % NGX_HTTP_LLAMA_SESSION_EXT_KEEP]
+                = d;
+        }
+
+        total++;
     }
 
     ctx->msgs = a.elts;
     ctx->nmsgs = a.nelts;
+    ctx->ext_d = ds.elts;
+    ctx->ext_total = total;
 
     return NGX_OK;
 }
