@@ -86,6 +86,8 @@ struct ngx_http_llama_session_api_s {
     char                                *message;  /* a refusal's */
     char                                *allow;
 
+    cJSON                               *item;     /* the slot's, being done */
+
     /* the list's look at the folder, in a thread (store_sync_start()) */
     ngx_http_request_t                  *request;
     ngx_http_llama_session_io_t         *io;
@@ -1462,14 +1464,26 @@ ngx_http_llama_session_api_step(ngx_http_request_t *r,
         return (rc == NGX_DECLINED) ? NGX_OK : rc;
     }
 
-    item = cJSON_CreateObject();
-    if (item == NULL) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    if (api->item == NULL) {
+        item = cJSON_CreateObject();
+        if (item == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        cJSON_AddItemToArray(api->result, item);
+        api->item = item;
     }
 
-    cJSON_AddItemToArray(api->result, item);
+    rc = ngx_http_llama_session_api_done(r, api, api->item);
 
-    if (ngx_http_llama_session_api_done(r, api, item) != NGX_OK) {
+    if (rc == NGX_AGAIN) {
+        /* its save's commit runs in a thread */
+        return NGX_AGAIN;
+    }
+
+    api->item = NULL;
+
+    if (rc != NGX_OK) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
@@ -1582,6 +1596,20 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
 
     ctx = api->ctx;
     state = NGX_HTTP_LLAMA_SESSION_SLOT_SESSION;
+    rc = NGX_OK;
+
+    if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
+        /* the commit's file calls in a thread: NGX_AGAIN, here again */
+
+        rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                              NGX_HTTP_LLAMA_SESSION_SAVE_API,
+                                              ctx->job->out_key,
+                                              ctx->job->out_len,
+                                              &ctx->job->wait_ev);
+        if (rc == NGX_AGAIN) {
+            return NGX_AGAIN;
+        }
+    }
 
     if (cJSON_AddNumberToObject(item, "slot", api->slot) == NULL
         || cJSON_AddNumberToObject(item, "status", ctx->job->call_status)
@@ -1591,11 +1619,6 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     }
 
     if (api->route->op == NGX_HTTP_LLAMA_SESSION_API_SAVE) {
-
-        rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
-                                              NGX_HTTP_LLAMA_SESSION_SAVE_API,
-                                              ctx->job->out_key,
-                                              ctx->job->out_len, NULL);
 
         if (rc == NGX_DECLINED) {
             /* shared=on: the store holds another owner's newer state */
