@@ -348,6 +348,9 @@ typedef struct {
     off_t                           avail;      /* free on the store's file
                                                    system; NGX_MAX_OFF_T_VALUE:
                                                    unknown */
+    ngx_int_t                       base_rc;    /* its warm start's base's
+                                                   file, as rc above */
+    ngx_http_llama_session_fid_t    base_fid;
     unsigned                        valid:1;
 } ngx_http_llama_session_disk_t;
 

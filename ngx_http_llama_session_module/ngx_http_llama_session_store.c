@@ -110,6 +110,8 @@ static void ngx_http_llama_session_store_touch(
     ngx_log_t *log);
 static ngx_int_t ngx_http_llama_session_store_write_path(u_char *file,
     u_char *tmp, u_char *text, size_t len, ngx_uint_t access, ngx_log_t *log);
+static ngx_int_t ngx_http_llama_session_store_stat(u_char *path,
+    ngx_http_llama_session_fid_t *fid);
 static void ngx_http_llama_session_store_look_work(
     ngx_http_llama_session_io_t *io);
 static ssize_t ngx_http_llama_session_store_read(u_char *file, u_char *buf,
@@ -954,6 +956,7 @@ ngx_http_llama_session_found_cmp(const void *one, const void *two)
 typedef struct {
     u_char                          store[NGX_MAX_PATH];
     u_char                          bin[NGX_MAX_PATH];
+    u_char                          base[NGX_MAX_PATH]; /* "": none */
     u_char                          json[NGX_MAX_PATH];
     u_char                          meta[NGX_HTTP_LLAMA_SESSION_META_MAX];
     ngx_http_llama_session_disk_t   disk;
@@ -996,6 +999,14 @@ ngx_http_llama_session_store_look(ngx_http_request_t *r,
     ngx_snprintf(look->json, sizeof(look->json), "%V/%*s.json%Z",
                  &zone->store, n, name);
 
+    if (ctx->base_len) {
+        /* a warm start's base (warm.c), should the session start fresh */
+        n = ngx_http_llama_session_file_name(name, ctx->base_key,
+                                             ctx->base_len, ctx->job->fp);
+        ngx_snprintf(look->base, sizeof(look->base), "%V/%*s.bin%Z",
+                     &zone->store, n, name);
+    }
+
     io->work = ngx_http_llama_session_store_look_work;
 
     rc = ngx_http_llama_session_io_post(io, &ctx->job->wait_ev);
@@ -1018,6 +1029,35 @@ ngx_http_llama_session_store_look(ngx_http_request_t *r,
 }
 
 
+/* a regular file's identity: NGX_OK, NGX_DECLINED (none), NGX_ERROR */
+
+static ngx_int_t
+ngx_http_llama_session_store_stat(u_char *path,
+    ngx_http_llama_session_fid_t *fid)
+{
+    ngx_err_t        err;
+    ngx_file_info_t  fi;
+
+    ngx_memzero(fid, sizeof(ngx_http_llama_session_fid_t));
+
+    if (ngx_link_info(path, &fi) == NGX_FILE_ERROR) {
+        err = ngx_errno;
+        return (err == NGX_ENOENT || err == NGX_ENOTDIR) ? NGX_DECLINED
+                                                          : NGX_ERROR;
+    }
+
+    if (!ngx_is_file(&fi)) {
+        return NGX_DECLINED;
+    }
+
+    fid->uniq = ngx_file_uniq(&fi);
+    fid->size = ngx_file_size(&fi);
+    fid->mtime = ngx_file_mtime(&fi);
+
+    return NGX_OK;
+}
+
+
 /* in a thread */
 
 static void
@@ -1032,6 +1072,11 @@ ngx_http_llama_session_store_look_work(ngx_http_llama_session_io_t *io)
 
     /* the room for a save (store_room()) */
     look->disk.avail = ngx_fs_available(look->store);
+
+    look->disk.base_rc = look->base[0]
+                         ? ngx_http_llama_session_store_stat(look->base,
+                                                   &look->disk.base_fid)
+                         : NGX_ERROR;
 
     /* a regular file: a link is never restored (nor committed) */
 
@@ -1096,6 +1141,7 @@ ngx_http_llama_session_store_looked(ngx_http_request_t *r,
                                         "file (fresh, or as its slot holds "
                                         "it)");
         disk->rc = NGX_ERROR;
+        disk->base_rc = NGX_ERROR;
         disk->avail = NGX_MAX_OFF_T_VALUE;
         disk->valid = 1;
         return;
@@ -2784,10 +2830,14 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
          * orders this owner's next save of it against theirs
          */
 
-        if (key == ctx->key && ctx->job->disk.valid) {
+        if ((key == ctx->key || key == ctx->base_key)
+            && ctx->job->disk.valid)
+        {
             /* as the look before the swap found it (store_look()) */
-            rc = ctx->job->disk.rc;
-            fid = ctx->job->disk.fid;
+            rc = (key == ctx->key) ? ctx->job->disk.rc
+                                   : ctx->job->disk.base_rc;
+            fid = (key == ctx->key) ? ctx->job->disk.fid
+                                    : ctx->job->disk.base_fid;
 
         } else {
             rc = ngx_http_llama_session_store_fid(ctx->zone, ctx->job->fp,
@@ -2823,6 +2873,10 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
 
     if (key == ctx->key && ctx->job->disk.valid) {
         return ctx->job->disk.rc == NGX_OK;
+    }
+
+    if (key == ctx->base_key && ctx->job->disk.valid) {
+        return ctx->job->disk.base_rc == NGX_OK;
     }
 
     path = ngx_pnalloc(r->pool, store->len + len
