@@ -6,8 +6,9 @@
 # as a hard NFS mount waits for its server; the backend (the fake, as
 # root) reads and writes the folder beneath as before.  One worker, the
 # store's calls in nginx's thread pool (the default): while a swap, an
-# idle save and the API's list each wait on the store, a plain location of
-# the same worker answers within a second; each waiting request is
+# idle save, the API's list, a chat client's swap (its turn file read)
+# and a hit's check of a shared store each wait on the store, a plain
+# location of the same worker answers within a second; each waiting request is
 # answered at its bound (store_timeout=2s); once the store answers, the
 # calls left in their threads finish: the saves take their names, no
 # temporary file stays, a session restores from the file committed late.
@@ -214,6 +215,39 @@ sub nginx_with {
            'chat: cat\'s save takes its name once the store answers');
         ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
            'chat: no temporary file stays');
+    };
+    my $err = $@;
+    unmount($t, $mnt, $control);
+    $t->stop;
+    die $err if $err;
+}
+
+# 4. shared=on: a hit looks at the store for another owner's newer file
+# first; with the store silent it stays a hit, at its bound
+{
+    my $t = LlamaTest->new(workers => 1);
+    my ($root, $mnt, $control) = hung_store($t);
+    eval {
+        $t->fake(np => 1, slots => $root);
+        nginx_with($t, $mnt, 'shared=on');
+        is(ask($t, 'ann', 'first')->{status}, 200, 'shared: ann');
+        open my $fh, '>', $control or die;
+        close $fh;
+        my $h = $t->async_post('/completion', { prompt => 'ann: first again',
+                                               n_predict => 2 },
+                               headers => { 'X-Session-Id' => 'ann' });
+        sleep 0.3;
+        my ($ok, $worst) = pings($t, 5);
+        is($ok, 5, 'shared: while a hit\'s check waits on the store, /ping '
+                   . 'is answered');
+        cmp_ok($worst, '<', 1, sprintf('shared: within a second (%.3f s)',
+                                       $worst));
+        my $r = $t->async_wait($h, 30);
+        is($r->{status}, 200, 'shared: the hit is answered at its bound');
+        is($r->{headers}{'x-s-action'}, 'hit', 'shared: still a hit');
+        cmp_ok($r->{end} - $r->{start}, '<', 4,
+               sprintf('shared: in %.1f s', $r->{end} - $r->{start}));
+        unlink $control;
     };
     my $err = $@;
     unmount($t, $mnt, $control);
