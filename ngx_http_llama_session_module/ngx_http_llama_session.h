@@ -351,6 +351,8 @@ typedef struct {
     ngx_int_t                       base_rc;    /* its warm start's base's
                                                    file, as rc above */
     ngx_http_llama_session_fid_t    base_fid;
+    u_char                          fp[NGX_HTTP_LLAMA_SESSION_FP_LEN];
+                                                /* the names' fingerprint */
     unsigned                        valid:1;
 } ngx_http_llama_session_disk_t;
 

@@ -110,6 +110,8 @@ static void ngx_http_llama_session_store_touch(
     ngx_log_t *log);
 static ngx_int_t ngx_http_llama_session_store_write_path(u_char *file,
     u_char *tmp, u_char *text, size_t len, ngx_uint_t access, ngx_log_t *log);
+static ngx_uint_t ngx_http_llama_session_disk_ok(
+    ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_store_stat(u_char *path,
     ngx_http_llama_session_fid_t *fid);
 static void ngx_http_llama_session_store_look_work(
@@ -976,7 +978,8 @@ ngx_http_llama_session_store_look(ngx_http_request_t *r,
 
     zone = ctx->zone;
 
-    if (ctx->job->disk.valid || zone->store.len == 0 || ctx->default_session
+    if (ngx_http_llama_session_disk_ok(ctx) || zone->store.len == 0
+        || ctx->default_session
         || !ngx_http_llama_session_fingerprint(zone, ctx->job->fp))
     {
         return NGX_DECLINED;
@@ -1026,6 +1029,21 @@ ngx_http_llama_session_store_look(ngx_http_request_t *r,
     ngx_http_llama_session_store_looked(r, ctx);
 
     return NGX_DECLINED;
+}
+
+
+/*
+ * Does the look stand for the request's files?  Not once the backend's
+ * configuration changed since (a restart with another model: the names
+ * carry its fingerprint)
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_disk_ok(ngx_http_llama_session_ctx_t *ctx)
+{
+    return ctx->job->disk.valid
+           && ngx_memcmp(ctx->job->disk.fp, ctx->job->fp,
+                         NGX_HTTP_LLAMA_SESSION_FP_LEN) == 0;
 }
 
 
@@ -1143,12 +1161,14 @@ ngx_http_llama_session_store_looked(ngx_http_request_t *r,
         disk->rc = NGX_ERROR;
         disk->base_rc = NGX_ERROR;
         disk->avail = NGX_MAX_OFF_T_VALUE;
+        ngx_memcpy(disk->fp, ctx->job->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
         disk->valid = 1;
         return;
     }
 
     look = io->data;
     *disk = look->disk;
+    ngx_memcpy(disk->fp, ctx->job->fp, NGX_HTTP_LLAMA_SESSION_FP_LEN);
     disk->valid = 1;
 
     if (disk->avail != NGX_MAX_OFF_T_VALUE) {
@@ -1181,7 +1201,7 @@ ngx_http_llama_session_store_prev(ngx_http_request_t *r,
         return NGX_DECLINED;
     }
 
-    if (ctx->job->disk.valid) {
+    if (ngx_http_llama_session_disk_ok(ctx)) {
         /* as the look before the swap read it (store_look()) */
         buf = ctx->job->disk.meta;
         n = ctx->job->disk.meta_len;
@@ -2725,7 +2745,7 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
 
     min = (zone->min_free >= 0) ? zone->min_free : 0;
 
-    if (ctx->job->disk.valid && !failed) {
+    if (ngx_http_llama_session_disk_ok(ctx) && !failed) {
         /* as the look before the swap saw it, in a thread */
         avail = ctx->job->disk.avail;
 
@@ -2831,7 +2851,7 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
          */
 
         if ((key == ctx->key || key == ctx->base_key)
-            && ctx->job->disk.valid)
+            && ngx_http_llama_session_disk_ok(ctx))
         {
             /* as the look before the swap found it (store_look()) */
             rc = (key == ctx->key) ? ctx->job->disk.rc
@@ -2871,11 +2891,11 @@ ngx_http_llama_session_store_has_file(ngx_http_request_t *r,
         return 1;
     }
 
-    if (key == ctx->key && ctx->job->disk.valid) {
+    if (key == ctx->key && ngx_http_llama_session_disk_ok(ctx)) {
         return ctx->job->disk.rc == NGX_OK;
     }
 
-    if (key == ctx->base_key && ctx->job->disk.valid) {
+    if (key == ctx->base_key && ngx_http_llama_session_disk_ok(ctx)) {
         return ctx->job->disk.base_rc == NGX_OK;
     }
 
@@ -2970,7 +2990,7 @@ ngx_http_llama_session_store_newer(ngx_http_request_t *r,
         return 0;
     }
 
-    if (disk->valid) {
+    if (ngx_http_llama_session_disk_ok(ctx)) {
         /* as the look before it found it (store_look()) */
         if (disk->rc != NGX_OK) {
             return 0;
@@ -2997,7 +3017,7 @@ ngx_http_llama_session_store_newer(ngx_http_request_t *r,
      * prompt (a later turn; its own idle save of an older turn is not)
      */
 
-    if (disk->valid) {
+    if (ngx_http_llama_session_disk_ok(ctx)) {
         ngx_memzero(&f, sizeof(ngx_http_llama_session_found_t));
 
         if (disk->meta) {
