@@ -6,7 +6,8 @@
 # configuration.  Arguments, what is to be built:
 #
 #   VERSION   nginx VERSION for make test NGINX_VERSION=VERSION
-#             (1.26.*: Debian 13 "trixie"; 1.22.*: Debian 12 "bookworm")
+#             (1.26.*: Debian 13 "trixie"; 1.22.*: Debian 12 "bookworm";
+#             1.30.*, 1.31.*: nginx.org's, from ../shared/nginx/, nothing)
 #   asan      the machine's own nginx source package, for make asan
 #
 # Nothing is done for a source package the cache holds already, nor when
@@ -67,6 +68,10 @@ for what in "$@"; do
                 1.26.*) suite=trixie ;;
                 1.22.*) suite=bookworm ;;
             esac ;;
+        1.30.*|1.31.*)
+            # nginx.org's lines: rig/build-nginx.sh builds them from the
+            # source trees in ../shared/nginx/, no apt source needed
+            continue ;;
         *)
             log "no Debian source package known for nginx $what"
             exit 1 ;;

@@ -386,9 +386,15 @@ sub stop_proc {
 
     kill $sig // 'TERM', $pid;
 
+    # what the process left in its group goes with it: the fake backend's
+    # per-connection children would otherwise go on answering on
+    # connections nginx keeps alive, as a restarted llama-server does not
     my $end = time + 10;
     while (time < $end) {
-        return if waitpid($pid, WNOHANG) != 0;
+        if (waitpid($pid, WNOHANG) != 0) {
+            kill 'KILL', -$pid;
+            return;
+        }
         sleep 0.05;
     }
 
