@@ -11,14 +11,17 @@ SHELL := /bin/bash
 #                   of the nginx source package to build (make deps-src)
 #   make rig        build llama-server and the test model (cached)
 #   make test       build + rig + prove (NGINX_VERSION=1.26.3: against
-#                   that nginx, built from Debian's source)
+#                   that nginx, built from Debian's source; 1.30.4, 1.31.4:
+#                   nginx.org's, from ../shared/nginx/), then the tests that
+#                   matter against the next llama.cpp and nginx.org's stable
 #   make demo       run llama-server + nginx with the module and show it
 #   make bench      the benchmarks (docs/benchmarks.md)
 #   make soak       t/40-soak.t with SOAK_REQUESTS (10000) requests
 #   make asan       nginx 1.22.1 from Debian's source with AddressSanitizer
 #   make test-asan  the suite under that nginx
 #   make test-valgrind  the suite with nginx under valgrind
-#   make deb        the Debian package, in build/deb/
+#   make deb        the Debian package, in build/deb/ (DEBIAN=trixie:
+#                   Debian 13's, built in a Debian 13 root)
 #   make clean
 
 NGINX_SRC   ?= /usr/share/nginx/src
@@ -27,7 +30,7 @@ MODULE      := objs/ngx_http_llama_session_module.so
 SOURCES     := config $(wildcard ngx_http_llama_session_module/*.[ch])
 CFLAGS_EXTRA := -Wall -Wextra -Wno-unused-parameter -Werror
 DEB_PACKAGES := nginx nginx-dev libcjson-dev libssl-dev openssl python3-numpy perl prometheus \
-                debhelper lintian \
+                debhelper lintian debootstrap \
                 dpkg-dev python3-fusepy fuse3 libfuse2
 # command:package, installed when the command is missing (npm may come
 # with a nodejs of another origin)
@@ -36,7 +39,8 @@ DEB_COMMANDS := cmake:cmake git:git npm:npm curl:curl cc:build-essential \
                 systemd-analyze:systemd
 PROVE_FLAGS ?= -v
 
-.PHONY: all deps deps-packages deps-src nodebug rig rig-next test test-next demo \
+.PHONY: all deps deps-packages deps-src nodebug rig rig-next rig-stable \
+        test test-next test-stable demo \
         bench soak asan \
         test-asan test-valgrind deb clean
 
@@ -122,19 +126,41 @@ NEXT_TESTS ?= t/10-sessions.t t/92-reprime.t t/39-templates.t t/50-warm.t \
               t/86-miss.t t/96-anthropic.t t/99-bases.t t/102-ram-tier.t \
               t/103-ram-equal.t
 
+# nginx.org's newest stable line (rig/build-nginx.sh, from ../shared/nginx/,
+# cached): built by make rig-stable, the real-backend tests that matter run
+# against it by make test (test-stable; NGINX_STABLE= skips both): sessions,
+# the store, re-prime, warm starts, Anthropic, the RAM tier, a hung store,
+# the configuration's checks
+NGINX_STABLE ?= 1.30.4
+STABLE_TESTS ?= t/00-config.t t/01-proxy.t t/10-sessions.t t/20-store.t \
+                t/50-warm.t t/92-reprime.t t/96-anthropic.t \
+                t/102-ram-tier.t t/105-store-hang.t
+
+rig-stable: deps
+	@$(if $(strip $(NGINX_STABLE)),rig/build-nginx.sh $(NGINX_STABLE) \
+	    >/dev/null,:)
+
 rig-next: deps
 	@$(if $(strip $(LLAMA_NEXT)),NODE_LLAMA_CPP=$(LLAMA_NEXT) \
 	    rig/build-llama-server.sh,:)
 
 # NGINX_VERSION=1.26.3: the suite against that nginx, built from Debian's
 # source package with the module (rig/build-nginx.sh, cached)
-test: deps $(MODULE) $(MODULE_NODEBUG) rig rig-next
+test: deps $(MODULE) $(MODULE_NODEBUG) rig rig-next rig-stable
 	@if [ -n "$(NGINX_VERSION)" ]; then \
 	    eval "$$(rig/build-nginx.sh $(NGINX_VERSION))"; \
 	    export NGINX_BINARY NGINX_MODULE; \
 	    echo "testing against $$NGINX_BINARY"; \
 	fi; \
-	prove $(PROVE_FLAGS) t/ && $(MAKE) --no-print-directory test-next
+	prove $(PROVE_FLAGS) t/ && $(MAKE) --no-print-directory test-next \
+	    && $(MAKE) --no-print-directory test-stable
+
+# the tests of STABLE_TESTS against nginx.org's stable NGINX_STABLE
+test-stable: deps rig rig-stable
+	@$(if $(strip $(NGINX_STABLE)),eval "$$(rig/build-nginx.sh \
+	    $(NGINX_STABLE))" && export NGINX_BINARY NGINX_MODULE \
+	    && echo "testing against nginx $(NGINX_STABLE): $$NGINX_BINARY" \
+	    && prove $(PROVE_FLAGS) $(STABLE_TESTS),:)
 
 # the tests of NEXT_TESTS against llama.cpp of node-llama-cpp LLAMA_NEXT
 test-next: deps $(MODULE) rig rig-next
@@ -171,17 +197,32 @@ test-valgrind: deps $(MODULE) rig
 	TEST_NGINX_VALGRIND=1 prove $(PROVE_FLAGS) t/
 
 # the Debian package libnginx-mod-http-llama-session (debian/, dh_nginx),
-# built from a copy of the tree into build/deb/, then lintian's report
+# built from a copy of the tree into build/deb/, then lintian's report.
+# DEBIAN=trixie: for Debian 13's nginx, built and linted in a Debian 13
+# root (rig/debian-root.sh, cached) into build/deb-trixie/
+DEB_DIR := build/deb$(if $(DEBIAN),-$(DEBIAN))
+
 deb: deps
-	rm -rf build/deb && mkdir -p build/deb/src
+	rm -rf $(DEB_DIR) && mkdir -p $(DEB_DIR)/src
 	tar -cf - --exclude=./objs --exclude=./objs.configure.log \
 	    --exclude=./objs-nodebug --exclude=./objs-nodebug.configure.log \
 	    --exclude=./build --exclude=./.git --exclude=./bench/results . \
-	    | tar -xf - -C build/deb/src
-	cd build/deb/src && dpkg-buildpackage -us -uc -b > ../build.log 2>&1 \
+	    | tar -xf - -C $(DEB_DIR)/src
+ifeq ($(DEBIAN),)
+	cd $(DEB_DIR)/src && dpkg-buildpackage -us -uc -b > ../build.log 2>&1 \
 	    || { tail -n 40 ../build.log; exit 1; }
-	lintian --info build/deb/*.changes | tee build/deb/lintian.log
-	@ls build/deb/*.deb
+	lintian --info $(DEB_DIR)/*.changes | tee $(DEB_DIR)/lintian.log
+else
+	root=$$(rig/debian-root.sh $(DEBIAN)) && rm -rf "$$root/build" \
+	    && mkdir "$$root/build" && cp -a $(DEB_DIR)/src "$$root/build/src" \
+	    && { chroot "$$root" sh -c 'cd /build/src && dpkg-buildpackage \
+	             -us -uc -b' > $(DEB_DIR)/build.log 2>&1 \
+	         || { tail -n 40 $(DEB_DIR)/build.log; exit 1; }; } \
+	    && cp "$$root"/build/*.deb "$$root"/build/*.changes $(DEB_DIR)/ \
+	    && chroot "$$root" sh -c 'lintian --info /build/*.changes' \
+	       | tee $(DEB_DIR)/lintian.log
+endif
+	@ls $(DEB_DIR)/*.deb
 
 clean:
 	rm -rf objs objs.configure.log objs-nodebug objs-nodebug.configure.log build

@@ -144,9 +144,8 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_props(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_TURN:
-        if (ctx->job->io
-            && !((ngx_http_llama_session_io_t *) ctx->job->io)->done
-            && (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted))
+        if (ngx_http_llama_session_io_pending(ctx->job->io,
+                                              &ctx->job->wait_ev))
         {
             return NGX_AGAIN;
         }
@@ -155,9 +154,8 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_save(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_LOOK:
-        if (ctx->job->io
-            && !((ngx_http_llama_session_io_t *) ctx->job->io)->done
-            && (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted))
+        if (ngx_http_llama_session_io_pending(ctx->job->io,
+                                              &ctx->job->wait_ev))
         {
             return NGX_AGAIN;
         }
@@ -197,9 +195,8 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
 
     case NGX_HTTP_LLAMA_SESSION_ST_SAVE:
         if (!ctx->job->call_done
-            || (ctx->job->io
-                && !((ngx_http_llama_session_io_t *) ctx->job->io)->done
-                && (ctx->job->wait_ev.timer_set || ctx->job->wait_ev.posted)))
+            || ngx_http_llama_session_io_pending(ctx->job->io,
+                                                 &ctx->job->wait_ev))
         {
             /* the save, then its commit in a thread (store_commit()) */
             return NGX_AGAIN;
@@ -994,8 +991,7 @@ ngx_http_llama_session_files(ngx_http_request_t *r,
         if (ctx->job->slot_recent
             && (ngx_msec_int_t) (ctx->job->quiet_until - ngx_current_msec)
                <= 0
-            && ngx_http_llama_session_ram_keeps(ctx)
-            && ngx_http_llama_session_ram_take(ctx))
+            && ngx_http_llama_session_ram_take(ctx, 1))
         {
             /*
              * out of llama-server's RAM cache: the slot ran a request of
@@ -1199,7 +1195,7 @@ ngx_http_llama_session_checked(ngx_http_request_t *r,
         ctx->job->ram = 0;
 
         if (ctx->job->slot_tokens > 0
-            && ngx_http_llama_session_ram_take(ctx))
+            && ngx_http_llama_session_ram_take(ctx, 0))
         {
             /*
              * the slot holds another session, idle: the pinned completion

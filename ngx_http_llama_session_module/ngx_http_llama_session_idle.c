@@ -54,6 +54,8 @@ static ngx_int_t ngx_http_llama_session_idle_start(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_ctx_t *probe,
     ngx_uint_t stop, ngx_log_t *log);
 static void ngx_http_llama_session_idle_resume(ngx_http_request_t *r);
+static void ngx_http_llama_session_idle_went(ngx_http_request_t *r,
+    ngx_http_llama_session_idle_t *idle, ngx_int_t rc);
 static void ngx_http_llama_session_idle_checked(ngx_http_request_t *r,
     ngx_http_llama_session_idle_t *idle);
 static void ngx_http_llama_session_idle_saved(ngx_http_request_t *r,
@@ -449,7 +451,6 @@ ngx_http_llama_session_idle_start(ngx_http_llama_session_zone_t *zone,
 static void
 ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
 {
-    ngx_int_t                       rc;
     ngx_http_llama_session_idle_t  *idle;
 
     idle = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
@@ -461,28 +462,17 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
     if (idle->ctx.job->state == NGX_HTTP_LLAMA_SESSION_ST_TURN) {
         /* the slot's turn file, read in a thread (reprime.c) */
 
-        if (idle->ctx.job->io
-            && !((ngx_http_llama_session_io_t *) idle->ctx.job->io)->done
-            && (idle->ctx.job->wait_ev.timer_set
-                || idle->ctx.job->wait_ev.posted))
+        if (ngx_http_llama_session_io_pending(idle->ctx.job->io,
+                                              &idle->ctx.job->wait_ev))
         {
             return;
         }
 
         r->write_event_handler = ngx_http_llama_session_idle_resume;
 
-        rc = ngx_http_llama_session_save(r, &idle->ctx);
-
-        if (rc == NGX_AGAIN) {
-            return;
-        }
-
-        if (rc == NGX_DONE) {
-            /* gave way to a request of the session: no failure */
-            idle->failed = 0;
-        }
-
-        ngx_http_llama_session_job_close(r);
+        ngx_http_llama_session_idle_went(r, idle,
+                                         ngx_http_llama_session_save(
+                                             r, &idle->ctx));
         return;
     }
 
@@ -500,22 +490,32 @@ ngx_http_llama_session_idle_resume(ngx_http_request_t *r)
     if (idle->ctx.job->state == NGX_HTTP_LLAMA_SESSION_ST_REPRIME) {
         r->write_event_handler = ngx_http_llama_session_idle_resume;
 
-        rc = ngx_http_llama_session_reprime_next(r, &idle->ctx);
-
-        if (rc == NGX_AGAIN) {
-            return;
-        }
-
-        if (rc == NGX_DONE) {
-            /* gave way to a request of the session: no failure */
-            idle->failed = 0;
-        }
-
-        ngx_http_llama_session_job_close(r);
+        ngx_http_llama_session_idle_went(r, idle,
+                                         ngx_http_llama_session_reprime_next(
+                                             r, &idle->ctx));
         return;
     }
 
     ngx_http_llama_session_idle_saved(r, idle);
+}
+
+
+/* a step of the save through the request path (save(), reprime_next()) */
+
+static void
+ngx_http_llama_session_idle_went(ngx_http_request_t *r,
+    ngx_http_llama_session_idle_t *idle, ngx_int_t rc)
+{
+    if (rc == NGX_AGAIN) {
+        return;
+    }
+
+    if (rc == NGX_DONE) {
+        /* gave way to a request of the session: no failure */
+        idle->failed = 0;
+    }
+
+    ngx_http_llama_session_job_close(r);
 }
 
 

@@ -154,6 +154,20 @@ ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,
 
 
 /*
+ * Is the waiter's call still running, within its bound?  Its wake event
+ * is set (the bound's timer) or posted until the call is done or the
+ * bound passed.
+ */
+
+ngx_uint_t
+ngx_http_llama_session_io_pending(ngx_http_llama_session_io_t *io,
+    ngx_event_t *wake)
+{
+    return io != NULL && !io->done && (wake->timer_set || wake->posted);
+}
+
+
+/*
  * The waiter goes on without the call (its bound passed: "what" says what
  * it does instead; or its request ended: NULL); the call finishes in its
  * thread and is cleaned up then.

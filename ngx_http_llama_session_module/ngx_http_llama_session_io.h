@@ -47,6 +47,8 @@ ngx_http_llama_session_io_t *ngx_http_llama_session_io_create(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log, size_t size);
 ngx_int_t ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,
     ngx_event_t *wake);
+ngx_uint_t ngx_http_llama_session_io_pending(ngx_http_llama_session_io_t *io,
+    ngx_event_t *wake);
 void ngx_http_llama_session_io_leave(ngx_http_llama_session_io_t *io,
     ngx_log_t *log, const char *what);
 void ngx_http_llama_session_io_free(ngx_http_llama_session_io_t *io);

@@ -328,43 +328,18 @@ ngx_http_llama_session_ram_room_locked(ngx_http_llama_session_zone_t *zone,
 
 
 /*
- * May the session come out of RAM with no save of the one leaving, and
- * no look at the slot first?
- */
-
-ngx_uint_t
-ngx_http_llama_session_ram_keeps(ngx_http_llama_session_ctx_t *ctx)
-{
-    ngx_int_t                     i;
-    ngx_uint_t                    room;
-    ngx_http_llama_session_sh_t  *sh;
-
-    sh = ctx->zone->sh;
-
-    ngx_shmtx_lock(&ctx->zone->shpool->mutex);
-
-    i = ngx_http_llama_session_ram_find_locked(sh, ctx->key, ctx->key_len);
-    room = ngx_http_llama_session_ram_room_locked(ctx->zone,
-                                                &sh->slots[ctx->job->slot], i);
-
-    ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
-
-    return room == NGX_HTTP_LLAMA_SESSION_RAM_KEEP
-           || (room == NGX_HTTP_LLAMA_SESSION_RAM_NONE
-               && !ctx->job->save_pending);
-}
-
-
-/*
  * The slot is idle (GET /slots said so, or it ran a request of the
  * module within a second): the session comes out of the model
  * (llama-server moves its entry into the slot); save_pending stays for
  * a leaving session that RAM may not keep.  0: the entry went meanwhile,
- * or what leaves would push it out: the file path.
+ * or what leaves would push it out: the file path.  "unsaved": the
+ * session that leaves gets no save before, so only where RAM keeps it as
+ * it is (no look at the slot first either: handler.c's fast path).
  */
 
 ngx_uint_t
-ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
+ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx,
+    ngx_uint_t unsaved)
 {
     ngx_int_t                     i;
     ngx_uint_t                    room;
@@ -384,8 +359,15 @@ ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
     room = ngx_http_llama_session_ram_room_locked(ctx->zone,
                                                 &sh->slots[ctx->job->slot], i);
 
-    if (room == NGX_HTTP_LLAMA_SESSION_RAM_OUT) {
-        /* what leaves would push it out of RAM first: the file path */
+    if (room == NGX_HTTP_LLAMA_SESSION_RAM_OUT
+        || (unsaved && room != NGX_HTTP_LLAMA_SESSION_RAM_KEEP
+            && (room != NGX_HTTP_LLAMA_SESSION_RAM_NONE
+                || ctx->job->save_pending)))
+    {
+        /*
+         * what leaves would push it out of RAM first, or needs a save
+         * the caller does not make: the file path
+         */
         ngx_shmtx_unlock(&ctx->zone->shpool->mutex);
         return 0;
     }
@@ -410,7 +392,7 @@ ngx_http_llama_session_ram_take(ngx_http_llama_session_ctx_t *ctx)
  * A session without a file takes a slot that holds another: with the RAM
  * tier no erase, the request runs on the slot as it is and llama-server
  * moves what it held to RAM (it reuses no more of it than the tokens both
- * share); no save either, but of a session RAM may not keep (ram_keeps).
+ * share); no save either, but of a session RAM may not keep.
  */
 
 ngx_uint_t

@@ -20,10 +20,8 @@ void ngx_http_llama_session_ram_reset_locked(
     ngx_http_llama_session_zone_t *zone);
 ngx_uint_t ngx_http_llama_session_ram_swap(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
-ngx_uint_t ngx_http_llama_session_ram_keeps(
-    ngx_http_llama_session_ctx_t *ctx);
 ngx_uint_t ngx_http_llama_session_ram_take(
-    ngx_http_llama_session_ctx_t *ctx);
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t unsaved);
 ngx_uint_t ngx_http_llama_session_ram_fresh(
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx);

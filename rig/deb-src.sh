@@ -94,9 +94,10 @@ for suite in $(printf '%s\n' "${suites[@]}" | sort -u); do
         # sources only: nothing of the other release gets installed
         list=/etc/apt/sources.list.d/llama-session-$suite-src.sources
         log "adding Debian $suite's source packages to apt ($list)"
+        uri=$("$(dirname "$0")/debian-mirror.sh")
         cat >"$list" <<EOS
 Types: deb-src
-URIs: http://deb.debian.org/debian
+URIs: $uri
 Suites: $suite
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg

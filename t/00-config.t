@@ -27,6 +27,36 @@ close $fh;
 my $out = `$nginx -q -t -p $dir/ -c $dir/load.conf -e $dir/t.log -g 'pid $dir/t.pid;' 2>&1`;
 is($?, 0, 'the module loads into nginx') or diag $out;
 
+# a module built for another nginx (the rig's nginx.org stable, or any in
+# the cache: make rig-stable): nginx -t names both versions
+my ($ver) = `$nginx -v 2>&1` =~ m{nginx/(\d+\.\d+\.\d+)};
+my $cache = $ENV{LLAMA_RIG_CACHE} // '/var/cache/llama-session-rig';
+my ($other) = grep { m{/nginx-(\d+\.\d+\.\d+)/objs/} && $1 ne $ver }
+              glob("$cache/nginx-*/nginx-*/objs/ngx_http_llama_session_module.so");
+SKIP: {
+    skip 'no module built for another nginx in the cache: make rig-stable', 1
+        unless $other;
+    my ($ov) = $other =~ m{/nginx-(\d+\.\d+\.\d+)/objs/};
+    my $num = sub { my @v = split /\./, $_[0]; $v[0] * 1000000 + $v[1] * 1000 + $v[2] };
+    open $fh, '>', "$dir/other.conf" or die;
+    print $fh "load_module $other;\nevents {}\n";
+    close $fh;
+    $out = `$nginx -q -t -p $dir/ -c $dir/other.conf -e $dir/t.log -g 'pid $dir/t.pid;' 2>&1`;
+    like($out, qr/module "\Q$other\E" version ${\ $num->($ov)} instead of ${\ $num->($ver)}/,
+         "a module built for nginx $ov: nginx -t says which version it is for (docs/install.md)");
+}
+
+# the README's first screen: its configuration as a newcomer copies it
+my $readme = $t->read_file("$LlamaTest::ROOT/README.md");
+my ($first) = $readme =~ m{```nginx\n(.*?)```}s;
+ok($first && $first =~ /llama_session_zone/ && $first =~ /llama_session llama;/,
+   'the README starts with the configuration that matters');
+$first =~ s{/var/lib/llama-session}{$dir/first-store}g;
+LlamaTest::slots_dir("$dir/first-store");
+$first =~ s{listen 443 ssl;}{listen 127.0.0.1:%%PORT%%;};
+my ($frc, $fmsg) = $t->nginx_test($first);
+is($frc, 0, 'nginx -t accepts the README\'s first configuration') or diag $fmsg;
+
 # the example configuration, with the built module
 my $example = $t->read_file("$LlamaTest::ROOT/examples/nginx.conf");
 $example =~ s{/usr/lib/nginx/modules/ngx_http_llama_session_module\.so}{$module};

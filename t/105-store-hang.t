@@ -95,193 +95,175 @@ sub nginx_with {
                   location /api/ { llama_session_api llama; }'));
 }
 
-# 1. threads (the default)
-{
+# one block: a worker, the fake backend on the store's root folder, nginx
+# on its mount with the zone's PARAMS; the mount and the servers go even
+# when the block dies
+sub with_hung_store {
+    my ($params, $code) = @_;
     my $t = LlamaTest->new(workers => 1);
     my ($root, $mnt, $control) = hung_store($t);
     eval {
         $t->fake(np => 1, slots => $root);
-        nginx_with($t, $mnt, '');
-
-        is(ask($t, 'ann', 'first')->{status}, 200, 'ann: a first turn');
-
-        # the store stops answering the workers
-        open my $fh, '>', $control or die;
-        close $fh;
-
-        # a swap: bob's look at the store and ann's commit wait on it
-        my $h = $t->async_post('/completion', { prompt => 'bob: first',
-                                               n_predict => 2 },
-                               headers => { 'X-Session-Id' => 'bob' });
-        sleep 0.3;
-        my ($ok, $worst) = pings($t, 5);
-        is($ok, 5, 'while a swap waits on the store, /ping is answered');
-        cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
-        my $r = $t->async_wait($h, 30);
-        is($r->{status}, 200, 'the swap is answered once its calls\' '
-                              . 'bounds passed');
-        ok($t->log_lines(qr/the store of zone "llama" did not answer within store_timeout=2000/),
-           'the log says the store did not answer, and what went on without it');
-        ok(!glob("$root/ann-*.bin"), 'ann\'s save is not committed while '
-                                      . 'the store hangs');
-
-        # the API's list: the index as it is, at its bound
-        my $hl = $t->async_get('/api/sessions');
-        sleep 0.3;
-        ($ok, $worst) = pings($t, 4);
-        is($ok, 4, 'while the API\'s list waits on the store, /ping is answered');
-        cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
-        my $l = $t->async_wait($hl, 20);
-        is($l->{status}, 200, 'the list is answered, the index as it is');
-        cmp_ok($l->{end} - $l->{start}, '<', 4,
-               sprintf('at its bound at most (%.1f s: at once when a look '
-                       . 'at the folder already waits)',
-                       $l->{end} - $l->{start}));
-
-        # bob's slot changed: its idle save (save_idle=1s) waits on the store
-        ok($t->wait_for(sub {
-               $t->log_lines(qr/the save is not committed yet/) >= 2 }, 15),
-           'bob\'s idle save waited on the store too');
-        ($ok, $worst) = pings($t, 3);
-        is($ok, 3, 'and /ping is answered meanwhile');
-        cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
-
-        # the store answers again: what waited in its threads finishes
-        unlink $control;
-        ok($t->wait_for(sub { glob("$root/ann-*.bin")
-                              && glob("$root/bob-*.bin") }, 10),
-           'the store answers: ann\'s and bob\'s saves take their names');
-        ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
-           'no temporary file stays');
-        ok($t->log_lines(qr/the store of zone "llama" answered after \d+ ms, its request went on without it/),
-           'the log says the calls ended late');
-
-        $r = ask($t, 'ann', 'second');
-        is($r->{status}, 200, 'ann returns');
-        is($r->{headers}{'x-s-action'}, 'restore',
-           'from the file committed late');
-        cmp_ok($r->{json}{timings}{cache_n} // 0, '>', 0,
-               'with its state (cache_n ' . ($r->{json}{timings}{cache_n} // 0)
-               . ')');
-
-        my $m = $t->get('/api/sessions');
-        is($m->{status}, 200, 'the API lists again at once');
-        ok($t->wait_for(sub {
-               ($t->get('/metrics')->{content} // '')
-                   =~ /nginx_llama_session_store_timeouts_total\{zone="llama"\} [1-9]/ }, 5)
-           || $t->log_lines(qr/did not answer within/),
-           'counted');
+        nginx_with($t, $mnt, $params);
+        $code->($t, $root, $mnt, $control);
     };
     my $err = $@;
     unmount($t, $mnt, $control);
     $t->stop;
     die $err if $err;
 }
+
+# 1. threads (the default)
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+
+    is(ask($t, 'ann', 'first')->{status}, 200, 'ann: a first turn');
+
+    # the store stops answering the workers
+    open my $fh, '>', $control or die;
+    close $fh;
+
+    # a swap: bob's look at the store and ann's commit wait on it
+    my $h = $t->async_post('/completion', { prompt => 'bob: first',
+                                           n_predict => 2 },
+                           headers => { 'X-Session-Id' => 'bob' });
+    sleep 0.3;
+    my ($ok, $worst) = pings($t, 5);
+    is($ok, 5, 'while a swap waits on the store, /ping is answered');
+    cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
+    my $r = $t->async_wait($h, 30);
+    is($r->{status}, 200, 'the swap is answered once its calls\' '
+                          . 'bounds passed');
+    ok($t->log_lines(qr/the store of zone "llama" did not answer within store_timeout=2000/),
+       'the log says the store did not answer, and what went on without it');
+    ok(!glob("$root/ann-*.bin"), 'ann\'s save is not committed while '
+                                  . 'the store hangs');
+
+    # the API's list: the index as it is, at its bound
+    my $hl = $t->async_get('/api/sessions');
+    sleep 0.3;
+    ($ok, $worst) = pings($t, 4);
+    is($ok, 4, 'while the API\'s list waits on the store, /ping is answered');
+    cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
+    my $l = $t->async_wait($hl, 20);
+    is($l->{status}, 200, 'the list is answered, the index as it is');
+    cmp_ok($l->{end} - $l->{start}, '<', 4,
+           sprintf('at its bound at most (%.1f s: at once when a look '
+                   . 'at the folder already waits)',
+                   $l->{end} - $l->{start}));
+
+    # bob's slot changed: its idle save (save_idle=1s) waits on the store
+    ok($t->wait_for(sub {
+           $t->log_lines(qr/the save is not committed yet/) >= 2 }, 15),
+       'bob\'s idle save waited on the store too');
+    ($ok, $worst) = pings($t, 3);
+    is($ok, 3, 'and /ping is answered meanwhile');
+    cmp_ok($worst, '<', 1, sprintf('within a second (%.3f s)', $worst));
+
+    # the store answers again: what waited in its threads finishes
+    unlink $control;
+    ok($t->wait_for(sub { glob("$root/ann-*.bin")
+                          && glob("$root/bob-*.bin") }, 10),
+       'the store answers: ann\'s and bob\'s saves take their names');
+    ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
+       'no temporary file stays');
+    ok($t->log_lines(qr/the store of zone "llama" answered after \d+ ms, its request went on without it/),
+       'the log says the calls ended late');
+
+    $r = ask($t, 'ann', 'second');
+    is($r->{status}, 200, 'ann returns');
+    is($r->{headers}{'x-s-action'}, 'restore',
+       'from the file committed late');
+    cmp_ok($r->{json}{timings}{cache_n} // 0, '>', 0,
+           'with its state (cache_n ' . ($r->{json}{timings}{cache_n} // 0)
+           . ')');
+
+    my $m = $t->get('/api/sessions');
+    is($m->{status}, 200, 'the API lists again at once');
+    ok($t->wait_for(sub {
+           ($t->get('/metrics')->{content} // '')
+               =~ /nginx_llama_session_store_timeouts_total\{zone="llama"\} [1-9]/ }, 5)
+       || $t->log_lines(qr/did not answer within/),
+       'counted');
+});
 
 # 3. a chat client's swap: its turn file (written in a thread after each
 # reply) is read in a thread before the save's re-prime; the swap waits
 # its bounds (look, turn, commit), /ping does not
-{
-    my $t = LlamaTest->new(workers => 1);
-    my ($root, $mnt, $control) = hung_store($t);
-    eval {
-        $t->fake(np => 1, slots => $root);
-        nginx_with($t, $mnt, '');
-        my $chat = sub {
-            my ($id, $text) = @_;
-            return $t->post('/v1/chat/completions',
-                            { messages => [ { role => 'user',
-                                              content => "$id: $text" } ] },
-                            headers => { 'X-Session-Id' => $id });
-        };
-        is($chat->('cat', 'first')->{status}, 200, 'chat: cat\'s turn');
-        ok($t->wait_for(sub { glob("$root/.turn.*") }, 5),
-           'chat: its turn file is written');
-        open my $fh, '>', $control or die;
-        close $fh;
-        my $h = $t->async_post('/v1/chat/completions',
-                               { messages => [ { role => 'user',
-                                                 content => 'dog: first' } ] },
-                               headers => { 'X-Session-Id' => 'dog' });
-        sleep 0.3;
-        my ($ok, $worst) = pings($t, 8);
-        is($ok, 8, 'chat: while the swap waits on the store, /ping is answered');
-        cmp_ok($worst, '<', 1, sprintf('chat: within a second (%.3f s)', $worst));
-        is($t->async_wait($h, 30)->{status}, 200, 'chat: the swap is answered');
-        ok($t->log_lines(qr/did not answer within store_timeout=2000 \(\d+ ms\): the session is saved without a re-prime/),
-           'chat: the turn file\'s read had its bound');
-        unlink $control;
-        ok($t->wait_for(sub { glob("$root/cat-*.bin") }, 10),
-           'chat: cat\'s save takes its name once the store answers');
-        ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
-           'chat: no temporary file stays');
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    my $chat = sub {
+        my ($id, $text) = @_;
+        return $t->post('/v1/chat/completions',
+                        { messages => [ { role => 'user',
+                                          content => "$id: $text" } ] },
+                        headers => { 'X-Session-Id' => $id });
     };
-    my $err = $@;
-    unmount($t, $mnt, $control);
-    $t->stop;
-    die $err if $err;
-}
+    is($chat->('cat', 'first')->{status}, 200, 'chat: cat\'s turn');
+    ok($t->wait_for(sub { glob("$root/.turn.*") }, 5),
+       'chat: its turn file is written');
+    open my $fh, '>', $control or die;
+    close $fh;
+    my $h = $t->async_post('/v1/chat/completions',
+                           { messages => [ { role => 'user',
+                                             content => 'dog: first' } ] },
+                           headers => { 'X-Session-Id' => 'dog' });
+    sleep 0.3;
+    my ($ok, $worst) = pings($t, 8);
+    is($ok, 8, 'chat: while the swap waits on the store, /ping is answered');
+    cmp_ok($worst, '<', 1, sprintf('chat: within a second (%.3f s)', $worst));
+    is($t->async_wait($h, 30)->{status}, 200, 'chat: the swap is answered');
+    ok($t->log_lines(qr/did not answer within store_timeout=2000 \(\d+ ms\): the session is saved without a re-prime/),
+       'chat: the turn file\'s read had its bound');
+    unlink $control;
+    ok($t->wait_for(sub { glob("$root/cat-*.bin") }, 10),
+       'chat: cat\'s save takes its name once the store answers');
+    ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
+       'chat: no temporary file stays');
+});
 
 # 4. shared=on: a hit looks at the store for another owner's newer file
 # first; with the store silent it stays a hit, at its bound
-{
-    my $t = LlamaTest->new(workers => 1);
-    my ($root, $mnt, $control) = hung_store($t);
-    eval {
-        $t->fake(np => 1, slots => $root);
-        nginx_with($t, $mnt, 'shared=on');
-        is(ask($t, 'ann', 'first')->{status}, 200, 'shared: ann');
-        open my $fh, '>', $control or die;
-        close $fh;
-        my $h = $t->async_post('/completion', { prompt => 'ann: first again',
-                                               n_predict => 2 },
-                               headers => { 'X-Session-Id' => 'ann' });
-        sleep 0.3;
-        my ($ok, $worst) = pings($t, 5);
-        is($ok, 5, 'shared: while a hit\'s check waits on the store, /ping '
-                   . 'is answered');
-        cmp_ok($worst, '<', 1, sprintf('shared: within a second (%.3f s)',
-                                       $worst));
-        my $r = $t->async_wait($h, 30);
-        is($r->{status}, 200, 'shared: the hit is answered at its bound');
-        is($r->{headers}{'x-s-action'}, 'hit', 'shared: still a hit');
-        cmp_ok($r->{end} - $r->{start}, '<', 4,
-               sprintf('shared: in %.1f s', $r->{end} - $r->{start}));
-        unlink $control;
-    };
-    my $err = $@;
-    unmount($t, $mnt, $control);
-    $t->stop;
-    die $err if $err;
-}
+with_hung_store('shared=on', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    is(ask($t, 'ann', 'first')->{status}, 200, 'shared: ann');
+    open my $fh, '>', $control or die;
+    close $fh;
+    my $h = $t->async_post('/completion', { prompt => 'ann: first again',
+                                           n_predict => 2 },
+                           headers => { 'X-Session-Id' => 'ann' });
+    sleep 0.3;
+    my ($ok, $worst) = pings($t, 5);
+    is($ok, 5, 'shared: while a hit\'s check waits on the store, /ping '
+               . 'is answered');
+    cmp_ok($worst, '<', 1, sprintf('shared: within a second (%.3f s)',
+                                   $worst));
+    my $r = $t->async_wait($h, 30);
+    is($r->{status}, 200, 'shared: the hit is answered at its bound');
+    is($r->{headers}{'x-s-action'}, 'hit', 'shared: still a hit');
+    cmp_ok($r->{end} - $r->{start}, '<', 4,
+           sprintf('shared: in %.1f s', $r->{end} - $r->{start}));
+    unlink $control;
+});
 
 # 2. thread_pool=off: the calls in the event loop, a plain location of the
 # worker waits for the store (what the threads are for)
-{
-    my $t = LlamaTest->new(workers => 1);
-    my ($root, $mnt, $control) = hung_store($t);
-    eval {
-        $t->fake(np => 1, slots => $root);
-        nginx_with($t, $mnt, 'thread_pool=off');
-        is(ask($t, 'ann', 'first')->{status}, 200, 'off: ann');
-        open my $fh, '>', $control or die;
-        close $fh;
-        my $h = $t->async_post('/completion', { prompt => 'bob: first',
-                                               n_predict => 2 },
-                               headers => { 'X-Session-Id' => 'bob' });
-        sleep 0.5;
-        my $p = $t->async_get('/ping');
-        sleep 2;
-        ok(!$t->async_done($p), 'off: /ping waits while the store hangs');
-        unlink $control;
-        is($t->async_wait($p, 20)->{status}, 200,
-           'off: and is answered once it answers');
-        is($t->async_wait($h, 20)->{status}, 200, 'off: so is the swap');
-    };
-    my $err = $@;
-    unmount($t, $mnt, $control);
-    $t->stop;
-    die $err if $err;
-}
+with_hung_store('thread_pool=off', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    is(ask($t, 'ann', 'first')->{status}, 200, 'off: ann');
+    open my $fh, '>', $control or die;
+    close $fh;
+    my $h = $t->async_post('/completion', { prompt => 'bob: first',
+                                           n_predict => 2 },
+                           headers => { 'X-Session-Id' => 'bob' });
+    sleep 0.5;
+    my $p = $t->async_get('/ping');
+    sleep 2;
+    ok(!$t->async_done($p), 'off: /ping waits while the store hangs');
+    unlink $control;
+    is($t->async_wait($p, 20)->{status}, 200,
+       'off: and is answered once it answers');
+    is($t->async_wait($h, 20)->{status}, 200, 'off: so is the swap');
+});
 
 done_testing;
