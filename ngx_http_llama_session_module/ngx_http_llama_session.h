@@ -21,7 +21,7 @@
 
 
 #define NGX_HTTP_LLAMA_SESSION_MAGIC       0x6c6c736dU  /* "llsm" */
-#define NGX_HTTP_LLAMA_SESSION_VERSION     12
+#define NGX_HTTP_LLAMA_SESSION_VERSION     13
 
 #define NGX_HTTP_LLAMA_SESSION_KEY_MAX     80
 #define NGX_HTTP_LLAMA_SESSION_SAFE_MAX    32
@@ -269,6 +269,9 @@ typedef struct {
                                                    reply; 0: unknown */
     u_char                          sys_most;   /* its system prompt is
                                                    half its body or more */
+    uint32_t                        crc;        /* crc32 of key, 0: none;
+                                                   read without the lock
+                                                   (balance.c) */
 
     /*
      * the last prompt of the session in it (its first MSGS_MAX messages),
@@ -303,6 +306,8 @@ typedef struct {
                                                    token, 0: unknown */
     u_short                         key_len;    /* 0: "default" */
     u_char                          dirty;      /* newer than its file */
+    uint32_t                        crc;        /* crc32 of key, 0: none
+                                                   (balance.c) */
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
 } ngx_http_llama_session_ram_t;
 
@@ -553,6 +558,10 @@ typedef struct {
                                                    files saved: a save's
                                                    size, ahead */
     ngx_http_llama_session_cost_t   cost;
+    ngx_atomic_uint_t               turn_ms;    /* a client's hold of a
+                                                   slot, averaged: what a
+                                                   turn waits per turn
+                                                   ahead (balance.c) */
 
     /* router mode: this zone's model */
     ngx_msec_t                      model_used; /* its last request */
@@ -708,6 +717,9 @@ typedef struct {
 
 typedef struct {
     ngx_array_t                     zones;      /* zone pointers */
+    ngx_array_t                     owners;     /* servers with a zone
+                                                   (balance.c) */
+    ngx_array_t                     balances;   /* upstreams balanced */
 } ngx_http_llama_session_main_conf_t;
 
 

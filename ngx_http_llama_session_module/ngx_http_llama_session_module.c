@@ -9,6 +9,7 @@
 
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_api.h"
+#include "ngx_http_llama_session_balance.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_handler.h"
@@ -120,6 +121,13 @@ static ngx_command_t  ngx_http_llama_session_commands[] = {
       NGX_HTTP_MAIN_CONF|NGX_CONF_1MORE,
       ngx_http_llama_session_zone,
       NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("llama_session_balance"),
+      NGX_HTTP_UPS_CONF|NGX_CONF_ANY,
+      ngx_http_llama_session_balance,
+      0,
       0,
       NULL },
 
@@ -1352,9 +1360,10 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_llama_session_loc_conf_t *llcf = conf;
 
-    ngx_str_t                       *value;
-    ngx_uint_t                       i, j;
-    ngx_http_llama_session_zone_t   *zone, **zp;
+    ngx_str_t                           *value;
+    ngx_uint_t                           i, j;
+    ngx_http_llama_session_zone_t       *zone, **zp;
+    ngx_http_llama_session_main_conf_t  *lmcf;
 
     if (llcf->enable != NGX_CONF_UNSET) {
         return "is duplicate";
@@ -1393,6 +1402,16 @@ ngx_http_llama_session(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     }
 
     if (cf->args->nelts == 2 && llcf->zone->model.len == 0) {
+        /* an owner, for an upstream's llama_session_balance */
+        lmcf = ngx_http_conf_get_module_main_conf(cf,
+                                              ngx_http_llama_session_module);
+
+        if (ngx_http_llama_session_balance_owner(cf, lmcf, llcf->zone)
+            != NGX_OK)
+        {
+            return NGX_CONF_ERROR;
+        }
+
         return NGX_CONF_OK;
     }
 

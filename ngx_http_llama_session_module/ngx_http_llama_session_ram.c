@@ -95,6 +95,7 @@ ngx_http_llama_session_ram_drop_locked(ngx_http_llama_session_sh_t *sh,
 {
     sh->ram_bytes -= e->bytes;
     e->seq = 0;
+    e->crc = 0;
 }
 
 
@@ -530,6 +531,7 @@ ngx_http_llama_session_ram_leave(ngx_http_llama_session_ctx_t *ctx)
     e->dirty = slot->dirty;
     e->key_len = slot->saveable ? slot->key_len : 0;
     ngx_memcpy(e->key, slot->key, e->key_len);
+    e->crc = e->key_len ? slot->crc : 0;
 
     sh->ram_bytes += bytes;
     sh->stats.ram_stored++;

@@ -770,6 +770,7 @@ ngx_http_llama_session_slot_forget(ngx_http_llama_session_zone_t *zone,
     slot->held = 0;
     slot->state = (u_char) state;
     slot->key_len = 0;
+    slot->crc = 0;
     slot->has_ns = 0;
     slot->dirty = 0;
     slot->saveable = 0;
@@ -1172,6 +1173,7 @@ ngx_http_llama_session_slot_set(ngx_http_llama_session_zone_t *zone,
         ngx_memcpy(slot->key, key, len);
         slot->key_len = (u_short) len;
         slot->saveable = !ask->unnamed;
+        slot->crc = slot->saveable ? ngx_crc32_long(key, len) : 0;
         slot->dirty = (u_char) dirty;
 
         /* the slot's content starts with this base's system prompt */
@@ -1198,6 +1200,7 @@ void
 ngx_http_llama_session_release(ngx_http_llama_session_zone_t *zone,
     ngx_http_llama_session_job_t *job, ngx_uint_t state)
 {
+    ngx_msec_t                      held;
     ngx_http_llama_session_slot_t  *slot;
 
     if (!job->acquired || job->released) {
@@ -1240,6 +1243,11 @@ ngx_http_llama_session_release(ngx_http_llama_session_zone_t *zone,
         /* a request's use (not an idle save's, nor the API's) */
         slot->last_used = ngx_current_msec;
         slot->used_at = ngx_time();
+
+        /* how long a turn holds a slot, for the balancer's queue */
+        held = ngx_current_msec - slot->taken_at;
+        zone->sh->turn_ms = zone->sh->turn_ms
+                            ? (7 * zone->sh->turn_ms + held) / 8 : held;
     }
 
     ngx_shmtx_unlock(&zone->shpool->mutex);
