@@ -136,9 +136,16 @@ STABLE_TESTS ?= t/00-config.t t/01-proxy.t t/10-sessions.t t/20-store.t \
                 t/50-warm.t t/92-reprime.t t/96-anthropic.t \
                 t/102-ram-tier.t t/105-store-hang.t
 
+NGINX_SOURCES ?= $(abspath $(CURDIR)/../shared/nginx)
+export NGINX_SOURCES
+STABLE_SOURCE = $(NGINX_SOURCES)/nginx-$(NGINX_STABLE).tar.gz
+
 rig-stable: deps
-	@$(if $(strip $(NGINX_STABLE)),rig/build-nginx.sh $(NGINX_STABLE) \
-	    >/dev/null,:)
+	@if [ -z "$(NGINX_STABLE)" ]; then :; \
+	elif [ ! -f "$(STABLE_SOURCE)" ]; then \
+	    echo "rig-stable: no $(STABLE_SOURCE): nginx $(NGINX_STABLE)" \
+	         "not built, its tests are skipped (NGINX_SOURCES=)"; \
+	else rig/build-nginx.sh $(NGINX_STABLE) >/dev/null; fi
 
 rig-next: deps
 	@$(if $(strip $(LLAMA_NEXT)),NODE_LLAMA_CPP=$(LLAMA_NEXT) \
@@ -157,10 +164,12 @@ test: deps $(MODULE) $(MODULE_NODEBUG) rig rig-next rig-stable
 
 # the tests of STABLE_TESTS against nginx.org's stable NGINX_STABLE
 test-stable: deps rig rig-stable
-	@$(if $(strip $(NGINX_STABLE)),eval "$$(rig/build-nginx.sh \
-	    $(NGINX_STABLE))" && export NGINX_BINARY NGINX_MODULE \
+	@if [ -n "$(NGINX_STABLE)" ] && [ -f "$(STABLE_SOURCE)" ]; then \
+	    eval "$$(rig/build-nginx.sh $(NGINX_STABLE))" \
+	    && export NGINX_BINARY NGINX_MODULE \
 	    && echo "testing against nginx $(NGINX_STABLE): $$NGINX_BINARY" \
-	    && prove $(PROVE_FLAGS) $(STABLE_TESTS),:)
+	    && prove $(PROVE_FLAGS) $(STABLE_TESTS); \
+	fi
 
 # the tests of NEXT_TESTS against llama.cpp of node-llama-cpp LLAMA_NEXT
 test-next: deps $(MODULE) rig rig-next

@@ -57,8 +57,14 @@ request.  Results: a table on stdout and JSON (--out).
           (shared=on), and least_conn with it; returning turns' time to
           first token, hit/restore/fresh, and the tokens each owner held
           and prefilled (--only fleet)
+14. balance four owners of two slots over one store, twenty sessions
+          (four hot, three of one home), the same seeded schedule on
+          each side: hash consistent, least_conn, llama_session_balance,
+          and the balancer without residency; returning turns' time to
+          first token, hits, re-prefills, in-flight and prefilled tokens
+          per owner, max over mean (--only balance, BENCH_SEEDS=1,2,3)
 
-usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning,fleet] [--quick]
+usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning,fleet,balance] [--quick]
 """
 
 import argparse
@@ -1956,13 +1962,214 @@ def bench_clients(work, quick):
     return results
 
 
+# 14. balance: where a session's state is and how loaded each owner is -------
+
+def balance_key(sid, system, first):
+    """the module's session key of a chat whose messages start with this
+    system prompt and first user message (body.c; t/lib LlamaTest's
+    session_key)"""
+    inp = b'\0\0' + sid.encode()
+    inp += b'\0s' + hashlib.sha256(system.encode()).digest()[:8]
+    head = json.dumps('user').encode() + b'\0' + first.encode()[:256]
+    inp += b'\0h' + hashlib.sha256(head).digest()[:8]
+    safe = ''.join(c if c.isalnum() or c in '_-' else '_' for c in sid[:32])
+    return safe + '-' + hashlib.sha256(inp).hexdigest()[:24]
+
+
+def balance_ring(ports):
+    """nginx's "hash ... consistent" ring over 127.0.0.1:port servers, 160
+    points each: sorted (hash, server index)"""
+    import zlib
+    ring = []
+    for i, port in enumerate(ports):
+        base = zlib.crc32(('127.0.0.1\0%d' % port).encode())
+        prev = 0
+        for _ in range(160):
+            h = zlib.crc32(prev.to_bytes(4, 'little'), base)
+            ring.append((h, i))
+            prev = h
+    ring.sort()
+    return ring
+
+
+def balance_home(ring, key):
+    import bisect
+    import zlib
+    k = bisect.bisect_left(ring, (zlib.crc32(key.encode()), -1))
+    return ring[k % len(ring)][1]
+
+
+def bench_balance(work, quick):
+    """four owners of two slots over one store (shared=on), a front on the
+    same nginx; twenty sessions, four hot (long, short thinks, three of
+    them of one home: the hash's worst case) and sixteen cold; the same
+    seeded schedule and owner addresses on every side: hash consistent,
+    least_conn, llama_session_balance, and the balancer ignoring residency
+    (plain bounded loads).  Per side: returning turns' time to first token,
+    hits, restores and re-prefills, in-flight turns per owner (busiest over
+    mean, time-averaged over 100 ms samples with any load), tokens
+    prefilled per owner (max over mean).  BENCH_SEEDS: seeds (1)"""
+    import random
+    import threading
+    nback = 4
+    seeds = [int(x) for x in os.environ.get('BENCH_SEEDS', '1').split(',')]
+    hot_turns, cold_turns = (6, 2) if quick else (12, 4)
+    hot_tok, cold_tok = (768, (192, 384)) if quick else (1536, (256, 768))
+    sides = [('hash', 'hash $llama_session_key consistent'),
+             ('least_conn', 'least_conn'),
+             ('balance', 'llama_session_balance'),
+             ('bounded', 'llama_session_balance residency=off')]
+    ports = [free_port() for _ in range(nback)]
+    ring = balance_ring(ports)
+    system = filler('sys', 200)
+    res = {'owners': nback, 'slots': 2, 'seeds': seeds}
+    ctx = 2 * (hot_tok * 3 + 1024)
+
+    for seed in seeds:
+        rng = random.Random(seed)
+        res[seed] = {}
+        for side, balance in sides:
+            folder = os.path.join(work, 'balance-%s' % side)
+            os.makedirs(folder, exist_ok=True)
+            llamas = [Llama(work, 'balance-%s-%d' % (side, i), ctx, np=2,
+                            slots=folder) for i in range(nback)]
+            ngx, port = fleet_nginx(
+                work, 'nginx-balance-%s' % side, llamas, lambda i: folder,
+                ' slots=2 shared=on save_idle=300ms', balance, ports)
+
+            # the sessions, the same on every side of a seed
+            srng = random.Random(seed)
+            words = {}
+
+            def nwords(n):
+                if n not in words:
+                    words[n] = words_for(llamas[0].port, n, 'bw')
+                return words[n]
+
+            sessions, byhome, i = [], {}, 0
+            while len([x for x in sessions if x['hot']]) < 4:
+                sid = 'bal-%d-h%d' % (seed, i)
+                first = filler('h%dw' % i, nwords(hot_tok)) + ' Q1?'
+                home = balance_home(ring, balance_key(sid, system, first))
+                byhome.setdefault(home, []).append((sid, first))
+                i += 1
+                three = [h for h in byhome if len(byhome[h]) >= 3]
+                if three and not [x for x in sessions if x['hot']]:
+                    for sid3, first3 in byhome[three[0]][:3]:
+                        sessions.append({'sid': sid3, 'first': first3,
+                                         'hot': True, 'home': three[0]})
+                elif len([x for x in sessions if x['hot']]) == 3:
+                    other = [h for h in byhome if h != sessions[0]['home']]
+                    if other:
+                        sid1, first1 = byhome[other[0]][0]
+                        sessions.append({'sid': sid1, 'first': first1,
+                                         'hot': True, 'home': other[0]})
+            for c in range(16):
+                sid = 'bal-%d-c%d' % (seed, c)
+                n = srng.randint(*cold_tok)
+                sessions.append({'sid': sid, 'hot': False,
+                                 'first': filler('c%dw' % c, nwords(n))
+                                 + ' Q1?'})
+            for x in sessions:
+                x['thinks'] = [srng.uniform(0.3, 0.8) if x['hot']
+                               else srng.uniform(3.0, 8.0)
+                               for _ in range(hot_turns if x['hot']
+                                              else cold_turns)]
+                x['msgs'] = [{'role': 'system', 'content': system},
+                             {'role': 'user', 'content': x['first']}]
+
+            rec, kinds, fill, spans = [], {}, {}, []
+            lock = threading.Lock()
+            redo = [0]
+
+            def turn(x, rnd, timed):
+                msgs = x['msgs']
+                if rnd:
+                    msgs.append({'role': 'user', 'content':
+                                 'Q%d? %s' % (rnd + 1, filler('q', 8))})
+                t0 = time.time()
+                ttft, text, cache_n, prompt, _, hdrs = chat_turn(
+                    port, msgs, x['sid'], 4, {'temperature': 0})
+                t1 = time.time()
+                msgs.append({'role': 'assistant', 'content': text})
+                h = {k.lower(): v for k, v in hdrs.items()}
+                b = h.get('x-backend', '?')
+                with lock:
+                    fill[b] = fill.get(b, 0) + prompt - (cache_n or 0)
+                    if timed:
+                        rec.append(ttft)
+                        spans.append((t0, t1, b))
+                        k = h.get('x-s-action', '?')
+                        kinds[k] = kinds.get(k, 0) + 1
+                        if (cache_n or 0) < 0.9 * prompt:
+                            redo[0] += 1
+
+            # first turns before the clock, one at a time
+            for x in sessions:
+                turn(x, 0, False)
+            time.sleep(1)
+            fill.clear()
+
+            def client(x):
+                for rnd, think in enumerate(x['thinks'], 1):
+                    time.sleep(think)
+                    turn(x, rnd, True)
+
+            th = [threading.Thread(target=client, args=(x,))
+                  for x in sessions]
+            for t in th:
+                t.start()
+            for t in th:
+                t.join()
+
+            # in flight per owner, sampled every 100 ms
+            lo = min(a for a, _, _ in spans)
+            hi = max(b for _, b, _ in spans)
+            ratios, t = [], lo
+            while t < hi:
+                load = [sum(1 for a, b, o in spans
+                            if a <= t < b and o == 'o%d' % k)
+                        for k in range(nback)]
+                if sum(load):
+                    ratios.append(max(load) / (sum(load) / float(nback)))
+                t += 0.1
+            pre = [fill.get('o%d' % k, 0) for k in range(nback)]
+            n = len(rec)
+            r = {'p50': median(rec), 'p95': p95(rec), 'samples': n,
+                 'kinds': kinds,
+                 'hit_share': kinds.get('hit', 0) / float(n),
+                 'reprefill_share': redo[0] / float(n),
+                 'inflight_max_over_mean':
+                     sum(ratios) / len(ratios) if ratios else None,
+                 'prefilled': pre,
+                 'prefilled_max_over_mean':
+                     max(pre) / (sum(pre) / float(nback)) if sum(pre)
+                     else None}
+            res[seed][side] = r
+            print('balance seed %d %-10s p50 / p95 %s / %s s; hits %.0f %%, '
+                  're-prefilled %.0f %% (%s); in flight busiest/mean %.2f; '
+                  'prefilled max/mean %.2f (%s)'
+                  % (seed, side, fmt(r['p50']), fmt(r['p95']),
+                     100 * r['hit_share'], 100 * r['reprefill_share'],
+                     ', '.join('%s %d' % kv for kv in sorted(kinds.items())),
+                     r['inflight_max_over_mean'] or 0,
+                     r['prefilled_max_over_mean'] or 0,
+                     '/'.join(str(v) for v in pre)))
+            sys.stdout.flush()
+            ngx.stop()
+            for ll in llamas:
+                ll.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'results',
                                                   'latest.json'))
     ap.add_argument('--only',
                     default='ttft,swap,hit,scale,warm,team,oneslot,models,'
-                            'kvq,clients,fleet,returning,budget')
+                            'kvq,clients,fleet,returning,budget,balance')
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--full', action='store_true',
                     help='the whole grid: 2, 4, 8 sessions of 8k and 16k '
