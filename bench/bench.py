@@ -2078,7 +2078,7 @@ def bench_balance(work, quick):
                 x['msgs'] = [{'role': 'system', 'content': system},
                              {'role': 'user', 'content': x['first']}]
 
-            rec, kinds, fill, spans = [], {}, {}, []
+            rec, kinds, fill, spans, bykind = [], {}, {}, [], {}
             lock = threading.Lock()
             redo = [0]
 
@@ -2101,6 +2101,7 @@ def bench_balance(work, quick):
                         spans.append((t0, t1, b))
                         k = h.get('x-s-action', '?')
                         kinds[k] = kinds.get(k, 0) + 1
+                        bykind.setdefault(k, []).append(ttft)
                         if (cache_n or 0) < 0.9 * prompt:
                             redo[0] += 1
 
@@ -2122,25 +2123,29 @@ def bench_balance(work, quick):
             for t in th:
                 t.join()
 
-            # in flight per owner, sampled every 100 ms
+            # in flight per owner, sampled every 100 ms: each owner's
+            # average over the run, the busiest over their mean
             lo = min(a for a, _, _ in spans)
             hi = max(b for _, b, _ in spans)
-            ratios, t = [], lo
+            avg, t, nsamples = [0.0] * nback, lo, 0
             while t < hi:
-                load = [sum(1 for a, b, o in spans
-                            if a <= t < b and o == 'o%d' % k)
-                        for k in range(nback)]
-                if sum(load):
-                    ratios.append(max(load) / (sum(load) / float(nback)))
+                for a, b, o in spans:
+                    if a <= t < b:
+                        avg[int(o[1:])] += 1
+                nsamples += 1
                 t += 0.1
+            avg = [x / nsamples for x in avg]
             pre = [fill.get('o%d' % k, 0) for k in range(nback)]
             n = len(rec)
             r = {'p50': median(rec), 'p95': p95(rec), 'samples': n,
                  'kinds': kinds,
                  'hit_share': kinds.get('hit', 0) / float(n),
                  'reprefill_share': redo[0] / float(n),
+                 'inflight': avg,
                  'inflight_max_over_mean':
-                     sum(ratios) / len(ratios) if ratios else None,
+                     max(avg) / (sum(avg) / float(nback)) if sum(avg)
+                     else None,
+                 'p50_by_kind': {k: median(v) for k, v in bykind.items()},
                  'prefilled': pre,
                  'prefilled_max_over_mean':
                      max(pre) / (sum(pre) / float(nback)) if sum(pre)
@@ -2148,13 +2153,15 @@ def bench_balance(work, quick):
             res[seed][side] = r
             print('balance seed %d %-10s p50 / p95 %s / %s s; hits %.0f %%, '
                   're-prefilled %.0f %% (%s); in flight busiest/mean %.2f; '
-                  'prefilled max/mean %.2f (%s)'
+                  'prefilled max/mean %.2f (%s); p50 by kind %s'
                   % (seed, side, fmt(r['p50']), fmt(r['p95']),
                      100 * r['hit_share'], 100 * r['reprefill_share'],
                      ', '.join('%s %d' % kv for kv in sorted(kinds.items())),
                      r['inflight_max_over_mean'] or 0,
                      r['prefilled_max_over_mean'] or 0,
-                     '/'.join(str(v) for v in pre)))
+                     '/'.join(str(v) for v in pre),
+                     ', '.join('%s %s' % (k, fmt(v)) for k, v
+                               in sorted(r['p50_by_kind'].items()))))
             sys.stdout.flush()
             ngx.stop()
             for ll in llamas:
