@@ -136,22 +136,32 @@ sleep 3;
 $t->llama(name => 'd', ctx => 8192, slots => "$dir/slots");
 push @owners, 'd';
 reload();
-my (@to_d, @stay);
-@bad = ();
-for my $sid (@sessions) {
-    my $was = $backend{$sid};
-    my $r = turn($sid);
-    if ($r->{backend} eq 'd') {
-        push @to_d, $sid;
-        push @bad, "$sid on d: $r->{action}, $r->{cached} cached of "
-                   . "$r->{prompt} (it had $prev{$sid} on $was)"
-            if $r->{action} ne 'restore' || $r->{cached} < 0.9 * $r->{prompt}
-               || $r->{cached} < $prev{$sid};
-    } elsif ($r->{backend} ne $was) {
-        push @bad, "$sid moved from $was to $r->{backend}, not to d";
+my @to_d;
+for my $try (1 .. 3) {
+    @bad = ();
+    for my $sid (@sessions) {
+        my $was = $backend{$sid};
+        my $r = turn($sid);
+        if ($r->{backend} eq 'd') {
+            push @to_d, $sid;
+            push @bad, "$sid on d: $r->{action}, $r->{cached} cached of "
+                       . "$r->{prompt} (it had $prev{$sid} on $was)"
+                if $r->{action} ne 'restore'
+                   || $r->{cached} < 0.9 * $r->{prompt}
+                   || $r->{cached} < $prev{$sid};
+        } elsif ($r->{backend} ne $was && $was ne 'd') {
+            # (from d on its former port: where the ring puts it now)
+            push @bad, "$sid moved from $was to $r->{backend}, not to d";
+        }
+        $backend{$sid} = $r->{backend};
+        $prev{$sid} = $r->{prompt};
     }
-    $backend{$sid} = $r->{backend};
-    $prev{$sid} = $r->{prompt};
+    last if @to_d;
+    # d's share of the ring depends on its port (about 1 in 100 ports
+    # gives it none of 16 sessions): d on another port
+    diag "the ring gave d no session on port $t->{owner_port}{d}";
+    delete $t->{owner_port}{d};
+    reload();
 }
 cmp_ok(scalar @to_d, '>=', 1, 'the ring gives d ' . @to_d . ' sessions');
 is_deeply(\@bad, [], 'they restore on d, the others stay')
