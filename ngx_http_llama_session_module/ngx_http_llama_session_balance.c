@@ -10,8 +10,10 @@
  * without their locks (each slot's and RAM entry's key crc, busy slots,
  * waiters, a turn's average hold) and sends the turn
  *
- *   1. to the owner that holds the session in a slot, while its load
- *      (in flight and waiting) is under the bound, factor x the mean;
+ *   1. to the owner that holds the session in a slot (of two, the one
+ *      used last: the newer state), while its load
+ *      (in flight and waiting) is under the bound, factor x the mean, or
+ *      under its slots (a turn there waits for nothing);
  *   2. there anyway when its state is in that slot only (never saved):
  *      it moves only when its owner fails;
  *   3. home, for a session with no state anywhere, under the bound;
@@ -48,6 +50,15 @@
 
 #define NGX_HTTP_LLAMA_SESSION_BALANCE_NONE    ((ngx_msec_t) -1)
 
+/* a session's file, remote owners: not known to the edge */
+#define NGX_HTTP_LLAMA_SESSION_BALANCE_UNKNOWN  -2
+
+/* a remote owner's load, as its last reply told, counts this long at least */
+#define NGX_HTTP_LLAMA_SESSION_BALANCE_FRESH   1000
+
+/* the edge's copies of remote owners, a zone per upstream */
+#define NGX_HTTP_LLAMA_SESSION_BALANCE_SHM     (64 * 1024)
+
 
 enum {
     NGX_HTTP_LLAMA_SESSION_SPILL_RESTORE = 0,
@@ -68,6 +79,25 @@ typedef struct {
 } ngx_http_llama_session_owner_t;
 
 
+/*
+ * A remote owner as its last reply told the edge (the X-Llama-Session-Owner
+ * header), in the edge's shared memory, written without a lock: a torn copy
+ * costs a restore, never a wrong reply (the owner decides its slots)
+ */
+
+typedef struct {
+    ngx_msec_t                      heard;      /* its last reply, 0: never */
+    ngx_uint_t                      load;       /* in flight and waiting */
+    ngx_uint_t                      slots;
+    ngx_uint_t                      turn_ms;
+    ngx_uint_t                      restore;    /* us a MiB, 0: unknown */
+    ngx_uint_t                      prefill;    /* us a token, 0: unknown */
+    ngx_uint_t                      shared;     /* its store is shared=on */
+    uint32_t                        crc[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+    u_char                          saved[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+} ngx_http_llama_session_copy_t;
+
+
 typedef struct {
     ngx_http_upstream_srv_conf_t   *uscf;
     ngx_uint_t                      factor;     /* of the mean, x 100 */
@@ -77,7 +107,11 @@ typedef struct {
     ngx_uint_t                      npeers;
     ngx_http_llama_session_zone_t **zones;      /* by peer */
     struct sockaddr               **addrs;      /* ... and its address */
+    socklen_t                      *socklens;
     ngx_uint_t                      shared;     /* every zone shared=on */
+    ngx_uint_t                      remote;     /* owners elsewhere */
+    ngx_shm_zone_t                 *copies;     /* ... and what they told: */
+    ngx_http_llama_session_copy_t  *told;       /* by peer, in shared memory */
     ngx_uint_t                      npoints;
     ngx_http_llama_session_point_t *points;
 } ngx_http_llama_session_balance_t;
@@ -97,7 +131,16 @@ typedef struct {
     ngx_uint_t                      load;       /* in flight and waiting */
     ngx_uint_t                      slots;
     ngx_int_t                       slot;       /* holds the key, or -1 */
+    ngx_uint_t                      held;       /* ... its tokens, 0: unknown */
+    ngx_msec_t                      used;       /* ... its last turn's end */
+    ngx_uint_t                      turn_ms;    /* a turn's hold of a slot */
+    double                          restore;    /* ms a byte, 0: unknown */
+    double                          prefill;    /* ms a token, 0: unknown */
+    unsigned                        saved:1;    /* remote: the slot's state
+                                                   is its file's */
+    unsigned                        shared:1;
     unsigned                        usable:1;
+    unsigned                        under:1;    /* the bound, or a slot free */
     unsigned                        ram:1;      /* in its RAM model */
 } ngx_http_llama_session_view_t;
 
@@ -115,6 +158,21 @@ static ngx_int_t ngx_http_llama_session_balance_init_peer(
     ngx_http_request_t *r, ngx_http_upstream_srv_conf_t *us);
 static ngx_int_t ngx_http_llama_session_balance_get(ngx_peer_connection_t *pc,
     void *data);
+static ngx_int_t ngx_http_llama_session_balance_copies_init(
+    ngx_shm_zone_t *shm_zone, void *data);
+static void ngx_http_llama_session_balance_zone_view(
+    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
+    ngx_http_llama_session_view_t *v);
+static void ngx_http_llama_session_balance_copy_view(
+    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
+    ngx_http_llama_session_view_t *v);
+static ngx_int_t ngx_http_llama_session_balance_header(ngx_http_request_t *r);
+static ngx_int_t ngx_http_llama_session_balance_tell(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx);
+static void ngx_http_llama_session_balance_learn(ngx_http_request_t *r,
+    ngx_table_elt_t *h);
+static void ngx_http_llama_session_balance_parse(
+    ngx_http_llama_session_copy_t *copy, u_char *p, u_char *last);
 static ngx_int_t ngx_http_llama_session_balance_pick(
     ngx_http_llama_session_balance_peer_t *bp, ngx_log_t *log);
 static ngx_uint_t ngx_http_llama_session_balance_order(
@@ -123,11 +181,18 @@ static ngx_int_t ngx_http_llama_session_balance_file(
     ngx_http_llama_session_balance_peer_t *bp, off_t *bytes,
     ngx_uint_t *tokens);
 static ngx_msec_t ngx_http_llama_session_balance_cost(
-    ngx_http_llama_session_balance_peer_t *bp,
     ngx_http_llama_session_view_t *v, ngx_uint_t i, ngx_int_t resident,
     ngx_int_t file, off_t bytes, ngx_uint_t newer);
 static ngx_int_t ngx_http_llama_session_balance_take(ngx_peer_connection_t *pc,
     ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t chosen);
+
+
+static ngx_str_t  ngx_http_llama_session_balance_edge =
+    ngx_string("X-Llama-Session-Edge");
+static ngx_str_t  ngx_http_llama_session_balance_told =
+    ngx_string("X-Llama-Session-Owner");
+
+static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
 
 
 /*
@@ -311,8 +376,9 @@ static ngx_int_t
 ngx_http_llama_session_balance_init(ngx_conf_t *cf,
     ngx_http_upstream_srv_conf_t *us)
 {
+    ngx_str_t                            name;
     ngx_uint_t                           i;
-    ngx_http_upstream_rr_peer_t         *peer;
+    ngx_http_upstream_rr_peer_t         *peer, *here, *away;
     ngx_http_upstream_rr_peers_t        *peers;
     ngx_http_llama_session_balance_t    *bal;
     ngx_http_llama_session_main_conf_t  *lmcf;
@@ -351,31 +417,115 @@ ngx_http_llama_session_balance_init(ngx_conf_t *cf,
     bal->npeers = peers->number;
     bal->zones = ngx_pcalloc(cf->pool, bal->npeers * sizeof(void *));
     bal->addrs = ngx_pcalloc(cf->pool, bal->npeers * sizeof(void *));
-    if (bal->zones == NULL || bal->addrs == NULL) {
+    bal->socklens = ngx_pcalloc(cf->pool, bal->npeers * sizeof(socklen_t));
+    if (bal->zones == NULL || bal->addrs == NULL || bal->socklens == NULL) {
         return NGX_ERROR;
     }
 
     bal->shared = 1;
+    here = NULL;
+    away = NULL;
 
     for (peer = peers->peer, i = 0; peer; peer = peer->next, i++) {
         bal->addrs[i] = peer->sockaddr;
+        bal->socklens[i] = peer->socklen;
         bal->zones[i] = ngx_http_llama_session_balance_zone(cf, lmcf,
                                                             peer->sockaddr,
                                                             peer->socklen);
         if (bal->zones[i] == NULL) {
-            ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
-                          "\"llama_session_balance\" in upstream \"%V\": "
-                          "server \"%V\" (%V) has no owner zone in this "
-                          "nginx: no server {} listening there has a "
-                          "location with \"llama_session <zone>\"",
-                          &us->host, &peer->server, &peer->name);
-            return NGX_ERROR;
+            away = away ? away : peer;
+            continue;
         }
 
+        here = here ? here : peer;
         bal->shared &= (bal->zones[i]->shared != 0);
     }
 
+    if (here && away) {
+        ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
+                      "\"llama_session_balance\" in upstream \"%V\": "
+                      "server \"%V\" (%V) has no owner zone in this "
+                      "nginx, and server \"%V\" has one: the owners of an "
+                      "upstream are all in this nginx (a server {} "
+                      "listening there with \"llama_session <zone>\") or "
+                      "all elsewhere", &us->host, &away->server, &away->name,
+                      &here->server);
+        return NGX_ERROR;
+    }
+
+    if (away) {
+        /* owners on other hosts: the edge keeps what their replies tell */
+
+        bal->remote = 1;
+
+        name.len = sizeof("llama_session_balance ") - 1 + us->host.len;
+        name.data = ngx_pnalloc(cf->pool, name.len);
+        if (name.data == NULL) {
+            return NGX_ERROR;
+        }
+
+        ngx_sprintf(name.data, "llama_session_balance %V", &us->host);
+
+        bal->copies = ngx_shared_memory_add(cf, &name,
+                                            NGX_HTTP_LLAMA_SESSION_BALANCE_SHM,
+                                            &ngx_http_llama_session_module);
+        if (bal->copies == NULL) {
+            return NGX_ERROR;
+        }
+
+        bal->copies->init = ngx_http_llama_session_balance_copies_init;
+        bal->copies->data = bal;
+    }
+
     return ngx_http_llama_session_balance_ring(cf, bal, peers);
+}
+
+
+/*
+ * The edge's copies of its remote owners: what they told survives a reload
+ * only if the list of servers is the same (else each is heard anew)
+ */
+
+static ngx_int_t
+ngx_http_llama_session_balance_copies_init(ngx_shm_zone_t *shm_zone,
+    void *data)
+{
+    ngx_http_llama_session_balance_t  *obal = data;
+
+    size_t                             size;
+    ngx_uint_t                         i;
+    ngx_slab_pool_t                   *shpool;
+    ngx_http_llama_session_balance_t  *bal;
+
+    bal = shm_zone->data;
+    size = NGX_HTTP_LLAMA_SESSION_BALANCE_MAX
+           * sizeof(ngx_http_llama_session_copy_t);
+
+    if (obal) {
+        bal->told = obal->told;
+
+        for (i = 0; i < bal->npeers; i++) {
+            if (i >= obal->npeers
+                || ngx_cmp_sockaddr(obal->addrs[i], obal->socklens[i],
+                                    bal->addrs[i], bal->socklens[i], 1)
+                   != NGX_OK)
+            {
+                ngx_memzero(bal->told, size);
+                break;
+            }
+        }
+
+        return NGX_OK;
+    }
+
+    shpool = (ngx_slab_pool_t *) shm_zone->shm.addr;
+
+    bal->told = ngx_slab_calloc(shpool, size);
+    if (bal->told == NULL) {
+        return NGX_ERROR;
+    }
+
+    return NGX_OK;
 }
 
 
@@ -620,6 +770,112 @@ ngx_http_llama_session_balance_get(ngx_peer_connection_t *pc, void *data)
 }
 
 
+/*
+ * An owner of this nginx: its zone, read without its lock; a stale view
+ * costs a restore, never a wrong reply (the owner decides its slots)
+ */
+
+static void
+ngx_http_llama_session_balance_zone_view(
+    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
+    ngx_http_llama_session_view_t *v)
+{
+    ngx_uint_t                         s, k;
+    ngx_http_llama_session_sh_t       *sh;
+    ngx_http_llama_session_ram_t      *e;
+    ngx_http_llama_session_zone_t     *zone;
+    ngx_http_llama_session_balance_t  *bal;
+
+    bal = bp->bal;
+    zone = bal->zones[i];
+    sh = zone->sh;
+
+    v->slots = zone->nslots;
+    v->load = sh->nwaiters;
+    v->turn_ms = sh->turn_ms;
+    v->restore = sh->cost.restore_samples ? sh->cost.restore_ms_per_byte : 0;
+    v->prefill = sh->cost.prefill_samples ? sh->cost.prefill_ms_per_token
+                                          : 0;
+    v->shared = (zone->shared != 0);
+
+    for (s = 0; s < v->slots; s++) {
+        v->load += sh->slots[s].busy;
+
+        if (bal->residency && bp->hash && sh->slots[s].crc == bp->hash) {
+            v->slot = s;
+            v->held = sh->slots[s].held;
+            v->used = sh->slots[s].last_used;
+        }
+    }
+
+    if (bal->residency && bp->hash && zone->ram && v->slot == -1) {
+        for (k = 0; k < NGX_HTTP_LLAMA_SESSION_RAM_MAX; k++) {
+            e = &sh->ram[k];
+
+            if (e->seq && e->crc == bp->hash) {
+                v->ram = 1;
+                break;
+            }
+        }
+    }
+}
+
+
+/*
+ * An owner on another host: as its last reply through this edge told; its
+ * load counts for a turn's hold (a second at least), then only this nginx's
+ * own connections to it do
+ */
+
+static void
+ngx_http_llama_session_balance_copy_view(
+    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
+    ngx_http_llama_session_view_t *v)
+{
+    ngx_uint_t                      s;
+    ngx_msec_int_t                  age;
+    ngx_http_llama_session_copy_t  *c;
+
+    c = &bp->bal->told[i];
+
+    /* never heard: one slot, free, over one store, as the edge supposes */
+
+    v->slots = 1;
+    v->shared = 1;
+
+    if (c->heard == 0) {
+        return;
+    }
+
+    v->slots = ngx_max(c->slots, 1);
+    v->turn_ms = c->turn_ms;
+    v->restore = c->restore / 1000.0 / 1048576.0;
+    v->prefill = c->prefill / 1000.0;
+    v->shared = (c->shared != 0);
+
+    age = (ngx_msec_int_t) (ngx_current_msec - c->heard);
+
+    if (age < (ngx_msec_int_t) ngx_max(c->turn_ms,
+                                       NGX_HTTP_LLAMA_SESSION_BALANCE_FRESH))
+    {
+        v->load = c->load;
+    }
+
+    if (!bp->bal->residency || bp->hash == 0) {
+        return;
+    }
+
+    for (s = 0; s < v->slots && s < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; s++) {
+        if (c->crc[s] == bp->hash) {
+            v->slot = s;
+            v->saved = (c->saved[s] != 0);
+            v->used = c->heard;
+            break;
+        }
+    }
+}
+
+
 /* the owner for the turn, by the rules of the file's comment */
 
 static ngx_int_t
@@ -632,13 +888,11 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
     ngx_int_t                          resident, ram, file, best;
     ngx_msec_t                         cost[NGX_HTTP_LLAMA_SESSION_BALANCE_MAX];
     ngx_msec_t                         least;
-    ngx_uint_t                         i, k, s, n, live, sum, bound, tokens,
-                                       newer, held;
+    ngx_uint_t                         i, k, n, live, sum, bound, tokens,
+                                       newer, shared;
     ngx_uint_t                         ring[NGX_HTTP_LLAMA_SESSION_BALANCE_MAX];
     ngx_http_upstream_rr_peer_t       *peer;
     ngx_http_upstream_rr_peers_t      *peers;
-    ngx_http_llama_session_sh_t       *sh;
-    ngx_http_llama_session_ram_t      *e;
     ngx_http_llama_session_view_t      view[NGX_HTTP_LLAMA_SESSION_BALANCE_MAX];
     ngx_http_llama_session_view_t     *v;
     ngx_http_llama_session_balance_t  *bal;
@@ -651,13 +905,13 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
     sum = 0;
     resident = -1;
     ram = -1;
+    shared = 1;
 
     ngx_http_upstream_rr_peers_rlock(peers);
 
     for (peer = peers->peer, i = 0; peer; peer = peer->next, i++) {
         v = &view[i];
-        v->usable = 0;
-        v->ram = 0;
+        ngx_memzero(v, sizeof(ngx_http_llama_session_view_t));
         v->slot = -1;
 
         m = (uintptr_t) 1 << i % (8 * sizeof(uintptr_t));
@@ -674,32 +928,11 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
             continue;
         }
 
-        /* the owner's zone, read without its lock: a stale view costs a
-         * restore, never a wrong reply (the owner decides its slots) */
+        if (bal->remote) {
+            ngx_http_llama_session_balance_copy_view(bp, i, v);
 
-        sh = bal->zones[i]->sh;
-        v->slots = bal->zones[i]->nslots;
-        v->load = sh->nwaiters;
-
-        for (s = 0; s < v->slots; s++) {
-            v->load += sh->slots[s].busy;
-
-            if (bal->residency && bp->hash && sh->slots[s].crc == bp->hash) {
-                v->slot = s;
-            }
-        }
-
-        if (bal->residency && bp->hash && bal->zones[i]->ram
-            && v->slot == -1)
-        {
-            for (k = 0; k < NGX_HTTP_LLAMA_SESSION_RAM_MAX; k++) {
-                e = &sh->ram[k];
-
-                if (e->seq && e->crc == bp->hash) {
-                    v->ram = 1;
-                    break;
-                }
-            }
+        } else {
+            ngx_http_llama_session_balance_zone_view(bp, i, v);
         }
 
         /* turns this nginx sent that the owner has not counted yet */
@@ -708,8 +941,15 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
         v->usable = 1;
         live++;
         sum += v->load;
+        shared &= v->shared;
 
-        if (v->slot != -1 && resident == -1) {
+        /* in two slots (an owner back, its zone not told yet): the one
+         * used last holds the newer state */
+
+        if (v->slot != -1
+            && (resident == -1
+                || (ngx_msec_int_t) (v->used - view[resident].used) > 0))
+        {
             resident = i;
         }
 
@@ -726,8 +966,19 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
 
     n = ngx_http_llama_session_balance_order(bal, bp->hash, ring);
 
-    /* bound: ceil(factor x (load + this turn) / owners) */
+    /*
+     * bound: ceil(factor x (load + this turn) / owners); an owner with a
+     * slot free is under it too, or a nearly idle fleet would move a hit
+     * off an owner of two slots running one turn
+     */
+
     bound = (bal->factor * (sum + 1) + 100 * live - 1) / (100 * live);
+
+    for (i = 0; i < bal->npeers; i++) {
+        view[i].under = view[i].usable
+                        && (view[i].load < bound
+                            || view[i].load < view[i].slots);
+    }
 
     if (bal->spill == NGX_HTTP_LLAMA_SESSION_SPILL_OFF) {
         /* nginx's consistent hash: the first live owner from home */
@@ -740,25 +991,35 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
         return NGX_DECLINED;
     }
 
-    if (resident != -1 && view[resident].load < bound) {
+    if (resident != -1 && view[resident].under) {
         ngx_log_debug3(NGX_LOG_DEBUG_HTTP, log, 0,
                        "llama_session balance: \"%V\" in a slot of peer %i, "
                        "load %ui", &bp->key, resident, view[resident].load);
         return resident;
     }
 
-    file = ngx_http_llama_session_balance_file(bp, &bytes, &tokens);
+    if (!bal->remote) {
+        file = ngx_http_llama_session_balance_file(bp, &bytes, &tokens);
+
+    } else {
+        /* remote owners: the slot's state is saved, or it is not known */
+        bytes = 0;
+        tokens = 0;
+        file = (resident == -1) ? NGX_HTTP_LLAMA_SESSION_BALANCE_UNKNOWN
+                                : view[resident].saved ? resident
+                                                       : NGX_DECLINED;
+    }
 
     if (resident != -1
         && (file == NGX_DECLINED
             || (bal->spill == NGX_HTTP_LLAMA_SESSION_SPILL_RESTORE
-                && !bal->shared)))
+                && !shared)))
     {
         /* its state is in that slot only (or in its owner's folder) */
         return resident;
     }
 
-    if (file >= 0 && !bal->shared
+    if (file >= 0 && !shared
         && bal->spill == NGX_HTTP_LLAMA_SESSION_SPILL_RESTORE
         && view[file].usable)
     {
@@ -767,7 +1028,7 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
     }
 
     if (resident == -1 && ram == -1 && file == NGX_DECLINED
-        && view[ring[0]].usable && view[ring[0]].load < bound)
+        && view[ring[0]].under)
     {
         /* no state anywhere: home */
         return ring[0];
@@ -777,9 +1038,8 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
 
     newer = 0;
 
-    if (resident != -1 && file >= 0) {
-        held = bal->zones[resident]->sh->slots[view[resident].slot].held;
-        newer = (held > tokens) ? held - tokens : 0;
+    if (resident != -1 && file >= 0 && view[resident].held > tokens) {
+        newer = view[resident].held - tokens;
     }
 
     least = NGX_HTTP_LLAMA_SESSION_BALANCE_NONE;
@@ -789,14 +1049,13 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
         cost[i] = NGX_HTTP_LLAMA_SESSION_BALANCE_NONE;
 
         if (!view[i].usable
-            || ((ngx_int_t) i != resident && view[i].load >= bound))
+            || ((ngx_int_t) i != resident && !view[i].under))
         {
             continue;
         }
 
-        cost[i] = ngx_http_llama_session_balance_cost(bp, &view[i], i,
-                                                      resident, file, bytes,
-                                                      newer);
+        cost[i] = ngx_http_llama_session_balance_cost(&view[i], i, resident,
+                                                      file, bytes, newer);
         least = ngx_min(least, cost[i]);
     }
 
@@ -926,22 +1185,19 @@ ngx_http_llama_session_balance_file(ngx_http_llama_session_balance_peer_t *bp,
  */
 
 static ngx_msec_t
-ngx_http_llama_session_balance_cost(ngx_http_llama_session_balance_peer_t *bp,
-    ngx_http_llama_session_view_t *v, ngx_uint_t i, ngx_int_t resident,
-    ngx_int_t file, off_t bytes, ngx_uint_t newer)
+ngx_http_llama_session_balance_cost(ngx_http_llama_session_view_t *v,
+    ngx_uint_t i, ngx_int_t resident, ngx_int_t file, off_t bytes,
+    ngx_uint_t newer)
 {
-    double                        ms;
-    ngx_http_llama_session_sh_t  *sh;
+    double  ms;
 
-    sh = bp->bal->zones[i]->sh;
     ms = 0;
 
     /* the turns ahead of it beyond its slots, a turn's hold each */
 
     if (v->load + 1 > v->slots) {
         ms += (double) (v->load + 1 - v->slots)
-              * (sh->turn_ms ? sh->turn_ms
-                             : NGX_HTTP_LLAMA_SESSION_BALANCE_TURN)
+              * (v->turn_ms ? v->turn_ms : NGX_HTTP_LLAMA_SESSION_BALANCE_TURN)
               / v->slots;
     }
 
@@ -950,12 +1206,11 @@ ngx_http_llama_session_balance_cost(ngx_http_llama_session_balance_peer_t *bp,
         return (ngx_msec_t) ms;
     }
 
-    ms += (double) bytes * (sh->cost.restore_samples
-                            ? sh->cost.restore_ms_per_byte
-                            : NGX_HTTP_LLAMA_SESSION_BALANCE_RESTORE);
+    ms += (double) bytes * (v->restore ? v->restore
+                                       : NGX_HTTP_LLAMA_SESSION_BALANCE_RESTORE);
 
-    if (newer && sh->cost.prefill_samples) {
-        ms += (double) newer * sh->cost.prefill_ms_per_token;
+    if (newer && v->prefill) {
+        ms += (double) newer * v->prefill;
     }
 
     return (ngx_msec_t) ms;
@@ -995,4 +1250,355 @@ ngx_http_llama_session_balance_take(ngx_peer_connection_t *pc,
     }
 
     return rc;
+}
+
+
+/*
+ * Remote owners tell the edge what they hold: the edge marks the requests
+ * it forwards (X-Llama-Session-Edge), an owner answers those with
+ *
+ *     X-Llama-Session-Owner: l=LOAD s=SLOTS t=TURN_MS r=US_A_MIB
+ *                            p=US_A_TOKEN sh=0|1 k=CRC[+],CRC[+],...
+ *
+ * (k: the crc32 of the key in each slot, in hex, 0 for none, "+" when the
+ * slot's state is its file's), and the edge keeps it for the pick and
+ * takes it out of the reply: it never reaches a client
+ */
+
+ngx_int_t
+ngx_http_llama_session_balance_filter_init(ngx_conf_t *cf)
+{
+    ngx_http_next_header_filter = ngx_http_top_header_filter;
+    ngx_http_top_header_filter = ngx_http_llama_session_balance_header;
+
+    return NGX_OK;
+}
+
+
+/* an edge's request to an owner: marked, whatever the client sent */
+
+ngx_int_t
+ngx_http_llama_session_balance_mark(ngx_http_request_t *r)
+{
+    ngx_table_elt_t  *h;
+
+    h = ngx_list_push(&r->headers_in.headers);
+    if (h == NULL) {
+        return NGX_ERROR;
+    }
+
+    h->hash = 1;
+    h->key = ngx_http_llama_session_balance_edge;
+    h->value.len = 1;
+    h->value.data = (u_char *) "1";
+    h->lowcase_key = (u_char *) "x-llama-session-edge";
+#if (nginx_version >= 1023000)
+    h->next = NULL;
+#endif
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_balance_header(ngx_http_request_t *r)
+{
+    ngx_uint_t                     i, edge;
+    ngx_list_part_t               *part;
+    ngx_table_elt_t               *h;
+    ngx_http_llama_session_ctx_t  *ctx;
+
+    if (r != r->main) {
+        return ngx_http_next_header_filter(r);
+    }
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
+
+    if (ctx == NULL) {
+        return ngx_http_next_header_filter(r);
+    }
+
+    if (ctx->identity) {
+        /* an edge: what the owner told is kept, and taken out */
+
+        for (part = &r->headers_out.headers.part; part; part = part->next) {
+            h = part->elts;
+
+            for (i = 0; i < part->nelts; i++) {
+                if (h[i].hash
+                    && h[i].key.len == ngx_http_llama_session_balance_told.len
+                    && ngx_strncasecmp(h[i].key.data,
+                                  ngx_http_llama_session_balance_told.data,
+                                  h[i].key.len)
+                       == 0)
+                {
+                    ngx_http_llama_session_balance_learn(r, &h[i]);
+                    h[i].hash = 0;
+                }
+            }
+        }
+
+        return ngx_http_next_header_filter(r);
+    }
+
+    if (ctx->zone == NULL) {
+        return ngx_http_next_header_filter(r);
+    }
+
+    /* an owner: an edge's request is told what this owner holds */
+
+    edge = 0;
+
+    for (part = &r->headers_in.headers.part; part && !edge; part = part->next)
+    {
+        h = part->elts;
+
+        for (i = 0; i < part->nelts; i++) {
+            if (h[i].key.len == ngx_http_llama_session_balance_edge.len
+                && ngx_strncmp(h[i].lowcase_key, "x-llama-session-edge",
+                               h[i].key.len)
+                   == 0)
+            {
+                edge = 1;
+                break;
+            }
+        }
+    }
+
+    if (edge && ngx_http_llama_session_balance_tell(r, ctx) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return ngx_http_next_header_filter(r);
+}
+
+
+static ngx_int_t
+ngx_http_llama_session_balance_tell(ngx_http_request_t *r,
+    ngx_http_llama_session_ctx_t *ctx)
+{
+    u_char                         *p;
+    size_t                          len;
+    ngx_uint_t                      s, load;
+    ngx_table_elt_t                *h;
+    ngx_http_llama_session_sh_t    *sh;
+    ngx_http_llama_session_slot_t  *slot;
+    ngx_http_llama_session_zone_t  *zone;
+
+    zone = ctx->zone;
+    sh = zone->sh;
+
+    len = sizeof("l= s= t= r= p= sh=0 k=") - 1 + 4 * NGX_INT_T_LEN
+          + zone->nslots * (8 + 2);
+
+    p = ngx_pnalloc(r->pool, len);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    h = ngx_list_push(&r->headers_out.headers);
+    if (h == NULL) {
+        return NGX_ERROR;
+    }
+
+    h->hash = 1;
+    h->key = ngx_http_llama_session_balance_told;
+#if (nginx_version >= 1023000)
+    h->next = NULL;
+#endif
+    h->value.data = p;
+
+    load = sh->nwaiters;
+
+    for (s = 0; s < zone->nslots; s++) {
+        load += sh->slots[s].busy;
+    }
+
+    /* but this turn: the edge counts its own connections to the owner */
+
+    if (ctx->job && ctx->job->acquired && load) {
+        load--;
+    }
+
+    /* read without the lock: a figure a moment old costs a restore */
+
+    p = ngx_sprintf(p, "l=%ui s=%ui t=%ui r=%ui p=%ui sh=%ui k=", load,
+                    zone->nslots, (ngx_uint_t) sh->turn_ms,
+                    (ngx_uint_t) (sh->cost.restore_samples
+                                  ? sh->cost.restore_ms_per_byte * 1000.0
+                                    * 1048576.0
+                                  : 0),
+                    (ngx_uint_t) (sh->cost.prefill_samples
+                                  ? sh->cost.prefill_ms_per_token * 1000.0
+                                  : 0),
+                    (ngx_uint_t) (zone->shared != 0));
+
+    for (s = 0; s < zone->nslots; s++) {
+        slot = &sh->slots[s];
+
+        p = ngx_sprintf(p, "%s%xD%s", s ? "," : "",
+                        slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                        ? slot->crc : 0,
+                        (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
+                         && !slot->dirty && slot->saveable) ? "+" : "");
+    }
+
+    h->value.len = p - h->value.data;
+
+    return NGX_OK;
+}
+
+
+/* the edge: what an owner told, into its copy */
+
+static void
+ngx_http_llama_session_balance_learn(ngx_http_request_t *r,
+    ngx_table_elt_t *h)
+{
+    ngx_uint_t                           i;
+    ngx_http_upstream_t                 *u;
+    ngx_http_upstream_rr_peer_t         *peer;
+    ngx_http_upstream_rr_peers_t        *peers;
+    ngx_http_llama_session_copy_t        copy;
+    ngx_http_llama_session_balance_t    *bal;
+    ngx_http_llama_session_main_conf_t  *lmcf;
+
+    u = r->upstream;
+
+    if (u == NULL || u->upstream == NULL || u->state == NULL
+        || u->state->peer == NULL)
+    {
+        return;
+    }
+
+    lmcf = ngx_http_get_module_main_conf(r, ngx_http_llama_session_module);
+    bal = ngx_http_llama_session_balance_of(lmcf, u->upstream);
+
+    if (bal == NULL || !bal->remote || bal->told == NULL) {
+        return;
+    }
+
+    /* the peer that answered: round robin's name of it */
+
+    peers = u->upstream->peer.data;
+
+    for (peer = peers->peer, i = 0; peer; peer = peer->next, i++) {
+        if (u->state->peer == &peer->name) {
+            break;
+        }
+    }
+
+    if (peer == NULL || i >= bal->npeers) {
+        return;
+    }
+
+    ngx_memzero(&copy, sizeof(ngx_http_llama_session_copy_t));
+
+    ngx_http_llama_session_balance_parse(&copy, h->value.data,
+                                         h->value.data + h->value.len);
+
+    if (copy.slots == 0) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "llama_session_balance: owner %V told \"%V\", not "
+                      "what an owner of this module tells", &peer->name,
+                      &h->value);
+        return;
+    }
+
+    copy.heard = ngx_current_msec ? ngx_current_msec : 1;
+    bal->told[i] = copy;
+}
+
+
+/* "l=3 s=2 t=1200 r=0 p=0 sh=1 k=1a2b3c4d+,0": what is not known stays 0 */
+
+static void
+ngx_http_llama_session_balance_parse(ngx_http_llama_session_copy_t *copy,
+    u_char *p, u_char *last)
+{
+    u_char      *name, *value, *end;
+    ngx_int_t    n;
+    ngx_uint_t   s;
+
+    while (p < last) {
+        while (p < last && *p == ' ') {
+            p++;
+        }
+
+        name = p;
+
+        while (p < last && *p != '=' && *p != ' ') {
+            p++;
+        }
+
+        if (p == last || *p != '=') {
+            return;
+        }
+
+        end = p++;
+        value = p;
+
+        while (p < last && *p != ' ') {
+            p++;
+        }
+
+        if (end - name == 1 && *name == 'k') {
+            for (s = 0; value < p && s < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX;
+                 s++)
+            {
+                end = value;
+
+                while (end < p && *end != ',' && *end != '+') {
+                    end++;
+                }
+
+                n = ngx_hextoi(value, end - value);
+                copy->crc[s] = (n == NGX_ERROR) ? 0 : (uint32_t) n;
+
+                if (end < p && *end == '+') {
+                    copy->saved[s] = 1;
+                    end++;
+                }
+
+                value = (end < p) ? end + 1 : p;
+            }
+
+            continue;
+        }
+
+        n = ngx_atoi(value, p - value);
+
+        if (n == NGX_ERROR) {
+            continue;
+        }
+
+        if (end - name == 1) {
+            switch (*name) {
+
+            case 'l':
+                copy->load = n;
+                break;
+
+            case 's':
+                copy->slots = ngx_min((ngx_uint_t) n,
+                                      NGX_HTTP_LLAMA_SESSION_SLOTS_MAX);
+                break;
+
+            case 't':
+                copy->turn_ms = n;
+                break;
+
+            case 'r':
+                copy->restore = n;
+                break;
+
+            case 'p':
+                copy->prefill = n;
+                break;
+            }
+
+        } else if (end - name == 2 && name[0] == 's' && name[1] == 'h') {
+            copy->shared = (n != 0);
+        }
+    }
 }

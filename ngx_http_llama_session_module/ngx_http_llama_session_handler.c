@@ -16,6 +16,7 @@
 
 
 #include "ngx_http_llama_session.h"
+#include "ngx_http_llama_session_balance.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_cost.h"
@@ -578,7 +579,9 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
             ngx_http_llama_session_job_state(ctx,
                NGX_HTTP_LLAMA_SESSION_ST_DONE);
 
-            if (rc == NGX_ERROR) {
+            if (rc == NGX_ERROR
+                || ngx_http_llama_session_balance_mark(r) != NGX_OK)
+            {
                 ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
             }
 

@@ -1694,7 +1694,8 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
     *h = ngx_http_llama_session_handler;
 
     if (ngx_http_llama_session_capture_init(cf) != NGX_OK
-        || ngx_http_llama_session_conv_init(cf) != NGX_OK)
+        || ngx_http_llama_session_conv_init(cf) != NGX_OK
+        || ngx_http_llama_session_balance_filter_init(cf) != NGX_OK)
     {
         return NGX_ERROR;
     }

@@ -43,7 +43,7 @@ my $site = LlamaTest->site(
     ok($t->log_lines(qr/zone "llama" runs two tiers: llama-server's RAM cache/),
        'the zone says it runs two tiers');
 
-    my @files = glob $t->slots_dir . '/*.bin';
+    my @files = glob $t->dir . '/slots/*.bin';
     my $ram = 0;
     for my $sid (qw(a b c d)) {
         my $r = turn($t, $sid);
@@ -54,7 +54,7 @@ my $site = LlamaTest->site(
                . ($r->{action} // '') . ')');
     }
     is($ram, 4, 'every return came out of RAM');
-    is(scalar(() = glob $t->slots_dir . '/*.bin'), scalar @files,
+    is(scalar(() = glob $t->dir . '/slots/*.bin'), scalar @files,
        'no file written for those swaps');
 
     my $api = $t->get('/api/sessions/current');

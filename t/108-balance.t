@@ -21,7 +21,7 @@ use warnings;
 use FindBin;
 use lib "$FindBin::Bin/lib";
 
-use Compress::Zlib qw(crc32);
+use LlamaBalance;
 use LlamaTest;
 use Test::More;
 use Time::HiRes qw(sleep);
@@ -34,40 +34,24 @@ $t->fake(name => $_, np => 2, slots => "$dir/slots") for @names;
 $t->nginx($t->owners(names => \@names,
                      balance => 'llama_session_balance',
                      zone => ' slots=2 shared=on save_idle=200ms',
-                     store => sub { "$dir/slots" }));
+                     store => sub { "$dir/slots" }, fail => '1s'));
 
-# nginx's consistent hash ring over the owners: crc32(HOST \0 PORT PREV),
-# 160 points each; a key's home is the first point at or after crc32(key)
-my @ring;
-for my $b (@names) {
-    my $port = $t->owner_port($b);
-    my $base = "127.0.0.1\0$port";
-    my $prev = 0;
-    for (1 .. 160) {
-        my $h = crc32(pack('V', $prev), crc32($base));
-        push @ring, [ $h, $b ];
-        $prev = $h;
-    }
+# nginx's consistent hash ring over the owners, and a new session's home
+my $ring;
+sub ring {
+    $ring = LlamaTest::chash_ring(map { $_ => $t->owner_port($_) } @names);
 }
-@ring = sort { $a->[0] <=> $b->[0] } @ring;
+ring();
 
-# the key of chat_turn()'s conversation, before its first turn too
-sub key {
-    my ($sid) = @_;
-    return LlamaTest::session_key($sid, body => { messages => [
-        { role => 'system',
-          content => join ' ', map { "Rule $_ of the house." } 1 .. 40 },
-        { role => 'user',
-          content => join ' ', map { "Session $sid note $_." } 1 .. 40 } ] });
-}
+sub home { LlamaTest::chash_home($ring, LlamaTest::first_key($_[0])) }
 
-sub home {
-    my ($sid) = @_;
-    my $h = crc32(key($sid));
-    for my $p (@ring) {
-        return $p->[1] if $p->[0] >= $h;
-    }
-    return $ring[0][1];
+# a session of a home, new
+my %issued;
+sub new_of {
+    my ($home) = @_;
+    my $i = 0;
+    $i++ until home("$home-new$i") eq $home && !$issued{"$home-new$i"}++;
+    return "$home-new$i";
 }
 
 # 1. homes and hits
@@ -87,69 +71,123 @@ my $r = $t->chat_turn('s6');
 is($r->{action}, 'hit', 's6 again: a hit');
 is($r->{backend}, home('s6'), 'on its home');
 
-# 2. a busy home: three sessions of one home; two held in its slots
+# 2. a busy home: three sessions of one home; two held in its slots, the
+# third, with a file, restores on another owner at once
 
-my %by;
-my $n = 0;
-my ($h1, $h2, $h3);
-while (!$h3) {
-    my $sid = 'h' . $n++;
-    my $home = home($sid);
-    push @{ $by{$home} }, $sid;
-    ($h1, $h2, $h3) = @{ $by{$home} } if @{ $by{$home} } == 3;
-}
-my $busy = home($h1);
-diag("$h1, $h2, $h3: home $busy");
+my $bh = LlamaBalance::busy_home(front => $t, owners => $t, home => \&home);
+my $busy = $bh->{busy};
+my ($h1, $h2) = @{ $bh->{sessions} };
 
-# h3 first, so that it has a file; then h1 and h2 take the two slots
-for my $sid ($h3, $h1, $h2) {
-    is($t->chat_turn($sid)->{backend}, $busy, "$sid: home $busy");
-    sleep 0.5;    # save_idle: its file
-}
-
-my $until = "$dir/release";
-$t->fake_script({ completion => { match => "(?:$h1|$h2)\\b", delay_ms => 1,
-                                  until => $until } }, $busy);
-my @held = map { $t->async_post('/v1/chat/completions',
-                                { messages => [ @{ $t->{conv}{$_} } ],
-                                  max_tokens => 2 },
-                                headers => { 'X-Session-Id' => $_ }) }
-           $h1, $h2;
-sleep 1;
-
-my $t0 = Time::HiRes::time();
-$r = $t->chat_turn($h3);
-my $secs = Time::HiRes::time() - $t0;
-is($r->{status}, 200, "$h3 while ${busy}'s slots are held");
-isnt($r->{backend}, $busy, "$h3 went to another owner ($r->{backend})");
-is($r->{action}, 'restore', 'a restore there');
-ok($r->{cached} > 0.9 * $r->{prompt},
-   "from its file: $r->{cached} of $r->{prompt} cached");
-ok($secs < 5, sprintf('at once (%.1f s), not after the held turns', $secs));
-
-open my $fh, '>', $until or die;
-close $fh;
-for my $h (@held) {
-    is($t->async_wait($h, 30)->{status}, 200, 'a held turn ends');
-}
-$t->fake_script({}, $busy);
-
-# 3. an owner down: its sessions go on elsewhere, from their files
+# 3. an owner down: its sessions, arriving together, restore on the
+# others, spread by the bound (not all onto the ring's successor)
 
 sleep 0.6;
 my @its = grep { home($_) eq $busy } @first, $h1, $h2;
-$t->stop_proc($busy);
-my %where;
+push @its, new_of($busy) while @its < 3;
 for my $sid (@its) {
-    my $x = $t->chat_turn($sid);
+    next if $t->{conv}{$sid};
+    $t->chat_turn($sid);    # its first turn, at home: its file
+    sleep 0.5;
+}
+$t->stop_proc($busy);
+my @live = grep { $_ ne $busy } @names;
+$t->fake_script({ completion => { delay_ms => 1500 } }, $_) for @live;
+my @moving;
+for my $sid (@its) {
+    push @moving, $t->async_post('/v1/chat/completions',
+                                 { messages => [ @{ $t->{conv}{$sid} } ],
+                                   max_tokens => 2 },
+                                 headers => { 'X-Session-Id' => $sid });
+    sleep 0.3;
+}
+my (%where, %where_of);
+for my $sid (@its) {
+    my $x = $t->async_wait(shift @moving, 30);
+    my $b = $x->{headers}{'x-backend'} // '-';
+    my $u = $x->{json}{usage} // {};
+    my $cached = $u->{prompt_tokens_details}{cached_tokens} // 0;
     is($x->{status}, 200, "$sid: its owner $busy down, answered");
-    isnt($x->{backend} // $busy, $busy, "elsewhere: " . ($x->{backend} // '-'));
-    ok(($x->{cached} // 0) > 0.9 * ($x->{prompt} // 1e9),
-       "$sid: restored, $x->{cached} of $x->{prompt} cached");
-    $where{ $x->{backend} // '' }++;
+    isnt($b, $busy, "elsewhere: $b");
+    ok($cached > 0.9 * ($u->{prompt_tokens} // 1e9),
+       "$sid: restored, $cached of " . ($u->{prompt_tokens} // '-')
+       . ' cached');
+    $where{$b}++;
+    $where_of{$sid} = $b;
+}
+cmp_ok(scalar keys %where, '>=', 2, 'spread over the others, not all onto '
+       . 'one (' . join(', ', map { "$_: $where{$_}" } sort keys %where)
+       . ')');
+$t->fake_script({}, $_) for @live;
+
+# the sessions the slots of each owner hold: the last two it served
+my %served;
+for my $sid (@its) {
+    my $b = $where_of{$sid};
+    @{ $served{$b} } = ((grep { $_ ne $sid } @{ $served{$b} // [] }), $sid);
+}
+my @resident = map { @{ $served{$_} }[-2 .. -1] }
+               grep { @{ $served{$_} } >= 2 } sort keys %served;
+push @resident, map { @{ $served{$_} } } grep { @{ $served{$_} } == 1 }
+                                         sort keys %served;
+
+# 4. the owner back (its fail_timeout over): the sessions that moved stay
+# where their slots hold them; new sessions of its home go to it again
+
+$t->fake(name => $busy, np => 2, slots => "$dir/slots",
+         port => $t->{llama_port}{$busy});
+sleep 1.5;
+for my $sid (@resident) {
+    my $x = $t->chat_turn($sid);
+    is("$x->{backend} $x->{action}", "$where_of{$sid} hit",
+       "$busy back: $sid stays a hit on $where_of{$sid}");
+}
+my $new = new_of($busy);
+is($t->chat_turn($new)->{backend}, $busy, "$new, new, goes to $busy, home");
+
+# 5. an owner added by a reload: the sessions in slots stay hits; new
+# sessions it is home to go to it; a session with a file and no slot
+# restores there
+
+sub reload_owners {
+    $t->nginx($t->owners(names => \@names,
+                         balance => 'llama_session_balance',
+                         zone => ' slots=2 shared=on save_idle=200ms',
+                         store => sub { "$dir/slots" }, fail => '1s'),
+              write_only => 1);
+    $t->reload;
+    ring();
+    sleep 1;
 }
 
-# 4. nginx -t
+sleep 0.5;
+$t->fake(name => 'e', np => 2, slots => "$dir/slots");
+push @names, 'e';
+reload_owners();
+for my $sid (@resident) {
+    my $x = $t->chat_turn($sid);
+    is("$x->{backend} $x->{action}", "$where_of{$sid} hit",
+       "e added: $sid stays a hit on $where_of{$sid}");
+}
+$new = new_of('e');
+is($t->chat_turn($new)->{backend}, 'e', "$new, new, goes to e, home");
+
+# 6. an owner removed by a reload: the sessions its slots held restore on
+# the others
+
+sleep 0.5;
+my $gone = $where_of{ $resident[0] };
+my @gone = grep { $where_of{$_} eq $gone } @resident;
+@names = grep { $_ ne $gone } @names;
+reload_owners();
+for my $sid (@gone) {
+    my $x = $t->chat_turn($sid);
+    is($x->{status}, 200, "$gone removed: $sid answered");
+    isnt($x->{backend}, $gone, "elsewhere: $x->{backend}");
+    ok(($x->{cached} // 0) > 0.9 * ($x->{prompt} // 1e9),
+       "$sid: restored, $x->{cached} of $x->{prompt} cached");
+}
+
+# 7. nginx -t
 
 my $port = $t->owner_port('a');
 my $owner = <<"EOF";

@@ -571,7 +571,47 @@ sub chat_turn {
              cached => $r->{json}{usage}{prompt_tokens_details}{cached_tokens},
              action => $r->{headers}{'x-s-action'},
              slot => $r->{headers}{'x-s-slot'},
-             backend => $r->{headers}{'x-backend'} };
+             backend => $r->{headers}{'x-backend'},
+             headers => $r->{headers} };
+}
+
+# the key of chat_turn()'s conversation before its first turn
+sub first_key {
+    my ($sid) = @_;
+    return session_key($sid, body => { messages => [
+        { role => 'system',
+          content => join ' ', map { "Rule $_ of the house." } 1 .. 40 },
+        { role => 'user',
+          content => join ' ', map { "Session $sid note $_." } 1 .. 40 } ] });
+}
+
+# nginx's "hash ... consistent" ring over servers 127.0.0.1:PORT (name =>
+# port): crc32(HOST \0 PORT PREV), 160 points each, sorted
+sub chash_ring {
+    my (%port) = @_;
+    require Compress::Zlib;
+    my @ring;
+    for my $b (sort keys %port) {
+        my $base = "127.0.0.1\0$port{$b}";
+        my $prev = 0;
+        for (1 .. 160) {
+            my $h = Compress::Zlib::crc32(pack('V', $prev),
+                                          Compress::Zlib::crc32($base));
+            push @ring, [ $h, $b ];
+            $prev = $h;
+        }
+    }
+    return [ sort { $a->[0] <=> $b->[0] } @ring ];
+}
+
+# a key's home on that ring: the first point at or after crc32(key)
+sub chash_home {
+    my ($ring, $key) = @_;
+    my $h = Compress::Zlib::crc32($key);
+    for my $p (@$ring) {
+        return $p->[1] if $p->[0] >= $h;
+    }
+    return $ring->[0][1];
 }
 
 # the key of a conversation chat_turn() keeps

@@ -1,0 +1,131 @@
+#!/usr/bin/perl
+
+# llama_session_balance over owners on other hosts (issue 45): an edge
+# nginx with "llama_session identity" in front of four owners of two
+# slots over one store (another nginx here, as it would be on other
+# hosts).  The edge has no owner zone: it keeps what the owners' replies
+# tell it (X-Llama-Session-Owner: their load and the sessions in their
+# slots) and takes that header out of the reply.  The fake backend, whose
+# completions a test can hold, makes the load.
+#
+#   1. a new session goes home (nginx's consistent-hash ring); the owner's
+#      header never reaches the client; an owner asked by an edge tells;
+#   2. its home busy (both slots held), a session with a file restores on
+#      another owner at once; its next turn stays there, a hit, where the
+#      hash would send it home: the edge learned where it lives;
+#   3. an owner down: its sessions answered elsewhere, restored.
+
+use strict;
+use warnings;
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+
+use Compress::Zlib qw(crc32);
+use LlamaBalance;
+use LlamaTest;
+use Test::More;
+use Time::HiRes qw(sleep);
+
+my $o = LlamaTest->new(workers => 2);
+my $dir = $o->dir;
+my @names = qw(a b c d);
+LlamaTest::slots_dir("$dir/slots");
+$o->fake(name => $_, np => 2, slots => "$dir/slots") for @names;
+$o->nginx($o->owners(names => \@names, front => 0,
+                     zone => ' slots=2 shared=on save_idle=200ms',
+                     store => sub { "$dir/slots" }));
+
+my $servers = join '', map { "        server 127.0.0.1:"
+                             . $o->owner_port($_)
+                             . " max_fails=1 fail_timeout=1s;\n" } @names;
+my $e = LlamaTest->new(workers => 2);
+$e->nginx(<<"EOF");
+    upstream owners {
+        zone owners 64k;
+        llama_session_balance;
+$servers    }
+
+    server {
+        listen 127.0.0.1:%%PORT%%;
+
+        location / {
+            llama_session identity;
+            proxy_pass http://owners;
+            proxy_read_timeout 300s;
+            proxy_next_upstream error timeout http_502 non_idempotent;
+        }
+    }
+EOF
+
+# nginx's consistent hash ring over the owners, and a new session's home
+my $ring = LlamaTest::chash_ring(map { $_ => $o->owner_port($_) } @names);
+sub home { LlamaTest::chash_home($ring, LlamaTest::first_key($_[0])) }
+
+# a turn through the edge; the owner is known by its X-Backend header
+sub turn { $e->chat_turn($_[0]) }
+
+# 1. homes; the owner's header stays between the owner and the edge
+
+my @first = map { "s$_" } 1 .. 6;
+my ($homes, $told) = (0, 0);
+for my $sid (@first) {
+    my $r = turn($sid);
+    is($r->{status}, 200, "$sid: first turn");
+    $homes++ if ($r->{backend} // '') eq home($sid);
+    $told++ if exists $r->{headers}{'x-llama-session-owner'};
+    sleep 0.5;    # its idle save done
+}
+is($homes, scalar @first, "every new session went home ($homes of "
+                          . scalar(@first) . ')');
+is($told, 0, 'no reply to a client carries X-Llama-Session-Owner');
+
+my $r = turn('s6');
+is("$r->{backend} $r->{action}", home('s6') . ' hit', 's6 again: a hit at home');
+
+my $owner = home('s6');
+my $direct = $o->post('/v1/chat/completions',
+                      { messages => $e->{conv}{s6}, max_tokens => 2 },
+                      port => $o->owner_port($owner),
+                      headers => { 'X-Session-Id' => 's6',
+                                   'X-Llama-Session-Edge' => '1' });
+like($direct->{headers}{'x-llama-session-owner'} // '',
+     qr/^l=\d+ s=2 t=\d+ r=\d+ p=\d+ sh=1 k=[0-9a-f]+\+?,[0-9a-f]+\+?$/,
+     'an owner asked by an edge tells its load and slots: '
+     . ($direct->{headers}{'x-llama-session-owner'} // '-'));
+my $k6 = sprintf '%x', crc32(LlamaTest::first_key('s6'));
+like($direct->{headers}{'x-llama-session-owner'} // '', qr/k=(?:.*,)?$k6\b/,
+     "with s6's key in a slot ($k6)");
+push @{ $e->{conv}{s6} }, { role => 'assistant',
+                       content => $direct->{json}{choices}[0]{message}{content} },
+                     { role => 'user', content => 'More for s6?' };
+
+# 2. a busy home: the third session of that home restores elsewhere at
+# once; then the edge sends it where it lives
+
+my $bh = LlamaBalance::busy_home(front => $e, owners => $o, home => \&home);
+my ($busy, $moved) = @{$bh}{qw(busy moved)};
+my ($h1, $h2, $h3) = @{ $bh->{sessions} };
+
+$r = turn($h3);
+is("$r->{backend} $r->{action}", "$moved hit",
+   "$h3 again, its home free: it stays where it lives, a hit "
+   . "(the hash would send it home to $busy)");
+
+# 3. an owner down: its sessions answered elsewhere, from their files
+
+sleep 0.6;
+my @its = grep { home($_) eq $busy } @first, $h1, $h2;
+$o->stop_proc($busy);
+for my $sid (@its) {
+    my $x = turn($sid);
+    is($x->{status}, 200, "$sid: its owner $busy down, answered");
+    isnt($x->{backend} // $busy, $busy, 'elsewhere: ' . ($x->{backend} // '-'));
+    ok(($x->{cached} // 0) > 0.9 * ($x->{prompt} // 1e9),
+       "$sid: restored, " . ($x->{cached} // 0) . ' of '
+       . ($x->{prompt} // '-') . ' cached');
+}
+
+$e->stop;
+$o->stop;
+done_testing;
