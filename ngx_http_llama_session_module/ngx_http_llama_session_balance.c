@@ -11,9 +11,9 @@
  * waiters, a turn's average hold) and sends the turn
  *
  *   1. to the owner that holds the session in a slot (of two, the one
- *      used last: the newer state), while its load
- *      (in flight and waiting) is under the bound, factor x the mean, or
- *      under its slots (a turn there waits for nothing);
+ *      used last: the newer state), while its load (in flight and
+ *      waiting) is under the bound, factor x the mean, or under its slots
+ *      (a turn there waits for nothing);
  *   2. there anyway when its state is in that slot only (never saved):
  *      it moves only when its owner fails;
  *   3. home, for a session with no state anywhere, under the bound;
@@ -21,7 +21,8 @@
  *      soonest: its queue (turns beyond its slots x a turn's hold / its
  *      slots) plus its preparation (nothing for a hit, llama-server's RAM
  *      for one it holds there, the file's restore at the owner's learned
- *      speed, the turns newer than the file at its prefill speed); costs
+ *      speed, the turns newer than the file at its prefill speed; with
+ *      one store, the owners' mean speeds); costs
  *      within a tenth of the least go to the first owner on the ring from
  *      home, so spills repeat;
  *   5. with no owner under the bound, the least loaded.
@@ -37,10 +38,10 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_balance.h"
 #include "ngx_http_llama_session_index.h"
+#include "ngx_http_llama_session_told.h"
 
 
 #define NGX_HTTP_LLAMA_SESSION_BALANCE_POINTS  160
-#define NGX_HTTP_LLAMA_SESSION_BALANCE_MAX     (8 * sizeof(uintptr_t))
 
 /* a restore's speed before the owner measured one: 200 MB/s */
 #define NGX_HTTP_LLAMA_SESSION_BALANCE_RESTORE  (1.0 / 200000.0)
@@ -56,9 +57,6 @@
 /* a remote owner's load, as its last reply told, counts this long at least */
 #define NGX_HTTP_LLAMA_SESSION_BALANCE_FRESH   1000
 
-/* the edge's copies of remote owners, a zone per upstream */
-#define NGX_HTTP_LLAMA_SESSION_BALANCE_SHM     (64 * 1024)
-
 
 enum {
     NGX_HTTP_LLAMA_SESSION_SPILL_RESTORE = 0,
@@ -68,53 +66,9 @@ enum {
 
 
 typedef struct {
-    uint32_t                        hash;
-    ngx_uint_t                      peer;
-} ngx_http_llama_session_point_t;
-
-
-typedef struct {
     ngx_http_core_srv_conf_t       *cscf;
     ngx_http_llama_session_zone_t  *zone;
 } ngx_http_llama_session_owner_t;
-
-
-/*
- * A remote owner as its last reply told the edge (the X-Llama-Session-Owner
- * header), in the edge's shared memory, written without a lock: a torn copy
- * costs a restore, never a wrong reply (the owner decides its slots)
- */
-
-typedef struct {
-    ngx_msec_t                      heard;      /* its last reply, 0: never */
-    ngx_uint_t                      load;       /* in flight and waiting */
-    ngx_uint_t                      slots;
-    ngx_uint_t                      turn_ms;
-    ngx_uint_t                      restore;    /* us a MiB, 0: unknown */
-    ngx_uint_t                      prefill;    /* us a token, 0: unknown */
-    ngx_uint_t                      shared;     /* its store is shared=on */
-    uint32_t                        crc[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
-    u_char                          saved[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
-} ngx_http_llama_session_copy_t;
-
-
-typedef struct {
-    ngx_http_upstream_srv_conf_t   *uscf;
-    ngx_uint_t                      factor;     /* of the mean, x 100 */
-    ngx_uint_t                      spill;
-    ngx_uint_t                      residency;  /* off: bounded loads */
-    ngx_int_t                       key;        /* $llama_session_key */
-    ngx_uint_t                      npeers;
-    ngx_http_llama_session_zone_t **zones;      /* by peer */
-    struct sockaddr               **addrs;      /* ... and its address */
-    socklen_t                      *socklens;
-    ngx_uint_t                      shared;     /* every zone shared=on */
-    ngx_uint_t                      remote;     /* owners elsewhere */
-    ngx_shm_zone_t                 *copies;     /* ... and what they told: */
-    ngx_http_llama_session_copy_t  *told;       /* by peer, in shared memory */
-    ngx_uint_t                      npoints;
-    ngx_http_llama_session_point_t *points;
-} ngx_http_llama_session_balance_t;
 
 
 typedef struct {
@@ -158,21 +112,12 @@ static ngx_int_t ngx_http_llama_session_balance_init_peer(
     ngx_http_request_t *r, ngx_http_upstream_srv_conf_t *us);
 static ngx_int_t ngx_http_llama_session_balance_get(ngx_peer_connection_t *pc,
     void *data);
-static ngx_int_t ngx_http_llama_session_balance_copies_init(
-    ngx_shm_zone_t *shm_zone, void *data);
 static void ngx_http_llama_session_balance_zone_view(
     ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
     ngx_http_llama_session_view_t *v);
 static void ngx_http_llama_session_balance_copy_view(
     ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
     ngx_http_llama_session_view_t *v);
-static ngx_int_t ngx_http_llama_session_balance_header(ngx_http_request_t *r);
-static ngx_int_t ngx_http_llama_session_balance_tell(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx);
-static void ngx_http_llama_session_balance_learn(ngx_http_request_t *r,
-    ngx_table_elt_t *h);
-static void ngx_http_llama_session_balance_parse(
-    ngx_http_llama_session_copy_t *copy, u_char *p, u_char *last);
 static ngx_int_t ngx_http_llama_session_balance_pick(
     ngx_http_llama_session_balance_peer_t *bp, ngx_log_t *log);
 static ngx_uint_t ngx_http_llama_session_balance_order(
@@ -180,19 +125,13 @@ static ngx_uint_t ngx_http_llama_session_balance_order(
 static ngx_int_t ngx_http_llama_session_balance_file(
     ngx_http_llama_session_balance_peer_t *bp, off_t *bytes,
     ngx_uint_t *tokens);
+static void ngx_http_llama_session_balance_even(
+    ngx_http_llama_session_view_t *view, ngx_uint_t n);
 static ngx_msec_t ngx_http_llama_session_balance_cost(
     ngx_http_llama_session_view_t *v, ngx_uint_t i, ngx_int_t resident,
     ngx_int_t file, off_t bytes, ngx_uint_t newer);
 static ngx_int_t ngx_http_llama_session_balance_take(ngx_peer_connection_t *pc,
     ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t chosen);
-
-
-static ngx_str_t  ngx_http_llama_session_balance_edge =
-    ngx_string("X-Llama-Session-Edge");
-static ngx_str_t  ngx_http_llama_session_balance_told =
-    ngx_string("X-Llama-Session-Owner");
-
-static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
 
 
 /*
@@ -229,6 +168,7 @@ ngx_http_llama_session_balance(ngx_conf_t *cf, ngx_command_t *cmd,
     bal->factor = 125;
     bal->spill = NGX_HTTP_LLAMA_SESSION_SPILL_RESTORE;
     bal->residency = 1;
+    bal->poll = 1000;
 
     value = cf->args->elts;
 
@@ -268,6 +208,29 @@ ngx_http_llama_session_balance(ngx_conf_t *cf, ngx_command_t *cmd,
                 ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                                    "invalid \"%V\": spill= is \"restore\", "
                                    "\"any\" or \"off\"", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "poll=", 5) == 0) {
+            name.data = value[i].data + 5;
+            name.len = value[i].len - 5;
+
+            if (name.len == 3 && ngx_strncmp(name.data, "off", 3) == 0) {
+                bal->poll = 0;
+                continue;
+            }
+
+            bal->poll = ngx_parse_time(&name, 0);
+
+            if (bal->poll == (ngx_msec_t) NGX_ERROR || bal->poll < 100) {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid \"%V\": poll= is how long an "
+                                   "owner on another host may go unheard "
+                                   "before the edge asks it, 100ms at "
+                                   "least, or \"off\"", &value[i]);
                 return NGX_CONF_ERROR;
             }
 
@@ -353,7 +316,7 @@ ngx_http_llama_session_balance_owner(ngx_conf_t *cf,
 }
 
 
-static ngx_http_llama_session_balance_t *
+ngx_http_llama_session_balance_t *
 ngx_http_llama_session_balance_of(ngx_http_llama_session_main_conf_t *lmcf,
     ngx_http_upstream_srv_conf_t *us)
 {
@@ -376,7 +339,6 @@ static ngx_int_t
 ngx_http_llama_session_balance_init(ngx_conf_t *cf,
     ngx_http_upstream_srv_conf_t *us)
 {
-    ngx_str_t                            name;
     ngx_uint_t                           i;
     ngx_http_upstream_rr_peer_t         *peer, *here, *away;
     ngx_http_upstream_rr_peers_t        *peers;
@@ -454,78 +416,16 @@ ngx_http_llama_session_balance_init(ngx_conf_t *cf,
     }
 
     if (away) {
-        /* owners on other hosts: the edge keeps what their replies tell */
+        /* owners on other hosts: the edge keeps what they tell (told.c) */
 
         bal->remote = 1;
 
-        name.len = sizeof("llama_session_balance ") - 1 + us->host.len;
-        name.data = ngx_pnalloc(cf->pool, name.len);
-        if (name.data == NULL) {
+        if (ngx_http_llama_session_told_zone(cf, bal) != NGX_OK) {
             return NGX_ERROR;
         }
-
-        ngx_sprintf(name.data, "llama_session_balance %V", &us->host);
-
-        bal->copies = ngx_shared_memory_add(cf, &name,
-                                            NGX_HTTP_LLAMA_SESSION_BALANCE_SHM,
-                                            &ngx_http_llama_session_module);
-        if (bal->copies == NULL) {
-            return NGX_ERROR;
-        }
-
-        bal->copies->init = ngx_http_llama_session_balance_copies_init;
-        bal->copies->data = bal;
     }
 
     return ngx_http_llama_session_balance_ring(cf, bal, peers);
-}
-
-
-/*
- * The edge's copies of its remote owners: what they told survives a reload
- * only if the list of servers is the same (else each is heard anew)
- */
-
-static ngx_int_t
-ngx_http_llama_session_balance_copies_init(ngx_shm_zone_t *shm_zone,
-    void *data)
-{
-    ngx_http_llama_session_balance_t  *obal = data;
-
-    size_t                             size;
-    ngx_uint_t                         i;
-    ngx_slab_pool_t                   *shpool;
-    ngx_http_llama_session_balance_t  *bal;
-
-    bal = shm_zone->data;
-    size = NGX_HTTP_LLAMA_SESSION_BALANCE_MAX
-           * sizeof(ngx_http_llama_session_copy_t);
-
-    if (obal) {
-        bal->told = obal->told;
-
-        for (i = 0; i < bal->npeers; i++) {
-            if (i >= obal->npeers
-                || ngx_cmp_sockaddr(obal->addrs[i], obal->socklens[i],
-                                    bal->addrs[i], bal->socklens[i], 1)
-                   != NGX_OK)
-            {
-                ngx_memzero(bal->told, size);
-                break;
-            }
-        }
-
-        return NGX_OK;
-    }
-
-    shpool = (ngx_slab_pool_t *) shm_zone->shm.addr;
-
-    bal->told = ngx_slab_calloc(shpool, size);
-    if (bal->told == NULL) {
-        return NGX_ERROR;
-    }
-
-    return NGX_OK;
 }
 
 
@@ -869,7 +769,7 @@ ngx_http_llama_session_balance_copy_view(
         if (c->crc[s] == bp->hash) {
             v->slot = s;
             v->saved = (c->saved[s] != 0);
-            v->used = c->heard;
+            v->used = c->used[s];
             break;
         }
     }
@@ -1036,6 +936,10 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
 
     /* the soonest first token among the owners under the bound */
 
+    if (shared) {
+        ngx_http_llama_session_balance_even(view, bal->npeers);
+    }
+
     newer = 0;
 
     if (resident != -1 && file >= 0 && view[resident].held > tokens) {
@@ -1180,6 +1084,44 @@ ngx_http_llama_session_balance_file(ngx_http_llama_session_balance_peer_t *bp,
 
 
 /*
+ * One store: a file restores as fast on any owner of a model, the speeds
+ * each learned differing by their noise, which would decide between owners
+ * of equal queues; their mean for all, so that the ring's order does (a
+ * session's spills land on the same owners)
+ */
+
+static void
+ngx_http_llama_session_balance_even(ngx_http_llama_session_view_t *view,
+    ngx_uint_t n)
+{
+    double      restore, prefill;
+    ngx_uint_t  i, nr, np;
+
+    restore = 0;
+    prefill = 0;
+    nr = 0;
+    np = 0;
+
+    for (i = 0; i < n; i++) {
+        if (view[i].usable && view[i].restore > 0) {
+            restore += view[i].restore;
+            nr++;
+        }
+
+        if (view[i].usable && view[i].prefill > 0) {
+            prefill += view[i].prefill;
+            np++;
+        }
+    }
+
+    for (i = 0; i < n; i++) {
+        view[i].restore = nr ? restore / nr : 0;
+        view[i].prefill = np ? prefill / np : 0;
+    }
+}
+
+
+/*
  * ms to the turn's first token on owner i, but for its own prefill; newer:
  * the tokens its slot elsewhere holds beyond its file
  */
@@ -1250,355 +1192,4 @@ ngx_http_llama_session_balance_take(ngx_peer_connection_t *pc,
     }
 
     return rc;
-}
-
-
-/*
- * Remote owners tell the edge what they hold: the edge marks the requests
- * it forwards (X-Llama-Session-Edge), an owner answers those with
- *
- *     X-Llama-Session-Owner: l=LOAD s=SLOTS t=TURN_MS r=US_A_MIB
- *                            p=US_A_TOKEN sh=0|1 k=CRC[+],CRC[+],...
- *
- * (k: the crc32 of the key in each slot, in hex, 0 for none, "+" when the
- * slot's state is its file's), and the edge keeps it for the pick and
- * takes it out of the reply: it never reaches a client
- */
-
-ngx_int_t
-ngx_http_llama_session_balance_filter_init(ngx_conf_t *cf)
-{
-    ngx_http_next_header_filter = ngx_http_top_header_filter;
-    ngx_http_top_header_filter = ngx_http_llama_session_balance_header;
-
-    return NGX_OK;
-}
-
-
-/* an edge's request to an owner: marked, whatever the client sent */
-
-ngx_int_t
-ngx_http_llama_session_balance_mark(ngx_http_request_t *r)
-{
-    ngx_table_elt_t  *h;
-
-    h = ngx_list_push(&r->headers_in.headers);
-    if (h == NULL) {
-        return NGX_ERROR;
-    }
-
-    h->hash = 1;
-    h->key = ngx_http_llama_session_balance_edge;
-    h->value.len = 1;
-    h->value.data = (u_char *) "1";
-    h->lowcase_key = (u_char *) "x-llama-session-edge";
-#if (nginx_version >= 1023000)
-    h->next = NULL;
-#endif
-
-    return NGX_OK;
-}
-
-
-static ngx_int_t
-ngx_http_llama_session_balance_header(ngx_http_request_t *r)
-{
-    ngx_uint_t                     i, edge;
-    ngx_list_part_t               *part;
-    ngx_table_elt_t               *h;
-    ngx_http_llama_session_ctx_t  *ctx;
-
-    if (r != r->main) {
-        return ngx_http_next_header_filter(r);
-    }
-
-    ctx = ngx_http_get_module_ctx(r, ngx_http_llama_session_module);
-
-    if (ctx == NULL) {
-        return ngx_http_next_header_filter(r);
-    }
-
-    if (ctx->identity) {
-        /* an edge: what the owner told is kept, and taken out */
-
-        for (part = &r->headers_out.headers.part; part; part = part->next) {
-            h = part->elts;
-
-            for (i = 0; i < part->nelts; i++) {
-                if (h[i].hash
-                    && h[i].key.len == ngx_http_llama_session_balance_told.len
-                    && ngx_strncasecmp(h[i].key.data,
-                                  ngx_http_llama_session_balance_told.data,
-                                  h[i].key.len)
-                       == 0)
-                {
-                    ngx_http_llama_session_balance_learn(r, &h[i]);
-                    h[i].hash = 0;
-                }
-            }
-        }
-
-        return ngx_http_next_header_filter(r);
-    }
-
-    if (ctx->zone == NULL) {
-        return ngx_http_next_header_filter(r);
-    }
-
-    /* an owner: an edge's request is told what this owner holds */
-
-    edge = 0;
-
-    for (part = &r->headers_in.headers.part; part && !edge; part = part->next)
-    {
-        h = part->elts;
-
-        for (i = 0; i < part->nelts; i++) {
-            if (h[i].key.len == ngx_http_llama_session_balance_edge.len
-                && ngx_strncmp(h[i].lowcase_key, "x-llama-session-edge",
-                               h[i].key.len)
-                   == 0)
-            {
-                edge = 1;
-                break;
-            }
-        }
-    }
-
-    if (edge && ngx_http_llama_session_balance_tell(r, ctx) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    return ngx_http_next_header_filter(r);
-}
-
-
-static ngx_int_t
-ngx_http_llama_session_balance_tell(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx)
-{
-    u_char                         *p;
-    size_t                          len;
-    ngx_uint_t                      s, load;
-    ngx_table_elt_t                *h;
-    ngx_http_llama_session_sh_t    *sh;
-    ngx_http_llama_session_slot_t  *slot;
-    ngx_http_llama_session_zone_t  *zone;
-
-    zone = ctx->zone;
-    sh = zone->sh;
-
-    len = sizeof("l= s= t= r= p= sh=0 k=") - 1 + 4 * NGX_INT_T_LEN
-          + zone->nslots * (8 + 2);
-
-    p = ngx_pnalloc(r->pool, len);
-    if (p == NULL) {
-        return NGX_ERROR;
-    }
-
-    h = ngx_list_push(&r->headers_out.headers);
-    if (h == NULL) {
-        return NGX_ERROR;
-    }
-
-    h->hash = 1;
-    h->key = ngx_http_llama_session_balance_told;
-#if (nginx_version >= 1023000)
-    h->next = NULL;
-#endif
-    h->value.data = p;
-
-    load = sh->nwaiters;
-
-    for (s = 0; s < zone->nslots; s++) {
-        load += sh->slots[s].busy;
-    }
-
-    /* but this turn: the edge counts its own connections to the owner */
-
-    if (ctx->job && ctx->job->acquired && load) {
-        load--;
-    }
-
-    /* read without the lock: a figure a moment old costs a restore */
-
-    p = ngx_sprintf(p, "l=%ui s=%ui t=%ui r=%ui p=%ui sh=%ui k=", load,
-                    zone->nslots, (ngx_uint_t) sh->turn_ms,
-                    (ngx_uint_t) (sh->cost.restore_samples
-                                  ? sh->cost.restore_ms_per_byte * 1000.0
-                                    * 1048576.0
-                                  : 0),
-                    (ngx_uint_t) (sh->cost.prefill_samples
-                                  ? sh->cost.prefill_ms_per_token * 1000.0
-                                  : 0),
-                    (ngx_uint_t) (zone->shared != 0));
-
-    for (s = 0; s < zone->nslots; s++) {
-        slot = &sh->slots[s];
-
-        p = ngx_sprintf(p, "%s%xD%s", s ? "," : "",
-                        slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-                        ? slot->crc : 0,
-                        (slot->state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION
-                         && !slot->dirty && slot->saveable) ? "+" : "");
-    }
-
-    h->value.len = p - h->value.data;
-
-    return NGX_OK;
-}
-
-
-/* the edge: what an owner told, into its copy */
-
-static void
-ngx_http_llama_session_balance_learn(ngx_http_request_t *r,
-    ngx_table_elt_t *h)
-{
-    ngx_uint_t                           i;
-    ngx_http_upstream_t                 *u;
-    ngx_http_upstream_rr_peer_t         *peer;
-    ngx_http_upstream_rr_peers_t        *peers;
-    ngx_http_llama_session_copy_t        copy;
-    ngx_http_llama_session_balance_t    *bal;
-    ngx_http_llama_session_main_conf_t  *lmcf;
-
-    u = r->upstream;
-
-    if (u == NULL || u->upstream == NULL || u->state == NULL
-        || u->state->peer == NULL)
-    {
-        return;
-    }
-
-    lmcf = ngx_http_get_module_main_conf(r, ngx_http_llama_session_module);
-    bal = ngx_http_llama_session_balance_of(lmcf, u->upstream);
-
-    if (bal == NULL || !bal->remote || bal->told == NULL) {
-        return;
-    }
-
-    /* the peer that answered: round robin's name of it */
-
-    peers = u->upstream->peer.data;
-
-    for (peer = peers->peer, i = 0; peer; peer = peer->next, i++) {
-        if (u->state->peer == &peer->name) {
-            break;
-        }
-    }
-
-    if (peer == NULL || i >= bal->npeers) {
-        return;
-    }
-
-    ngx_memzero(&copy, sizeof(ngx_http_llama_session_copy_t));
-
-    ngx_http_llama_session_balance_parse(&copy, h->value.data,
-                                         h->value.data + h->value.len);
-
-    if (copy.slots == 0) {
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "llama_session_balance: owner %V told \"%V\", not "
-                      "what an owner of this module tells", &peer->name,
-                      &h->value);
-        return;
-    }
-
-    copy.heard = ngx_current_msec ? ngx_current_msec : 1;
-    bal->told[i] = copy;
-}
-
-
-/* "l=3 s=2 t=1200 r=0 p=0 sh=1 k=1a2b3c4d+,0": what is not known stays 0 */
-
-static void
-ngx_http_llama_session_balance_parse(ngx_http_llama_session_copy_t *copy,
-    u_char *p, u_char *last)
-{
-    u_char      *name, *value, *end;
-    ngx_int_t    n;
-    ngx_uint_t   s;
-
-    while (p < last) {
-        while (p < last && *p == ' ') {
-            p++;
-        }
-
-        name = p;
-
-        while (p < last && *p != '=' && *p != ' ') {
-            p++;
-        }
-
-        if (p == last || *p != '=') {
-            return;
-        }
-
-        end = p++;
-        value = p;
-
-        while (p < last && *p != ' ') {
-            p++;
-        }
-
-        if (end - name == 1 && *name == 'k') {
-            for (s = 0; value < p && s < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX;
-                 s++)
-            {
-                end = value;
-
-                while (end < p && *end != ',' && *end != '+') {
-                    end++;
-                }
-
-                n = ngx_hextoi(value, end - value);
-                copy->crc[s] = (n == NGX_ERROR) ? 0 : (uint32_t) n;
-
-                if (end < p && *end == '+') {
-                    copy->saved[s] = 1;
-                    end++;
-                }
-
-                value = (end < p) ? end + 1 : p;
-            }
-
-            continue;
-        }
-
-        n = ngx_atoi(value, p - value);
-
-        if (n == NGX_ERROR) {
-            continue;
-        }
-
-        if (end - name == 1) {
-            switch (*name) {
-
-            case 'l':
-                copy->load = n;
-                break;
-
-            case 's':
-                copy->slots = ngx_min((ngx_uint_t) n,
-                                      NGX_HTTP_LLAMA_SESSION_SLOTS_MAX);
-                break;
-
-            case 't':
-                copy->turn_ms = n;
-                break;
-
-            case 'r':
-                copy->restore = n;
-                break;
-
-            case 'p':
-                copy->prefill = n;
-                break;
-            }
-
-        } else if (end - name == 2 && name[0] == 's' && name[1] == 'h') {
-            copy->shared = (n != 0);
-        }
-    }
 }

@@ -16,7 +16,6 @@
 
 
 #include "ngx_http_llama_session.h"
-#include "ngx_http_llama_session_balance.h"
 #include "ngx_http_llama_session_body.h"
 #include "ngx_http_llama_session_call.h"
 #include "ngx_http_llama_session_cost.h"
@@ -35,6 +34,7 @@
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_slots.h"
+#include "ngx_http_llama_session_told.h"
 #include "ngx_http_llama_session_store.h"
 #include "ngx_http_llama_session_warm.h"
 
@@ -580,7 +580,7 @@ ngx_http_llama_session_body_handler(ngx_http_request_t *r)
                NGX_HTTP_LLAMA_SESSION_ST_DONE);
 
             if (rc == NGX_ERROR
-                || ngx_http_llama_session_balance_mark(r) != NGX_OK)
+                || ngx_http_llama_session_told_mark(r) != NGX_OK)
             {
                 ctx->status = NGX_HTTP_INTERNAL_SERVER_ERROR;
             }

@@ -24,6 +24,7 @@
 #include "ngx_http_llama_session_sched.h"
 #include "ngx_http_llama_session_shm.h"
 #include "ngx_http_llama_session_store.h"
+#include "ngx_http_llama_session_told.h"
 #include "ngx_http_llama_session_turn.h"
 #include "ngx_http_llama_session_var.h"
 
@@ -1695,7 +1696,7 @@ ngx_http_llama_session_init(ngx_conf_t *cf)
 
     if (ngx_http_llama_session_capture_init(cf) != NGX_OK
         || ngx_http_llama_session_conv_init(cf) != NGX_OK
-        || ngx_http_llama_session_balance_filter_init(cf) != NGX_OK)
+        || ngx_http_llama_session_told_filter_init(cf) != NGX_OK)
     {
         return NGX_ERROR;
     }
@@ -1847,6 +1848,10 @@ ngx_http_llama_session_init_process(ngx_cycle_t *cycle)
 {
     ngx_http_llama_session_process_init();
     ngx_http_llama_session_io_init_process();
+
+    if (ngx_http_llama_session_told_init_process(cycle) != NGX_OK) {
+        return NGX_ERROR;
+    }
 
     return ngx_http_llama_session_idle_init(cycle);
 }

@@ -13,7 +13,11 @@
 #   2. its home busy (both slots held), a session with a file restores on
 #      another owner at once; its next turn stays there, a hit, where the
 #      hash would send it home: the edge learned where it lives;
-#   3. an owner down: its sessions answered elsewhere, restored.
+#      its next turn, straight to its home owner (another edge's), is
+#      seen there by the edge's polls of the owners: the turn after goes
+#      there, a hit;
+#   3. an owner down: its sessions answered elsewhere, restored;
+#   4. nginx -t: poll= out of range.
 
 use strict;
 use warnings;
@@ -90,7 +94,7 @@ my $direct = $o->post('/v1/chat/completions',
                       headers => { 'X-Session-Id' => 's6',
                                    'X-Llama-Session-Edge' => '1' });
 like($direct->{headers}{'x-llama-session-owner'} // '',
-     qr/^l=\d+ s=2 t=\d+ r=\d+ p=\d+ sh=1 k=[0-9a-f]+\+?,[0-9a-f]+\+?$/,
+     qr/^l=\d+ s=2 t=\d+ r=\d+ p=\d+ sh=1 k=[0-9a-f]+\+?(?::\d+)?,[0-9a-f]+\+?(?::\d+)?$/,
      'an owner asked by an edge tells its load and slots: '
      . ($direct->{headers}{'x-llama-session-owner'} // '-'));
 my $k6 = sprintf '%x', crc32(LlamaTest::first_key('s6'));
@@ -112,6 +116,26 @@ is("$r->{backend} $r->{action}", "$moved hit",
    "$h3 again, its home free: it stays where it lives, a hit "
    . "(the hash would send it home to $busy)");
 
+# 2b. the session's next turn reaches its home owner by another way (an
+# edge of another kind, a client of the owner): the edge's polls see it
+# there, used last, and send the turn after it, a hit
+
+my $d = $o->post('/v1/chat/completions',
+                 { messages => $e->{conv}{$h3}, max_tokens => 2,
+                   temperature => 0 },
+                 port => $o->owner_port($busy),
+                 headers => { 'X-Session-Id' => $h3 });
+is("$d->{status} " . ($d->{headers}{'x-s-action'} // '-'), '200 restore',
+   "$h3 straight to $busy: restored there");
+push @{ $e->{conv}{$h3} },
+    { role => 'assistant', content => $d->{json}{choices}[0]{message}{content} },
+    { role => 'user', content => "More for $h3?" };
+sleep 1.5;    # poll=1s: the edge asks the owners it has not heard of
+$r = turn($h3);
+is("$r->{backend} $r->{action}", "$busy hit",
+   "$h3 through the edge: to $busy, where it was used last, a hit (its "
+   . "older state in a slot of $moved)");
+
 # 3. an owner down: its sessions answered elsewhere, from their files
 
 sleep 0.6;
@@ -125,6 +149,17 @@ for my $sid (@its) {
        "$sid: restored, " . ($x->{cached} // 0) . ' of '
        . ($x->{prompt} // '-') . ' cached');
 }
+
+# 4. nginx -t: poll= out of range
+
+my ($rc, $msg) = $e->nginx_test(<<"EOF");
+    upstream owners {
+        llama_session_balance poll=10ms;
+$servers    }
+EOF
+isnt($rc, 0, 'nginx -t refuses poll=10ms');
+like($msg, qr/invalid "poll=10ms": poll= is how long an owner on another host may go unheard/,
+     'and says what poll= is');
 
 $e->stop;
 $o->stop;
