@@ -30,6 +30,11 @@
     (NGX_HTTP_LLAMA_SESSION_BALANCE_MAX                                       \
      * sizeof(ngx_http_llama_session_copy_t) + 32 * 1024)
 
+/* what an owner may say: more is taken as this much */
+#define NGX_HTTP_LLAMA_SESSION_TOLD_LOAD   65536
+#define NGX_HTTP_LLAMA_SESSION_TOLD_MS     3600000
+#define NGX_HTTP_LLAMA_SESSION_TOLD_SPEED  1000000000
+
 /* a poll's reply: its headers, the owner's among them */
 #define NGX_HTTP_LLAMA_SESSION_TOLD_REPLY  4096
 
@@ -501,7 +506,7 @@ ngx_http_llama_session_told_keep(ngx_http_llama_session_balance_t *bal,
         switch (*key) {
 
         case 'l':
-            copy.load = n;
+            copy.load = ngx_min(n, NGX_HTTP_LLAMA_SESSION_TOLD_LOAD);
             break;
 
         case 's':
@@ -510,15 +515,15 @@ ngx_http_llama_session_told_keep(ngx_http_llama_session_balance_t *bal,
             break;
 
         case 't':
-            copy.turn_ms = n;
+            copy.turn_ms = ngx_min(n, NGX_HTTP_LLAMA_SESSION_TOLD_MS);
             break;
 
         case 'r':
-            copy.restore = n;
+            copy.restore = ngx_min(n, NGX_HTTP_LLAMA_SESSION_TOLD_SPEED);
             break;
 
         case 'p':
-            copy.prefill = n;
+            copy.prefill = ngx_min(n, NGX_HTTP_LLAMA_SESSION_TOLD_SPEED);
             break;
         }
     }

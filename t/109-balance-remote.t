@@ -130,7 +130,7 @@ is("$d->{status} " . ($d->{headers}{'x-s-action'} // '-'), '200 restore',
 push @{ $e->{conv}{$h3} },
     { role => 'assistant', content => $d->{json}{choices}[0]{message}{content} },
     { role => 'user', content => "More for $h3?" };
-sleep 1.5;    # poll=1s: the edge asks the owners it has not heard of
+sleep 2.5;    # poll=1s: the edge asks the owners it has not heard of
 $r = turn($h3);
 is("$r->{backend} $r->{action}", "$busy hit",
    "$h3 through the edge: to $busy, where it was used last, a hit (its "
