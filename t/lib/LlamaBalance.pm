@@ -12,10 +12,9 @@ use Time::HiRes qw(sleep time);
 
 # three new sessions of one home ($home: a session id's home), turned once
 # each through the front $front (the third first, so that it has a file);
-# the other two held in both slots of that home by its fake backend
-# (of $owners); then the third comes back while they are held: it goes to
-# another owner at once and restores there.  Returns that owner.
-sub busy_home {
+# the other two then held in both slots of that home by its fake backend
+# (of $owners) until release() is called
+sub hold_home {
     my (%o) = @_;
     my ($front, $owners, $home) = @o{qw(front owners home)};
 
@@ -36,6 +35,7 @@ sub busy_home {
     }
 
     my $until = $owners->dir . '/release';
+    unlink $until;
     $owners->fake_script({ completion => { match => "(?:$h1|$h2)\\b",
                                            delay_ms => 1,
                                            until => $until } }, $busy);
@@ -45,6 +45,29 @@ sub busy_home {
                                         headers => { 'X-Session-Id' => $_ }) }
                $h1, $h2;
     sleep 1;
+
+    my $release = sub {
+        open my $fh, '>', $until or die;
+        close $fh;
+        for my $h (@held) {
+            is($front->async_wait($h, 30)->{status}, 200, 'a held turn ends');
+        }
+        $owners->fake_script({}, $busy);
+    };
+
+    return { busy => $busy, sessions => [ $h1, $h2, $h3 ],
+             release => $release };
+}
+
+# hold_home(), then the third session comes back while the two are held:
+# it goes to another owner at once and restores there.  Returns hold_home()'s
+# with the owner it went to (moved)
+sub busy_home {
+    my (%o) = @_;
+    my $front = $o{front};
+
+    my $hh = hold_home(%o);
+    my ($busy, $h3) = ($hh->{busy}, $hh->{sessions}[2]);
 
     my $t0 = time;
     my $r = $front->chat_turn($h3);
@@ -57,15 +80,9 @@ sub busy_home {
     ok($secs < 5, sprintf('at once (%.1f s), not after the held turns',
                           $secs));
 
-    open my $fh, '>', $until or die;
-    close $fh;
-    for my $h (@held) {
-        is($front->async_wait($h, 30)->{status}, 200, 'a held turn ends');
-    }
-    $owners->fake_script({}, $busy);
-
-    return { busy => $busy, sessions => [ $h1, $h2, $h3 ],
-             moved => $r->{backend} };
+    $hh->{release}->();
+    $hh->{moved} = $r->{backend};
+    return $hh;
 }
 
 1;
