@@ -38,7 +38,6 @@
 #include "ngx_http_llama_session.h"
 #include "ngx_http_llama_session_balance.h"
 #include "ngx_http_llama_session_index.h"
-#include "ngx_http_llama_session_told.h"
 
 
 #define NGX_HTTP_LLAMA_SESSION_BALANCE_POINTS  160
@@ -415,15 +414,8 @@ ngx_http_llama_session_balance_init(ngx_conf_t *cf,
         return NGX_ERROR;
     }
 
-    if (away) {
-        /* owners on other hosts: the edge keeps what they tell (told.c) */
-
-        bal->remote = 1;
-
-        if (ngx_http_llama_session_told_zone(cf, bal) != NGX_OK) {
-            return NGX_ERROR;
-        }
-    }
+    /* owners on other hosts: the edge keeps what they tell (told.c) */
+    bal->remote = (away != NULL);
 
     return ngx_http_llama_session_balance_ring(cf, bal, peers);
 }

@@ -61,6 +61,8 @@ typedef struct {
 } ngx_http_llama_session_poller_t;
 
 
+static ngx_int_t ngx_http_llama_session_told_zone(ngx_conf_t *cf,
+    ngx_http_llama_session_balance_t *bal);
 static ngx_int_t ngx_http_llama_session_told_init_zone(
     ngx_shm_zone_t *shm_zone, void *data);
 static ngx_int_t ngx_http_llama_session_told_header(ngx_http_request_t *r);
@@ -90,7 +92,7 @@ static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
 
 /* the edge's zone of an upstream of remote owners */
 
-ngx_int_t
+static ngx_int_t
 ngx_http_llama_session_told_zone(ngx_conf_t *cf,
     ngx_http_llama_session_balance_t *bal)
 {
@@ -165,9 +167,33 @@ ngx_http_llama_session_told_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 }
 
 
+/*
+ * After the upstreams' init (llama_session_balance found which are of
+ * owners on other hosts): an edge's zone for each, and the header filter
+ */
+
 ngx_int_t
 ngx_http_llama_session_told_filter_init(ngx_conf_t *cf)
 {
+    ngx_uint_t                            i;
+    ngx_http_llama_session_balance_t    **bal;
+    ngx_http_llama_session_main_conf_t   *lmcf;
+
+    lmcf = ngx_http_conf_get_module_main_conf(cf,
+                                              ngx_http_llama_session_module);
+
+    if (lmcf->balances.elts) {
+        bal = lmcf->balances.elts;
+
+        for (i = 0; i < lmcf->balances.nelts; i++) {
+            if (bal[i]->remote
+                && ngx_http_llama_session_told_zone(cf, bal[i]) != NGX_OK)
+            {
+                return NGX_ERROR;
+            }
+        }
+    }
+
     ngx_http_next_header_filter = ngx_http_top_header_filter;
     ngx_http_top_header_filter = ngx_http_llama_session_told_header;
 

@@ -15,8 +15,6 @@
 #include "ngx_http_llama_session_balance.h"
 
 
-ngx_int_t ngx_http_llama_session_told_zone(ngx_conf_t *cf,
-    ngx_http_llama_session_balance_t *bal);
 ngx_int_t ngx_http_llama_session_told_filter_init(ngx_conf_t *cf);
 ngx_int_t ngx_http_llama_session_told_mark(ngx_http_request_t *r);
 ngx_int_t ngx_http_llama_session_told_init_process(ngx_cycle_t *cycle);
