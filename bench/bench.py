@@ -60,9 +60,12 @@ request.  Results: a table on stdout and JSON (--out).
 14. balance four owners of two slots over one store, twenty sessions
           (four hot, three of one home), the same seeded schedule on
           each side: hash consistent, least_conn, llama_session_balance,
-          and the balancer without residency; returning turns' time to
-          first token, hits, re-prefills, in-flight and prefilled tokens
-          per owner, max over mean (--only balance, BENCH_SEEDS=1,2,3)
+          the balancer without residency, and the balancer on two edge
+          nginx instances before the owners' (turns alternate edges);
+          returning turns' time to first token, hits, re-prefills,
+          in-flight and prefilled tokens per owner, max over mean
+          (--only balance, BENCH_SEEDS=1,2,3; one thread a llama-server,
+          BENCH_THREADS)
 
 usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning,fleet,balance] [--quick]
 """
@@ -140,7 +143,7 @@ class Llama:
     """a real llama-server of the rig"""
 
     def __init__(self, work, name, ctx, cache_ram=0, args=None, np=1,
-                 model=None, extra=(), slots=None, ram=0):
+                 model=None, extra=(), slots=None, ram=0, threads=2):
         self.name = name
         self.port = free_port()
         self.slots = slots or os.path.join(work, name + '-slots')
@@ -150,7 +153,7 @@ class Llama:
                      model or rig('make-model.sh'),
                      '--host', '127.0.0.1', '--port', str(self.port),
                      '-np', str(np), '-c', str(ctx), '--slot-save-path',
-                     self.slots, '-t', '2', '--no-webui']
+                     self.slots, '-t', str(threads), '--no-webui']
         if args is not None:
             # llama-server as it is run without the module
             self.args += args
@@ -1418,10 +1421,13 @@ def bench_budget(work, quick):
 
 # 13. a fleet: sticky owners against routing by load ---------------------
 
-def fleet_nginx(work, name, llamas, store, zone_extra, balance, ports):
+def fleet_nginx(work, name, llamas, store, zone_extra, balance, ports,
+                edges=0):
     """owner zones (one per llama-server, store(i) their folders, on
     ports[i]: the hash's ring is that of the servers' addresses) and a
-    front upstream (balance) on one nginx: (the Nginx, the front's port)"""
+    front upstream (balance) on one nginx: (the Nginx, the front's port);
+    with edges, the front is that many edge nginx instances instead, as
+    on other hosts: ([the owners' Nginx and the edges'], [their ports])"""
     conf, servers = '', ''
     for i, ll in enumerate(llamas):
         port = ports[i]
@@ -1445,9 +1451,9 @@ def fleet_nginx(work, name, llamas, store, zone_extra, balance, ports):
         }
     }''' % (i, store(i), zone_extra, port, i, ll.port, i, ll.port)
         servers += '        server 127.0.0.1:%d;\n' % port
-    fport = free_port()
-    conf += '''
+    front = '''
     upstream owners {
+        zone owners 64k;
         %s;
 %s    }
     server {
@@ -1458,8 +1464,18 @@ def fleet_nginx(work, name, llamas, store, zone_extra, balance, ports):
             proxy_buffering off;
             proxy_read_timeout 900s;
         }
-    }''' % (balance, servers, fport)
-    ngx = Nginx(work, name, conf)
+    }'''
+    if edges:
+        ngx = [Nginx(work, name, conf)]
+        fports = [free_port() for _ in range(edges)]
+        for i, fport in enumerate(fports):
+            ngx.append(Nginx(work, '%s-edge%d' % (name, i),
+                             front % (balance, servers, fport)))
+        for port in ports + fports:
+            wait_http(port)
+        return ngx, fports
+    fport = free_port()
+    ngx = Nginx(work, name, conf + front % (balance, servers, fport))
     wait_http(fport)
     return ngx, fport
 
@@ -2004,21 +2020,29 @@ def bench_balance(work, quick):
     same nginx; twenty sessions, four hot (long, short thinks, three of
     them of one home: the hash's worst case) and sixteen cold; the same
     seeded schedule and owner addresses on every side: hash consistent,
-    least_conn, llama_session_balance, and the balancer ignoring residency
-    (plain bounded loads).  Per side: returning turns' time to first token,
-    hits, restores and re-prefills, in-flight turns per owner (busiest over
-    mean, time-averaged over 100 ms samples with any load), tokens
-    prefilled per owner (max over mean).  BENCH_SEEDS: seeds (1)"""
+    least_conn, llama_session_balance, the balancer ignoring residency
+    (plain bounded loads), and the balancer on two edges before the owners
+    (an nginx of their own, as on other hosts).  Per side: returning
+    turns' time to first token, hits, restores and re-prefills, in-flight
+    turns per owner (busiest over mean, time-averaged over 100 ms samples
+    with any load), tokens prefilled per owner (max over mean).
+    BENCH_SEEDS: seeds (1); BENCH_THREADS: a llama-server's threads (1)"""
     import random
     import threading
     nback = 4
     seeds = [int(x) for x in os.environ.get('BENCH_SEEDS', '1').split(',')]
     hot_turns, cold_turns = (6, 2) if quick else (12, 4)
+    # one thread a llama-server: four of them on this machine's two cores
+    # with two threads each spin at ggml's barriers when all compute, and
+    # spreading turns over the owners is then slower than it is on owners
+    # of their own cores (BENCH_THREADS=2: the runs before this one)
+    threads = int(os.environ.get('BENCH_THREADS', '1'))
     hot_tok, cold_tok = (768, (192, 384)) if quick else (1536, (256, 768))
-    sides = [('hash', 'hash $llama_session_key consistent'),
-             ('least_conn', 'least_conn'),
-             ('balance', 'llama_session_balance'),
-             ('bounded', 'llama_session_balance residency=off')]
+    sides = [('hash', 'hash $llama_session_key consistent', 0),
+             ('least_conn', 'least_conn', 0),
+             ('balance', 'llama_session_balance', 0),
+             ('bounded', 'llama_session_balance residency=off', 0),
+             ('edges', 'llama_session_balance', 2)]
     ports = [free_port() for _ in range(nback)]
     ring = balance_ring(ports)
     system = filler('sys', 200)
@@ -2028,14 +2052,20 @@ def bench_balance(work, quick):
     for seed in seeds:
         rng = random.Random(seed)
         res[seed] = {}
-        for side, balance in sides:
+        for side, balance, edges in sides:
             folder = os.path.join(work, 'balance-%s' % side)
             os.makedirs(folder, exist_ok=True)
             llamas = [Llama(work, 'balance-%s-%d' % (side, i), ctx, np=2,
-                            slots=folder) for i in range(nback)]
+                            slots=folder, threads=threads)
+                      for i in range(nback)]
             ngx, port = fleet_nginx(
                 work, 'nginx-balance-%s' % side, llamas, lambda i: folder,
-                ' slots=2 shared=on save_idle=300ms', balance, ports)
+                ' slots=2 shared=on save_idle=300ms', balance, ports,
+                edges)
+            # edges: the owners on another nginx, as on other hosts, and a
+            # session's turns alternate between two edge nginx instances
+            # (what an L4 balancer in front of the edges does to it)
+            ngxs, fports = (ngx, port) if edges else ([ngx], [port])
 
             # the sessions, the same on every side of a seed
             srng = random.Random(seed)
@@ -2070,7 +2100,8 @@ def bench_balance(work, quick):
                 sessions.append({'sid': sid, 'hot': False,
                                  'first': filler('c%dw' % c, nwords(n))
                                  + ' Q1?'})
-            for x in sessions:
+            for n, x in enumerate(sessions):
+                x['n'] = n
                 x['thinks'] = [srng.uniform(0.3, 0.8) if x['hot']
                                else srng.uniform(3.0, 8.0)
                                for _ in range(hot_turns if x['hot']
@@ -2089,7 +2120,8 @@ def bench_balance(work, quick):
                                  'Q%d? %s' % (rnd + 1, filler('q', 8))})
                 t0 = time.time()
                 ttft, text, cache_n, prompt, _, hdrs = chat_turn(
-                    port, msgs, x['sid'], 4, {'temperature': 0})
+                    fports[(x['n'] + rnd) % len(fports)], msgs, x['sid'], 4,
+                    {'temperature': 0})
                 t1 = time.time()
                 msgs.append({'role': 'assistant', 'content': text})
                 h = {k.lower(): v for k, v in hdrs.items()}
@@ -2146,6 +2178,7 @@ def bench_balance(work, quick):
                      max(avg) / (sum(avg) / float(nback)) if sum(avg)
                      else None,
                  'p50_by_kind': {k: median(v) for k, v in bykind.items()},
+                 'p95_by_kind': {k: p95(v) for k, v in bykind.items()},
                  'prefilled': pre,
                  'prefilled_max_over_mean':
                      max(pre) / (sum(pre) / float(nback)) if sum(pre)
@@ -2163,7 +2196,8 @@ def bench_balance(work, quick):
                      ', '.join('%s %s' % (k, fmt(v)) for k, v
                                in sorted(r['p50_by_kind'].items()))))
             sys.stdout.flush()
-            ngx.stop()
+            for n in ngxs:
+                n.stop()
             for ll in llamas:
                 ll.stop()
             shutil.rmtree(folder, ignore_errors=True)
