@@ -2026,7 +2026,8 @@ def bench_balance(work, quick):
     turns' time to first token, hits, restores and re-prefills, in-flight
     turns per owner (busiest over mean, time-averaged over 100 ms samples
     with any load), tokens prefilled per owner (max over mean).
-    BENCH_SEEDS: seeds (1); BENCH_THREADS: a llama-server's threads (1)"""
+    BENCH_SEEDS: seeds (1); BENCH_THREADS: a llama-server's threads (1);
+    BENCH_FA: its flash attention (auto)"""
     import random
     import threading
     nback = 4
@@ -2037,6 +2038,9 @@ def bench_balance(work, quick):
     # spreading turns over the owners is then slower than it is on owners
     # of their own cores (BENCH_THREADS=2: the runs before this one)
     threads = int(os.environ.get('BENCH_THREADS', '1'))
+    # BENCH_FA=off: no flash attention (llama-server's -fa; its default,
+    # auto, turns it on): ggml's CPU kernel then takes 0.56 s for a
+    # returning turn's 55 tokens after 2,400, 0.05 s without
     hot_tok, cold_tok = (768, (192, 384)) if quick else (1536, (256, 768))
     sides = [('hash', 'hash $llama_session_key consistent', 0),
              ('least_conn', 'least_conn', 0),
@@ -2056,7 +2060,8 @@ def bench_balance(work, quick):
             folder = os.path.join(work, 'balance-%s' % side)
             os.makedirs(folder, exist_ok=True)
             llamas = [Llama(work, 'balance-%s-%d' % (side, i), ctx, np=2,
-                            slots=folder, threads=threads)
+                            slots=folder, threads=threads,
+                            extra=['-fa', os.environ.get('BENCH_FA', 'auto')])
                       for i in range(nback)]
             ngx, port = fleet_nginx(
                 work, 'nginx-balance-%s' % side, llamas, lambda i: folder,
