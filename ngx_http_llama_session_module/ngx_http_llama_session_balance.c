@@ -22,9 +22,12 @@
  *      slots) plus its preparation (nothing for a hit, llama-server's RAM
  *      for one it holds there, the file's restore at the owner's learned
  *      speed, the turns newer than the file at its prefill speed; with
- *      one store, the owners' mean speeds); costs
- *      within a tenth of the least go to the first owner on the ring from
- *      home, so spills repeat;
+ *      one store, the owners' mean speeds); of the owners within a
+ *      tenth of the least, the one that holds it, else the one whose slot
+ *      to give up has been idle longest (a free one first: the turn
+ *      displaces no session that still talks; not at an edge for a
+ *      session it knows nothing of, maybe new), else the first on the
+ *      ring from home;
  *   5. with no owner under the bound, the least loaded.
  *
  * With folders per owner (a zone not shared=on) a session with a file
@@ -86,6 +89,9 @@ typedef struct {
     ngx_int_t                       slot;       /* holds the key, or -1 */
     ngx_uint_t                      held;       /* ... its tokens, 0: unknown */
     ngx_msec_t                      used;       /* ... its last turn's end */
+    ngx_msec_t                      idle;       /* ms the slot a turn would
+                                                   take has been idle; NONE:
+                                                   one free, 0: none idle */
     ngx_uint_t                      turn_ms;    /* a turn's hold of a slot */
     double                          restore;    /* ms a byte, 0: unknown */
     double                          prefill;    /* ms a token, 0: unknown */
@@ -119,6 +125,8 @@ static void ngx_http_llama_session_balance_copy_view(
     ngx_http_llama_session_view_t *v);
 static ngx_int_t ngx_http_llama_session_balance_pick(
     ngx_http_llama_session_balance_peer_t *bp, ngx_log_t *log);
+static void ngx_http_llama_session_balance_idle(
+    ngx_http_llama_session_view_t *v, ngx_uint_t empty, ngx_msec_t used);
 static ngx_uint_t ngx_http_llama_session_balance_order(
     ngx_http_llama_session_balance_t *bal, uint32_t hash, ngx_uint_t *ring);
 static ngx_int_t ngx_http_llama_session_balance_file(
@@ -693,6 +701,12 @@ ngx_http_llama_session_balance_zone_view(
     for (s = 0; s < v->slots; s++) {
         v->load += sh->slots[s].busy;
 
+        if (!sh->slots[s].busy) {
+            ngx_http_llama_session_balance_idle(v,
+                sh->slots[s].state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
+                sh->slots[s].last_used);
+        }
+
         if (bal->residency && bp->hash && sh->slots[s].crc == bp->hash) {
             v->slot = s;
             v->held = sh->slots[s].held;
@@ -736,6 +750,7 @@ ngx_http_llama_session_balance_copy_view(
     v->shared = 1;
 
     if (c->heard == 0) {
+        v->idle = NGX_HTTP_LLAMA_SESSION_BALANCE_NONE;
         return;
     }
 
@@ -751,6 +766,11 @@ ngx_http_llama_session_balance_copy_view(
                                        NGX_HTTP_LLAMA_SESSION_BALANCE_FRESH))
     {
         v->load = c->load;
+    }
+
+    for (s = 0; s < v->slots && s < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; s++) {
+        /* a busy slot was told as used when it was told */
+        ngx_http_llama_session_balance_idle(v, c->crc[s] == 0, c->used[s]);
     }
 
     if (!bp->bal->residency || bp->hash == 0) {
@@ -958,14 +978,26 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
     best = NGX_DECLINED;
 
     if (least != NGX_HTTP_LLAMA_SESSION_BALANCE_NONE) {
+        /*
+         * of the owners as soon, the one that holds it; for a turn that
+         * takes a slot, the one whose slot to give up has been idle the
+         * longest (a free one first: the turn displaces no session that
+         * still talks); then the first from home (at an edge, a session
+         * in no slot it was told of may be new: home)
+         */
+
         for (k = 0; k < n; k++) {
             i = ring[k];
 
             if (cost[i] != NGX_HTTP_LLAMA_SESSION_BALANCE_NONE
-                && cost[i] <= least + least / 10)
+                && cost[i] <= least + least / 10
+                && (best == NGX_DECLINED
+                    || (ngx_int_t) i == resident
+                    || (best != resident
+                        && file != NGX_HTTP_LLAMA_SESSION_BALANCE_UNKNOWN
+                        && view[i].idle > view[best].idle)))
             {
                 best = i;
-                break;
             }
         }
 
@@ -988,6 +1020,29 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
                    best);
 
     return best;
+}
+
+
+/* an idle slot of the owner: the one a turn there would take */
+
+static void
+ngx_http_llama_session_balance_idle(ngx_http_llama_session_view_t *v,
+    ngx_uint_t empty, ngx_msec_t used)
+{
+    ngx_msec_int_t  idle;
+
+    if (empty) {
+        v->idle = NGX_HTTP_LLAMA_SESSION_BALANCE_NONE;
+        return;
+    }
+
+    /* another worker's clock may be a little ahead of this one's */
+
+    idle = (ngx_msec_int_t) (ngx_current_msec - used);
+
+    if (idle > 0 && (ngx_msec_t) idle > v->idle) {
+        v->idle = idle;
+    }
 }
 
 
