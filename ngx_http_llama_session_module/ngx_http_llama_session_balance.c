@@ -25,9 +25,9 @@
  *      one store, the owners' mean speeds); of the owners within a
  *      tenth of the least, the one that holds it, else the one whose slot
  *      to give up has been idle longest (a free one first: the turn
- *      displaces no session that still talks; not at an edge for a
- *      session it knows nothing of, maybe new), else the first on the
- *      ring from home;
+ *      displaces no session that still talks; not at an edge, whose
+ *      copy of the owners' slots is up to a poll old), else the first on
+ *      the ring from home;
  *   5. with no owner under the bound, the least loaded.
  *
  * With folders per owner (a zone not shared=on) a session with a file
@@ -750,7 +750,6 @@ ngx_http_llama_session_balance_copy_view(
     v->shared = 1;
 
     if (c->heard == 0) {
-        v->idle = NGX_HTTP_LLAMA_SESSION_BALANCE_NONE;
         return;
     }
 
@@ -766,11 +765,6 @@ ngx_http_llama_session_balance_copy_view(
                                        NGX_HTTP_LLAMA_SESSION_BALANCE_FRESH))
     {
         v->load = c->load;
-    }
-
-    for (s = 0; s < v->slots && s < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; s++) {
-        /* a busy slot was told as used when it was told */
-        ngx_http_llama_session_balance_idle(v, c->crc[s] == 0, c->used[s]);
     }
 
     if (!bp->bal->residency || bp->hash == 0) {
@@ -979,11 +973,12 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
 
     if (least != NGX_HTTP_LLAMA_SESSION_BALANCE_NONE) {
         /*
-         * of the owners as soon, the one that holds it; for a turn that
-         * takes a slot, the one whose slot to give up has been idle the
+         * of the owners as soon, the one that holds it; else, of owners
+         * in this nginx, the one whose slot to give up has been idle the
          * longest (a free one first: the turn displaces no session that
-         * still talks); then the first from home (at an edge, a session
-         * in no slot it was told of may be new: home)
+         * still talks); then the first from home.  An edge's copy of the
+         * owners' slots is up to a poll old: every turn of a poll would
+         * go to the one slot it saw free
          */
 
         for (k = 0; k < n; k++) {
@@ -993,8 +988,7 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
                 && cost[i] <= least + least / 10
                 && (best == NGX_DECLINED
                     || (ngx_int_t) i == resident
-                    || (best != resident
-                        && file != NGX_HTTP_LLAMA_SESSION_BALANCE_UNKNOWN
+                    || (best != resident && !bal->remote
                         && view[i].idle > view[best].idle)))
             {
                 best = i;
