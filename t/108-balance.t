@@ -46,13 +46,7 @@ ring();
 sub home { LlamaTest::chash_home($ring, LlamaTest::first_key($_[0])) }
 
 # a session of a home, new
-my %issued;
-sub new_of {
-    my ($home) = @_;
-    my $i = 0;
-    $i++ until home("$home-new$i") eq $home && !$issued{"$home-new$i"}++;
-    return "$home-new$i";
-}
+sub new_of { LlamaBalance::new_of(\&home, $_[0], "$_[0]-new") }
 
 # 1. homes and hits
 

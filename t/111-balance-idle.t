@@ -15,6 +15,7 @@ use warnings;
 use FindBin;
 use lib "$FindBin::Bin/lib";
 
+use LlamaBalance;
 use LlamaTest;
 use Test::More;
 use Time::HiRes qw(sleep);
@@ -33,13 +34,7 @@ my $ring = LlamaTest::chash_ring(map { $_ => $t->owner_port($_) } @names);
 sub home { LlamaTest::chash_home($ring, LlamaTest::first_key($_[0])) }
 
 # new sessions of one home
-my %issued;
-sub new_of {
-    my ($home) = @_;
-    my $i = 0;
-    $i++ until home("n$i") eq $home && !$issued{"n$i"}++;
-    return "n$i";
-}
+sub new_of { LlamaBalance::new_of(\&home, $_[0], 'n') }
 
 sub turn {
     my ($sid, $why) = @_;

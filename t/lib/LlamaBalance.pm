@@ -1,6 +1,6 @@
 package LlamaBalance;
 
-# What the tests of llama_session_balance (t/108, t/109) do alike: a home
+# What the tests of llama_session_balance (t/108 to t/111) do alike: a home
 # made busy, its two slots held by the fake backend, while a third session
 # of that home, with a file, comes back.
 
@@ -83,6 +83,16 @@ sub busy_home {
     $hh->{release}->();
     $hh->{moved} = $r->{backend};
     return $hh;
+}
+
+# a new session id of home $want ($home: a session id's home), "$prefix<n>",
+# none given twice
+my %issued;
+sub new_of {
+    my ($home, $want, $prefix) = @_;
+    my $i = 0;
+    $i++ until $home->("$prefix$i") eq $want && !$issued{"$prefix$i"}++;
+    return "$prefix$i";
 }
 
 1;
