@@ -1,8 +1,8 @@
 package LlamaBalance;
 
-# What the tests of llama_session_balance (t/108 to t/111) do alike: a home
-# made busy, its two slots held by the fake backend, while a third session
-# of that home, with a file, comes back.
+# What the tests of llama_session_balance (t/108 to t/111) do alike: new
+# sessions of a home; a home made busy, its two slots held by the fake
+# backend, while a third session of that home, with a file, comes back.
 
 use strict;
 use warnings;
