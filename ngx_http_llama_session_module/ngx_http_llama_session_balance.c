@@ -90,8 +90,8 @@ typedef struct {
     ngx_uint_t                      held;       /* ... its tokens, 0: unknown */
     ngx_msec_t                      used;       /* ... its last turn's end */
     ngx_msec_t                      idle;       /* ms the slot a turn would
-                                                   take has been idle; NONE:
-                                                   one free, 0: none idle */
+                                                   take has been idle (one
+                                                   free: the most), 0: none */
     ngx_uint_t                      turn_ms;    /* a turn's hold of a slot */
     double                          restore;    /* ms a byte, 0: unknown */
     double                          prefill;    /* ms a token, 0: unknown */
@@ -125,8 +125,6 @@ static void ngx_http_llama_session_balance_copy_view(
     ngx_http_llama_session_view_t *v);
 static ngx_int_t ngx_http_llama_session_balance_pick(
     ngx_http_llama_session_balance_peer_t *bp, ngx_log_t *log);
-static void ngx_http_llama_session_balance_idle(
-    ngx_http_llama_session_view_t *v, ngx_uint_t empty, ngx_msec_t used);
 static ngx_uint_t ngx_http_llama_session_balance_order(
     ngx_http_llama_session_balance_t *bal, uint32_t hash, ngx_uint_t *ring);
 static ngx_int_t ngx_http_llama_session_balance_file(
@@ -681,6 +679,7 @@ ngx_http_llama_session_balance_zone_view(
     ngx_http_llama_session_view_t *v)
 {
     ngx_uint_t                         s, k;
+    ngx_msec_int_t                     idle;
     ngx_http_llama_session_sh_t       *sh;
     ngx_http_llama_session_ram_t      *e;
     ngx_http_llama_session_zone_t     *zone;
@@ -701,10 +700,20 @@ ngx_http_llama_session_balance_zone_view(
     for (s = 0; s < v->slots; s++) {
         v->load += sh->slots[s].busy;
 
+        /*
+         * the slot a turn here would take: a free one, else the one idle
+         * longest (another worker's clock may be a little ahead)
+         */
+
         if (!sh->slots[s].busy) {
-            ngx_http_llama_session_balance_idle(v,
-                sh->slots[s].state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION,
-                sh->slots[s].last_used);
+            idle = (sh->slots[s].state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
+                   ? (ngx_msec_int_t) NGX_MAX_INT32_VALUE
+                   : (ngx_msec_int_t) (ngx_current_msec
+                                       - sh->slots[s].last_used);
+
+            if (idle > 0 && (ngx_msec_t) idle > v->idle) {
+                v->idle = idle;
+            }
         }
 
         if (bal->residency && bp->hash && sh->slots[s].crc == bp->hash) {
@@ -1014,29 +1023,6 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
                    best);
 
     return best;
-}
-
-
-/* an idle slot of the owner: the one a turn there would take */
-
-static void
-ngx_http_llama_session_balance_idle(ngx_http_llama_session_view_t *v,
-    ngx_uint_t empty, ngx_msec_t used)
-{
-    ngx_msec_int_t  idle;
-
-    if (empty) {
-        v->idle = NGX_HTTP_LLAMA_SESSION_BALANCE_NONE;
-        return;
-    }
-
-    /* another worker's clock may be a little ahead of this one's */
-
-    idle = (ngx_msec_int_t) (ngx_current_msec - used);
-
-    if (idle > 0 && (ngx_msec_t) idle > v->idle) {
-        v->idle = idle;
-    }
 }
 
 
