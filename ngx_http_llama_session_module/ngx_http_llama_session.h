@@ -288,6 +288,12 @@ typedef struct {
      * only the slot's holder reads or writes it
      */
     ngx_uint_t                      turn_seq;
+
+    /*
+     * the last turn whose file's write ended, written or not: set by the
+     * writer's thread (store_put()), waited for by the re-prime's read
+     */
+    ngx_atomic_t                    turn_done;
 } ngx_http_llama_session_slot_t;
 
 

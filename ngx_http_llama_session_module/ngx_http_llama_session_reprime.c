@@ -86,8 +86,8 @@ typedef struct {
 static ngx_int_t ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t len,
-    ngx_buf_t **first, ngx_buf_t **second);
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t seq, u_char *data,
+    size_t len, ngx_buf_t **first, ngx_buf_t **second);
 static ngx_int_t ngx_http_llama_session_reprime_save(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_uint_t ngx_http_llama_session_reprime_yield(
@@ -259,16 +259,24 @@ ngx_http_llama_session_reprime_yield(ngx_http_llama_session_ctx_t *ctx)
 /*
  * The slot's turn file, read once and deleted (the conversation's text
  * stays no longer than needed): in a thread of the store's (io.c), or
- * here without threads and for the API
+ * here without threads and for the API.  The turn's reply has reached its
+ * client before its file is written (in a thread of the worker that
+ * passed it, store_put()): a client that goes on at once, or another
+ * session's turn that needs the slot, may be here first.  The thread
+ * waits for the write to end, within the zone's store_timeout= (the
+ * waiter's own bound); in the event loop nothing waits.
  */
 
 typedef struct {
     u_char                          path[NGX_MAX_PATH];
     size_t                          max;
+    ngx_atomic_t                   *done;       /* the slot's turn_done */
+    ngx_atomic_uint_t               seq;        /* the turn to read */
+    ngx_msec_t                      wait;       /* for its write, at most */
     u_char                         *data;       /* NUL-terminated */
     size_t                          len;
     ngx_err_t                       err;        /* of the open, 0: none */
-    ngx_int_t                       rc;
+    ngx_int_t                       rc;         /* NGX_BUSY: not written */
 } ngx_http_llama_session_turn_read_t;
 
 
@@ -277,12 +285,24 @@ ngx_http_llama_session_reprime_read(ngx_http_llama_session_io_t *io)
 {
     ssize_t                              n;
     ngx_fd_t                             fd;
+    ngx_msec_t                           waited;
     ngx_file_t                           file;
     ngx_file_info_t                      fi;
     ngx_http_llama_session_turn_read_t  *tr;
 
     tr = io->data;
     tr->rc = NGX_DECLINED;
+
+    for (waited = 0; *tr->done < tr->seq; waited += 2) {
+        if (waited >= tr->wait) {
+            tr->rc = NGX_BUSY;
+            return;
+        }
+
+        ngx_msleep(2);
+    }
+
+    ngx_memory_barrier();
 
     fd = ngx_http_llama_session_file_open(tr->path,
                                           NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
@@ -409,13 +429,19 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     tr = io->data;
     tr->max = llcf->body_max + 4 * 1024 * 1024;
+    tr->done = &zone->sh->slots[ctx->job->slot].turn_done;
+    tr->seq = seq;
     (void) ngx_http_llama_session_turn_path(zone, ctx->job->slot, tr->path);
 
     io->work = ngx_http_llama_session_reprime_read;
 
     /* the API's save reads here (its steps are not re-entered) */
 
-    if (ctx->api == NULL && ngx_http_llama_session_io_threads(zone)
+    if (ctx->api == NULL && ngx_http_llama_session_io_threads(zone)) {
+        tr->wait = zone->store_timeout;
+    }
+
+    if (tr->wait
         && ngx_http_llama_session_io_post(io, &ctx->job->wait_ev)
            == NGX_AGAIN)
     {
@@ -431,6 +457,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
         return NGX_AGAIN;
     }
 
+    tr->wait = 0;
     io->work(io);
 
 read:
@@ -438,7 +465,14 @@ read:
     tr = io->data;
 
     if (tr->rc != NGX_OK) {
-        if (tr->err) {
+        if (tr->rc == NGX_BUSY) {
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "llama_session: the turn file \"%s\" is still "
+                          "being written, \"%*s\" is saved without a "
+                          "re-prime", tr->path, ctx->job->out_len,
+                          ctx->job->out_key);
+
+        } else if (tr->err) {
             ngx_log_error(NGX_LOG_WARN, r->connection->log, tr->err,
                           "llama_session: " ngx_open_file_n " \"%s\" failed, "
                           "\"%*s\" is saved without a re-prime", tr->path,
@@ -464,10 +498,11 @@ read:
     }
 
     ngx_memcpy(data, tr->data, len + 1);
+    seq = tr->seq;
     ngx_http_llama_session_io_free(io);
 
-    rc = ngx_http_llama_session_reprime_bodies(r, ctx, data, len, &first,
-                                               &second);
+    rc = ngx_http_llama_session_reprime_bodies(r, ctx, seq, data, len,
+                                               &first, &second);
 
     ngx_pfree(r->pool, data);
 
@@ -495,8 +530,9 @@ read:
 /*
  * The two bodies of POST /apply-template: the turn's request with its
  * reply appended.  The file is the module's own, of the session whose
- * slot the job holds: its key must be the session's.  NGX_DONE: the
- * turn's messages carry media, which /apply-template renders as a text
+ * slot the job holds: its key must be the session's, its number the
+ * slot's last turn (an older one is of a turn that ran before).  NGX_DONE:
+ * the turn's messages carry media, which /apply-template renders as a text
  * marker (mtmd's) and /tokenize as that text: a prime of it would cut the
  * slot at the first image.  The slot as the turn left it is what the
  * next turn extends then (a model that attends to the whole context, or
@@ -505,12 +541,12 @@ read:
 
 static ngx_int_t
 ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
-    ngx_http_llama_session_ctx_t *ctx, u_char *data, size_t len,
-    ngx_buf_t **first, ngx_buf_t **second)
+    ngx_http_llama_session_ctx_t *ctx, ngx_uint_t seq, u_char *data,
+    size_t len, ngx_buf_t **first, ngx_buf_t **second)
 {
     u_char                         *nl;
     cJSON                          *head, *body, *key, *message, *messages;
-    cJSON                          *alt, *v;
+    cJSON                          *alt, *v, *n;
     ngx_int_t                       rc, sent;
     ngx_http_llama_session_span_t   span;
 
@@ -532,13 +568,15 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     head = cJSON_ParseWithLength((char *) data, nl - data);
     body = ngx_http_llama_session_json_tree(nl + 1, data + len - nl - 1);
 
+    n = cJSON_GetObjectItemCaseSensitive(head, "seq");
     key = cJSON_GetObjectItemCaseSensitive(head, "key");
     message = cJSON_DetachItemFromObjectCaseSensitive(head, "message");
     messages = cJSON_GetObjectItemCaseSensitive(body, "messages");
 
     rc = NGX_DECLINED;
 
-    if (!cJSON_IsString(key) || !cJSON_IsObject(message)
+    if (!cJSON_IsNumber(n) || n->valuedouble != (double) seq
+        || !cJSON_IsString(key) || !cJSON_IsObject(message)
         || !cJSON_IsArray(messages)
         || ngx_strlen(key->valuestring) != ctx->job->out_len
         || ngx_strncmp(key->valuestring, ctx->job->out_key, ctx->job->out_len)
@@ -546,7 +584,7 @@ ngx_http_llama_session_reprime_bodies(ngx_http_request_t *r,
     {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "llama_session: the turn file of slot %ui is not of "
-                      "\"%*s\", it is saved without a re-prime",
+                      "\"%*s\"'s last turn, it is saved without a re-prime",
                       ctx->job->slot, ctx->job->out_len, ctx->job->out_key);
         cJSON_Delete(message);
 

@@ -95,6 +95,9 @@ typedef struct {
     u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
     size_t                          name_len;   /* its use to record, 0 */
     ngx_uint_t                      touch;
+    ngx_atomic_t                   *done;       /* takes seq once the file
+                                                   is written or failed */
+    ngx_atomic_uint_t               seq;
 } ngx_http_llama_session_change_t;
 
 
@@ -1754,7 +1757,13 @@ ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
                                                    ch->access, &io->log)
            != NGX_OK)
     {
-        return;
+        ch->name_len = 0;
+    }
+
+    if (ch->done) {
+        /* after the rename: a reader that sees seq finds the file */
+        ngx_memory_barrier();
+        *ch->done = ch->seq;
     }
 
     if (ch->name_len) {
@@ -1766,13 +1775,15 @@ ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
 
 /*
  * A small file of the store written whole (a slot's turn, turn.c): its
- * bytes, n parts, go to "tmp", then take the name "file"; off the loop
+ * bytes, n parts, go to "tmp", then take the name "file"; off the loop.
+ * "done" takes "seq" once the write ended, written or failed.
  */
 
 ngx_int_t
 ngx_http_llama_session_store_put(ngx_http_llama_session_zone_t *zone,
     u_char *file, u_char *tmp, ngx_str_t *parts, ngx_uint_t n,
-    ngx_uint_t access, ngx_log_t *log)
+    ngx_uint_t access, ngx_atomic_t *done, ngx_atomic_uint_t seq,
+    ngx_log_t *log)
 {
     u_char                           *p, *text;
     size_t                            len;
@@ -1811,6 +1822,7 @@ ngx_http_llama_session_store_put(ngx_http_llama_session_zone_t *zone,
         rc = ngx_http_llama_session_store_write_path(file, tmp, text, len,
                                                      access, log);
         ngx_destroy_pool(pool);
+        *done = seq;
         return rc;
     }
 
@@ -1819,6 +1831,8 @@ ngx_http_llama_session_store_put(ngx_http_llama_session_zone_t *zone,
     ch->text = text;
     ch->len = len;
     ch->access = access;
+    ch->done = done;
+    ch->seq = seq;
 
     ngx_http_llama_session_store_apply(io);
 

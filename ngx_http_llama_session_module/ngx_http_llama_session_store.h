@@ -44,7 +44,8 @@ ngx_int_t ngx_http_llama_session_store_write(ngx_str_t *folder, u_char *name,
     ngx_str_t *tmp_suffix, u_char *text, size_t len, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_put(
     ngx_http_llama_session_zone_t *zone, u_char *file, u_char *tmp,
-    ngx_str_t *parts, ngx_uint_t n, ngx_uint_t access, ngx_log_t *log);
+    ngx_str_t *parts, ngx_uint_t n, ngx_uint_t access, ngx_atomic_t *done,
+    ngx_atomic_uint_t seq, ngx_log_t *log);
 void ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
     u_char *file, u_char *file2, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_look(ngx_http_request_t *r,

@@ -649,6 +649,7 @@ ngx_http_llama_session_turn_write(ngx_http_request_t *r,
     ngx_int_t   rc;
     ngx_str_t   body, parts[2];
     ngx_log_t  *log;
+    ngx_http_llama_session_slot_t      *slot;
     ngx_http_llama_session_loc_conf_t  *llcf;
 
     log = r->connection->log;
@@ -692,8 +693,10 @@ ngx_http_llama_session_turn_write(ngx_http_request_t *r,
     parts[0].len = p - head;
     parts[1] = body;
 
+    slot = &ctx->zone->sh->slots[ctx->job->slot];
+
     rc = ngx_http_llama_session_store_put(ctx->zone, path, tmp, parts, 2,
-                                          0640, log);
+                                          0640, &slot->turn_done, seq, log);
 
     if (body.data != r->request_body->bufs->buf->pos) {
         ngx_pfree(r->pool, body.data);

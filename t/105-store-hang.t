@@ -222,6 +222,38 @@ with_hung_store('', sub {
        'chat: no temporary file stays');
 });
 
+# 3b. the turn file is still being written when the next turn's swap
+# needs it (a client that goes on as soon as its reply came): only the
+# turn file's write is held; the re-prime's read waits for it, within its
+# bound, and the save is re-primed once the write ends
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    my $chat = sub {
+        my ($id, $text) = @_;
+        return $t->async_post('/v1/chat/completions',
+                              { messages => [ { role => 'user',
+                                                content => "$id: $text" } ] },
+                              headers => { 'X-Session-Id' => $id });
+    };
+    open my $fh, '>', $control or die;
+    print $fh "write /.turn.*.tmp\n";
+    close $fh;
+    is($t->async_wait($chat->('eve', 'first'), 10)->{status}, 200,
+       'late turn file: eve\'s turn is answered while its file is held');
+    my $h = $chat->('fay', 'first');
+    sleep 0.8;
+    ok(!glob("$root/.turn.*[0-9]"), 'late turn file: not written yet');
+    unlink $control;
+    is($t->async_wait($h, 10)->{status}, 200,
+       'late turn file: fay\'s swap is answered');
+    ok($t->log_lines(qr/re-primed "eve-\w+" on slot 0/),
+       'late turn file: eve is re-primed before her save');
+    ok(!$t->log_lines(qr/saved without a re-prime/),
+       'late turn file: no save without one');
+    ok($t->wait_for(sub { glob("$root/eve-*.bin") }, 5),
+       'late turn file: eve\'s file is saved');
+});
+
 # 4. shared=on: a hit looks at the store for another owner's newer file
 # first; with the store silent it stays a hit, at its bound
 with_hung_store('shared=on', sub {

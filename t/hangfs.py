@@ -16,7 +16,10 @@
 #     ROOT        folder to mirror (the real store)
 #     MOUNTPOINT  empty folder to mount it on
 #     CONTROL     a path OUTSIDE the mount; while it exists, every call made
-#                 by a process of uid UID waits (polled every 20 ms)
+#                 by a process of uid UID waits (polled every 20 ms); if it
+#                 holds lines "OP PATTERN" (e.g. "write /.turn.*.tmp"), only
+#                 the calls of that op (* for any) on a path that matches
+#                 the shell pattern (the path in the mount, from its /)
 #     UID         numeric uid or user name whose calls are held
 #     LOG         optional file; one line is appended per delayed call:
 #                 "<time> <op> <path> waited <ms>"
@@ -73,6 +76,7 @@
 
 import ctypes
 import errno
+import fnmatch
 import os
 import pwd
 import sys
@@ -142,9 +146,20 @@ class HangFS(fuse.Operations):
         except OSError as e:
             raise fuse.FuseOSError(e.errno or errno.EIO)
 
+    def _held(self, op, args):
+        try:
+            with open(self.control) as f:
+                rules = [line.split() for line in f if line.strip()]
+        except OSError:
+            return False
+        path = args[0] if args and isinstance(args[0], str) else ''
+        return not rules or any(len(r) == 2 and r[0] in (op, '*')
+                                and fnmatch.fnmatchcase(path, r[1])
+                                for r in rules)
+
     def _hold(self, op, args):
         uid, gid, pid = fuse.fuse_get_context()
-        if uid != self.uid or not os.path.exists(self.control):
+        if uid != self.uid or not self._held(op, args):
             return
         start = time.monotonic()
         stopped = False
