@@ -240,6 +240,9 @@ typedef struct {
     ngx_uint_t                      taken;      /* grants, the holder's is
                                                    the last */
     ngx_pid_t                       owner;
+    uint32_t                        crc;        /* crc32 of key, 0: none;
+                                                   read without the lock
+                                                   (balance.c) */
     uint64_t                        owner_start; /* tells a reused pid */
     ngx_msec_t                      taken_at;
     ngx_msec_t                      checked_at; /* owner last checked */
@@ -265,13 +268,10 @@ typedef struct {
     u_char                          has_ns;     /* ns[] is its tenant's */
     u_char                          ns[NGX_HTTP_LLAMA_SESSION_DIGEST];
     u_char                          saving[NGX_HTTP_LLAMA_SESSION_DIGEST];
-    ngx_uint_t                      held;       /* tokens, by its last
-                                                   reply; 0: unknown */
     u_char                          sys_most;   /* its system prompt is
                                                    half its body or more */
-    uint32_t                        crc;        /* crc32 of key, 0: none;
-                                                   read without the lock
-                                                   (balance.c) */
+    ngx_uint_t                      held;       /* tokens, by its last
+                                                   reply; 0: unknown */
 
     /*
      * the last prompt of the session in it (its first MSGS_MAX messages),
