@@ -1591,7 +1591,7 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
     off_t                          bytes;
     double                         ms;
     ngx_int_t                      rc;
-    ngx_uint_t                     tokens, state;
+    ngx_uint_t                     tokens, state, seq;
     ngx_http_llama_session_ctx_t  *ctx;
 
     ctx = api->ctx;
@@ -1664,8 +1664,9 @@ ngx_http_llama_session_api_done(ngx_http_request_t *r,
                                         NULL, 0, 0);
 
         /* the slot's last turn (the conversation's text) goes with it */
+        seq = ctx->zone->sh->slots[api->slot].turn_seq;
         ctx->zone->sh->slots[api->slot].turn_seq = 0;
-        ngx_http_llama_session_turn_drop(ctx->zone, api->slot,
+        ngx_http_llama_session_turn_drop(ctx->zone, api->slot, seq,
                                          r->connection->log);
 
         if (cJSON_AddNumberToObject(item, "erased_tokens", tokens) == NULL) {

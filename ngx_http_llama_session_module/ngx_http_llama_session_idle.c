@@ -65,9 +65,11 @@ static void ngx_http_llama_session_idle_end(void *data);
 
 /* this worker's saves at a graceful stop, for every zone */
 
-static ngx_event_t  ngx_http_llama_session_stop_ev;
-static ngx_msec_t   ngx_http_llama_session_stop_start;
-static ngx_uint_t   ngx_http_llama_session_stop_late;   /* said once */
+static ngx_event_t       ngx_http_llama_session_stop_ev;
+static ngx_connection_t  ngx_http_llama_session_stop_conn;  /* the debug
+                                                   log's ident: fd -1 */
+static ngx_msec_t        ngx_http_llama_session_stop_start;
+static ngx_uint_t        ngx_http_llama_session_stop_late;  /* said once */
 
 
 ngx_int_t
@@ -299,7 +301,10 @@ ngx_http_llama_session_idle_stopping(void)
         }
     }
 
+    ngx_http_llama_session_stop_conn.fd = (ngx_socket_t) -1;
+
     ngx_http_llama_session_stop_ev.handler = ngx_http_llama_session_stop_tick;
+    ngx_http_llama_session_stop_ev.data = &ngx_http_llama_session_stop_conn;
     ngx_http_llama_session_stop_ev.log = ngx_cycle->log;
     ngx_http_llama_session_stop_ev.cancelable = 0;
     ngx_http_llama_session_stop_start = ngx_current_msec;

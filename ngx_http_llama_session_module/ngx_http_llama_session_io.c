@@ -207,6 +207,32 @@ ngx_http_llama_session_io_free(ngx_http_llama_session_io_t *io)
 }
 
 
+/*
+ * In a task's thread: waits for a write that another thread runs (maybe
+ * another worker's) to end, as it says by *done reaching seq, for max ms
+ * at most.  NGX_OK: it ended; NGX_BUSY: not within max.
+ */
+
+ngx_int_t
+ngx_http_llama_session_io_wait(ngx_atomic_t *done, ngx_atomic_uint_t seq,
+    ngx_msec_t max)
+{
+    ngx_msec_t  waited;
+
+    for (waited = 0; *done < seq; waited += 2) {
+        if (waited >= max) {
+            return NGX_BUSY;
+        }
+
+        ngx_msleep(2);
+    }
+
+    ngx_memory_barrier();
+
+    return NGX_OK;
+}
+
+
 #if (NGX_THREADS)
 
 static void

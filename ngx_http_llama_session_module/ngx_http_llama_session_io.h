@@ -52,6 +52,8 @@ ngx_uint_t ngx_http_llama_session_io_pending(ngx_http_llama_session_io_t *io,
 void ngx_http_llama_session_io_leave(ngx_http_llama_session_io_t *io,
     ngx_log_t *log, const char *what);
 void ngx_http_llama_session_io_free(ngx_http_llama_session_io_t *io);
+ngx_int_t ngx_http_llama_session_io_wait(ngx_atomic_t *done,
+    ngx_atomic_uint_t seq, ngx_msec_t max);
 
 
 #endif /* _NGX_HTTP_LLAMA_SESSION_IO_H_INCLUDED_ */

@@ -94,6 +94,8 @@ void
 ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
     ngx_uint_t state)
 {
+    ngx_uint_t  seq;
+
     ngx_log_debug6(NGX_LOG_DEBUG_HTTP,
                    ctx->request ? ctx->request->connection->log
                                 : ngx_cycle->log, 0,
@@ -117,9 +119,11 @@ ngx_http_llama_session_job_state(ngx_http_llama_session_ctx_t *ctx,
          * lock is needed
          */
 
-        if (ctx->zone->sh->slots[ctx->job->slot].turn_seq) {
+        seq = ctx->zone->sh->slots[ctx->job->slot].turn_seq;
+
+        if (seq) {
             ctx->zone->sh->slots[ctx->job->slot].turn_seq = 0;
-            ngx_http_llama_session_turn_drop(ctx->zone, ctx->job->slot,
+            ngx_http_llama_session_turn_drop(ctx->zone, ctx->job->slot, seq,
                                              ctx->request
                                              ? ctx->request->connection->log
                                              : ngx_cycle->log);

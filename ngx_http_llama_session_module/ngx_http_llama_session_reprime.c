@@ -285,24 +285,20 @@ ngx_http_llama_session_reprime_read(ngx_http_llama_session_io_t *io)
 {
     ssize_t                              n;
     ngx_fd_t                             fd;
-    ngx_msec_t                           waited;
     ngx_file_t                           file;
     ngx_file_info_t                      fi;
     ngx_http_llama_session_turn_read_t  *tr;
 
     tr = io->data;
-    tr->rc = NGX_DECLINED;
 
-    for (waited = 0; *tr->done < tr->seq; waited += 2) {
-        if (waited >= tr->wait) {
-            tr->rc = NGX_BUSY;
-            return;
-        }
-
-        ngx_msleep(2);
+    if (ngx_http_llama_session_io_wait(tr->done, tr->seq, tr->wait)
+        != NGX_OK)
+    {
+        tr->rc = NGX_BUSY;
+        return;
     }
 
-    ngx_memory_barrier();
+    tr->rc = NGX_DECLINED;
 
     fd = ngx_http_llama_session_file_open(tr->path,
                                           NGX_HTTP_LLAMA_SESSION_FILE_READ, 0,
@@ -414,7 +410,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
     kind = ngx_http_llama_session_memory_kind(zone, ctx->job->fp);
 
     if (kind == NGX_HTTP_LLAMA_SESSION_MEMORY_FULL) {
-        ngx_http_llama_session_turn_drop(zone, ctx->job->slot,
+        ngx_http_llama_session_turn_drop(zone, ctx->job->slot, seq,
                                          r->connection->log);
         return NGX_DECLINED;
     }

@@ -97,6 +97,8 @@ typedef struct {
     ngx_uint_t                      touch;
     ngx_atomic_t                   *done;       /* takes seq once the file
                                                    is written or failed */
+    ngx_atomic_t                   *after;      /* rm[] once it reaches
+                                                   seq (store_timeout=) */
     ngx_atomic_uint_t               seq;
 } ngx_http_llama_session_change_t;
 
@@ -1741,6 +1743,17 @@ ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
 
     ch = io->data;
 
+    if (ch->after
+        && ngx_http_llama_session_io_wait(ch->after, ch->seq,
+                                          io->zone->store_timeout)
+           != NGX_OK)
+    {
+        ngx_log_error(NGX_LOG_WARN, &io->log, 0,
+                      "llama_session: the write of \"%s\" did not end within "
+                      "store_timeout=%M, it is deleted now", ch->rm[0],
+                      io->zone->store_timeout);
+    }
+
     for (i = 0; i < 2; i++) {
         if (ch->rm[i][0]
             && ngx_delete_file(ch->rm[i]) == NGX_FILE_ERROR
@@ -1846,6 +1859,22 @@ void
 ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
     u_char *file, u_char *file2, ngx_log_t *log)
 {
+    ngx_http_llama_session_store_remove_after(zone, file, file2, NULL, 0,
+                                              log);
+}
+
+
+/*
+ * store_remove(), once "done" reached "seq": the write that store_put()
+ * gave them, in a thread of this worker's or another's, ended (nothing
+ * it writes stays after the delete); without threads it did
+ */
+
+void
+ngx_http_llama_session_store_remove_after(ngx_http_llama_session_zone_t *zone,
+    u_char *file, u_char *file2, ngx_atomic_t *done, ngx_atomic_uint_t seq,
+    ngx_log_t *log)
+{
     ngx_http_llama_session_io_t      *io;
     ngx_http_llama_session_change_t  *ch;
 
@@ -1871,6 +1900,9 @@ ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
     if (file2) {
         ngx_cpystrn(ch->rm[1], file2, NGX_MAX_PATH);
     }
+
+    ch->after = done;
+    ch->seq = seq;
 
     ngx_http_llama_session_store_apply(io);
 }

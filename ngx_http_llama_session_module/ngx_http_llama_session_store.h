@@ -48,6 +48,9 @@ ngx_int_t ngx_http_llama_session_store_put(
     ngx_atomic_uint_t seq, ngx_log_t *log);
 void ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
     u_char *file, u_char *file2, ngx_log_t *log);
+void ngx_http_llama_session_store_remove_after(
+    ngx_http_llama_session_zone_t *zone, u_char *file, u_char *file2,
+    ngx_atomic_t *done, ngx_atomic_uint_t seq, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_look(ngx_http_request_t *r,
     ngx_http_llama_session_ctx_t *ctx);
 void ngx_http_llama_session_store_looked(ngx_http_request_t *r,

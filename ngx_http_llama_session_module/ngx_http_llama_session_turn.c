@@ -15,7 +15,10 @@
  * turn, a restore, a warm start, a re-prime) clears it (job_state()), so a
  * file whose N the slot does not have is never used.  The re-prime that
  * reads it deletes it: the store keeps a conversation's text only from
- * the end of its turn to its slot's next save or turn.  Only the requests
+ * the end of its turn to its slot's next save or turn.  The file is
+ * written in a thread after the reply passed: the slot's turn_done takes
+ * N once the write ended, and the re-prime's read and the delete of a
+ * slot that changed wait for it, in their threads (store_timeout=).  Only the requests
  * of a session in a dialect whose row keeps turns (chat completions,
  * Ollama's chat and Anthropic's translated into them), not probes, nor
  * the default session, nor Anthropic's passed to llama-server as they came
@@ -115,14 +118,17 @@ ngx_http_llama_session_turn_path(ngx_http_llama_session_zone_t *zone,
 /*
  * A slot's turn file goes: the slot's content changed (job_state()), the
  * API cleared the slot.  A conversation's text stays no longer than its
- * turn can serve a re-prime.
+ * turn can serve a re-prime.  seq: the slot's last turn, whose file may
+ * still be on its way (turn_end()): it goes once written; 0: the files
+ * there are.
  */
 
 void
 ngx_http_llama_session_turn_drop(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t slot, ngx_log_t *log)
+    ngx_uint_t slot, ngx_uint_t seq, ngx_log_t *log)
 {
-    u_char  path[NGX_MAX_PATH];
+    u_char         path[NGX_MAX_PATH];
+    ngx_atomic_t  *done;
 
     if (zone->store.len == 0) {
         return;
@@ -130,8 +136,11 @@ ngx_http_llama_session_turn_drop(ngx_http_llama_session_zone_t *zone,
 
     (void) ngx_http_llama_session_turn_path(zone, slot, path);
 
-    /* in a thread of the store's (store_remove()) */
-    ngx_http_llama_session_store_remove(zone, path, NULL, log);
+    done = seq ? &zone->sh->slots[slot].turn_done : NULL;
+
+    /* in a thread of the store's */
+    ngx_http_llama_session_store_remove_after(zone, path, NULL, done, seq,
+                                              log);
 }
 
 
@@ -185,7 +194,7 @@ ngx_http_llama_session_turn_forget(ngx_http_llama_session_zone_t *zone,
             continue;
         }
 
-        ngx_http_llama_session_turn_drop(zone, i, log);
+        ngx_http_llama_session_turn_drop(zone, i, 0, log);
     }
 }
 
@@ -208,7 +217,7 @@ ngx_http_llama_session_turn_clean(ngx_http_llama_session_zone_t *zone,
     }
 
     for (i = 0; i < NGX_HTTP_LLAMA_SESSION_SLOTS_MAX; i++) {
-        ngx_http_llama_session_turn_drop(zone, i, log);
+        ngx_http_llama_session_turn_drop(zone, i, 0, log);
 
         (void) ngx_http_llama_session_turn_path(zone, i, path);
         ngx_snprintf(tmp, sizeof(tmp), "%s.tmp%Z", path);

@@ -16,7 +16,7 @@
 u_char *ngx_http_llama_session_turn_path(ngx_http_llama_session_zone_t *zone,
     ngx_uint_t slot, u_char *buf);
 void ngx_http_llama_session_turn_drop(ngx_http_llama_session_zone_t *zone,
-    ngx_uint_t slot, ngx_log_t *log);
+    ngx_uint_t slot, ngx_uint_t seq, ngx_log_t *log);
 void ngx_http_llama_session_turn_forget(ngx_http_llama_session_zone_t *zone,
     u_char *key, size_t len, ngx_log_t *log);
 void ngx_http_llama_session_turn_clean(ngx_http_llama_session_zone_t *zone,

@@ -254,6 +254,28 @@ with_hung_store('', sub {
        'late turn file: eve\'s file is saved');
 });
 
+# 3c. a slot cleared while its turn file is still being written: the
+# file's delete waits for the write, so no conversation's text stays
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    open my $fh, '>', $control or die;
+    print $fh "write /.turn.*.tmp\n";
+    close $fh;
+    my $r = $t->post('/v1/chat/completions',
+                     { messages => [ { role => 'user',
+                                       content => 'gus: first' } ] },
+                     headers => { 'X-Session-Id' => 'gus' });
+    is($r->{status}, 200, 'cleared: gus\'s turn is answered, its file held');
+    like($t->post('/api/sessions/clear', {})->{content}, qr/"erased_tokens"/,
+         'cleared: the API clears the slot');
+    sleep 0.5;
+    unlink $control;
+    ok($t->wait_for(sub { !glob("$root/.turn.*") }, 5),
+       'cleared: the turn file is gone once its write ended');
+    sleep 0.5;
+    ok(!glob("$root/.turn.*"), 'cleared: and stays gone');
+});
+
 # 4. shared=on: a hit looks at the store for another owner's newer file
 # first; with the store silent it stays a hit, at its bound
 with_hung_store('shared=on', sub {
