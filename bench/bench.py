@@ -2015,6 +2015,32 @@ def balance_home(ring, key):
     return ring[k % len(ring)][1]
 
 
+def slow_store(root, mnt, rate):
+    """root's files at mnt, the slot files (*.bin) carried at rate bytes a
+    second, one at a time (t/hangfs.py --rate: a store at the end of a
+    link, or one whose files are as large as a real model's); returns the
+    pass-through's process"""
+    os.makedirs(root, exist_ok=True)
+    os.makedirs(mnt, exist_ok=True)
+    p = subprocess.Popen(['/usr/bin/python3',
+                          os.path.join(ROOT, 't', 'hangfs.py'),
+                          '--rate=%d' % rate, root, mnt,
+                          os.path.join(root + '.no-hold'), '0'],
+                         stderr=subprocess.DEVNULL)
+    end = time.time() + 10
+    while subprocess.call(['mountpoint', '-q', mnt]) != 0:
+        if time.time() > end or p.poll() is not None:
+            raise RuntimeError('the store at %s did not mount' % mnt)
+        time.sleep(0.1)
+    return p
+
+
+def slow_store_stop(mnt, p):
+    subprocess.call(['fusermount', '-u', '-z', mnt])
+    p.terminate()
+    p.wait()
+
+
 def bench_balance(work, quick):
     """four owners of two slots over one store (shared=on), a front on the
     same nginx; twenty sessions, four hot (long, short thinks, three of
@@ -2027,7 +2053,8 @@ def bench_balance(work, quick):
     turns per owner (busiest over mean, time-averaged over 100 ms samples
     with any load), tokens prefilled per owner (max over mean).
     BENCH_SEEDS: seeds (1); BENCH_THREADS: a llama-server's threads (1);
-    BENCH_FA: its flash attention (auto)"""
+    BENCH_FA: its flash attention (auto); BENCH_STORE_RATE: the store's
+    bytes a second for slot files (none: the page cache's speed)"""
     import random
     import threading
     nback = 4
@@ -2042,6 +2069,10 @@ def bench_balance(work, quick):
     # auto, turns it on): ggml's CPU kernel then takes 0.56 s for a
     # returning turn's 55 tokens after 2,400, 0.05 s without
     hot_tok, cold_tok = (768, (192, 384)) if quick else (1536, (256, 768))
+    # the rig's files are 8 kB a token, a real model's 16 times more (an
+    # 8B model in f16: 128 kB): BENCH_STORE_RATE=128000000 restores 2,400
+    # tokens in 0.15 s, as such a model's file read at 2 GB/s
+    rate = int(os.environ.get('BENCH_STORE_RATE', '0'))
     sides = [('hash', 'hash $llama_session_key consistent', 0),
              ('least_conn', 'least_conn', 0),
              ('balance', 'llama_session_balance', 0),
@@ -2050,7 +2081,8 @@ def bench_balance(work, quick):
     ports = [free_port() for _ in range(nback)]
     ring = balance_ring(ports)
     system = filler('sys', 200)
-    res = {'owners': nback, 'slots': 2, 'seeds': seeds}
+    res = {'owners': nback, 'slots': 2, 'seeds': seeds,
+           'fa': os.environ.get('BENCH_FA', 'auto'), 'store_rate': rate}
     ctx = 2 * (hot_tok * 3 + 1024)
 
     for seed in seeds:
@@ -2059,6 +2091,8 @@ def bench_balance(work, quick):
         for side, balance, edges in sides:
             folder = os.path.join(work, 'balance-%s' % side)
             os.makedirs(folder, exist_ok=True)
+            store = (slow_store(folder + '-root', folder, rate)
+                     if rate else None)
             llamas = [Llama(work, 'balance-%s-%d' % (side, i), ctx, np=2,
                             slots=folder, threads=threads,
                             extra=['-fa', os.environ.get('BENCH_FA', 'auto')])
@@ -2205,6 +2239,9 @@ def bench_balance(work, quick):
                 n.stop()
             for ll in llamas:
                 ll.stop()
+            if store:
+                slow_store_stop(folder, store)
+                shutil.rmtree(folder + '-root', ignore_errors=True)
             shutil.rmtree(folder, ignore_errors=True)
     return res
 

@@ -9,9 +9,15 @@
 # at once.  It plays a hard-mounted NFS store whose server stopped
 # answering, for one user's processes only.
 #
+# With --rate=BYTES (bytes a second) it also plays a store at the end of
+# a link of that bandwidth, for every user: the reads and writes of files
+# named *.bin (llama-server's slot files) share it, one at a time, as
+# bench/bench.py's balance part does with BENCH_STORE_RATE.
+#
 # Usage (as root):
 #
-#     /usr/bin/python3 t/hangfs.py ROOT MOUNTPOINT CONTROL UID [LOG]
+#     /usr/bin/python3 t/hangfs.py [--rate=BYTES] ROOT MOUNTPOINT CONTROL UID
+#                                  [LOG]
 #
 #     ROOT        folder to mirror (the real store)
 #     MOUNTPOINT  empty folder to mount it on
@@ -126,7 +132,10 @@ class HangFS(fuse.Operations):
     removexattr = None
     ioctl = None
 
-    def __init__(self, root, mountpoint, control, uid, log=None):
+    def __init__(self, root, mountpoint, control, uid, log=None, rate=0):
+        self.rate = rate
+        self.link = 0.0     # when the link is free again (time.monotonic)
+        self.link_lock = threading.Lock()
         self.root = os.path.realpath(root)
         self.mountpoint = mountpoint
         self.control = control
@@ -312,10 +321,23 @@ class HangFS(fuse.Operations):
             raise
         return fd
 
+    def _carry(self, path, n):
+        # n bytes over the link: after what it carries already
+        if not self.rate or not path.endswith('.bin'):
+            return
+        with self.link_lock:
+            now = time.monotonic()
+            self.link = max(self.link, now) + float(n) / self.rate
+            until = self.link
+        time.sleep(max(0.0, until - now))
+
     def read(self, path, size, offset, fh):
-        return os.pread(fh, size, offset)
+        data = os.pread(fh, size, offset)
+        self._carry(path, len(data))
+        return data
 
     def write(self, path, data, offset, fh):
+        self._carry(path, len(data))
         return os.pwrite(fh, data, offset)
 
     def truncate(self, path, length, fh=None):
@@ -338,9 +360,12 @@ class HangFS(fuse.Operations):
 
 
 def main(argv):
+    rate = 0
+    if len(argv) > 1 and argv[1].startswith('--rate='):
+        rate = int(argv.pop(1)[len('--rate='):])
     if len(argv) not in (5, 6):
-        sys.stderr.write('usage: %s ROOT MOUNTPOINT CONTROL UID [LOG]\n'
-                         % argv[0])
+        sys.stderr.write('usage: %s [--rate=BYTES] ROOT MOUNTPOINT CONTROL '
+                         'UID [LOG]\n' % argv[0])
         return 2
     root, mountpoint, control, uid = argv[1:5]
     log = argv[5] if len(argv) == 6 else None
@@ -349,7 +374,7 @@ def main(argv):
     except ValueError:
         uid = pwd.getpwnam(uid).pw_uid
 
-    ops = HangFS(root, mountpoint, control, uid, log)
+    ops = HangFS(root, mountpoint, control, uid, log, rate)
     fuse.FUSE(ops, mountpoint, foreground=True, nothreads=False,
               allow_other=True, fsname='hangfs', subtype='hangfs',
               use_ino=True, big_writes=True, attr_timeout=0,
