@@ -65,7 +65,9 @@ request.  Results: a table on stdout and JSON (--out).
           returning turns' time to first token, hits, re-prefills,
           in-flight and prefilled tokens per owner, max over mean
           (--only balance, BENCH_SEEDS=1,2,3; one thread a llama-server,
-          BENCH_THREADS)
+          BENCH_THREADS; the store at 128 MB/s through t/hangfs.py and no
+          flash attention, so a restore costs what a real model's does:
+          BENCH_STORE_RATE, BENCH_FA)
 
 usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning,fleet,balance] [--quick]
 """
@@ -2053,8 +2055,9 @@ def bench_balance(work, quick):
     turns per owner (busiest over mean, time-averaged over 100 ms samples
     with any load), tokens prefilled per owner (max over mean).
     BENCH_SEEDS: seeds (1); BENCH_THREADS: a llama-server's threads (1);
-    BENCH_FA: its flash attention (auto); BENCH_STORE_RATE: the store's
-    bytes a second for slot files (none: the page cache's speed)"""
+    BENCH_FA: its flash attention (off); BENCH_STORE_RATE: the store's
+    bytes a second for slot files (128000000; 0: the page cache's speed);
+    BENCH_BALANCE_SIDES: some of the sides (hash,least_conn,...)"""
     import random
     import threading
     nback = 4
@@ -2065,24 +2068,37 @@ def bench_balance(work, quick):
     # spreading turns over the owners is then slower than it is on owners
     # of their own cores (BENCH_THREADS=2: the runs before this one)
     threads = int(os.environ.get('BENCH_THREADS', '1'))
-    # BENCH_FA=off: no flash attention (llama-server's -fa; its default,
-    # auto, turns it on): ggml's CPU kernel then takes 0.56 s for a
-    # returning turn's 55 tokens after 2,400, 0.05 s without
+    # the costs a model of real size has: a hit next to nothing, a restore
+    # 0.1 to 0.3 s.  Flash attention off (llama-server's default, -fa
+    # auto, turns it on, and ggml's CPU kernel takes 0.56 s for a returning
+    # turn's 55 tokens after 2,400, 0.05 s without; BENCH_FA=auto: the
+    # runs before 2026-12-07).  The rig's files are 8 kB a token, a real
+    # model's 16 times more (an 8B model in f16: 128 kB): through a store
+    # at 128 MB/s a 2,400-token session restores in 0.15 s, as such a
+    # model's file read at 2 GB/s (BENCH_STORE_RATE=0: the page cache's
+    # speed, a restore of a few ms; without FUSE too)
+    fa = os.environ.get('BENCH_FA', 'off')
+    rate = int(os.environ.get('BENCH_STORE_RATE', '128000000'))
+    if rate and not (os.path.exists('/dev/fuse') and subprocess.call(
+            ['/usr/bin/python3', '-c', 'import fusepy'],
+            stderr=subprocess.DEVNULL) == 0):
+        print('balance: no /dev/fuse or python3-fusepy: the store runs at '
+              'the page cache\'s speed (BENCH_STORE_RATE=0)')
+        rate = 0
     hot_tok, cold_tok = (768, (192, 384)) if quick else (1536, (256, 768))
-    # the rig's files are 8 kB a token, a real model's 16 times more (an
-    # 8B model in f16: 128 kB): BENCH_STORE_RATE=128000000 restores 2,400
-    # tokens in 0.15 s, as such a model's file read at 2 GB/s
-    rate = int(os.environ.get('BENCH_STORE_RATE', '0'))
     sides = [('hash', 'hash $llama_session_key consistent', 0),
              ('least_conn', 'least_conn', 0),
              ('balance', 'llama_session_balance', 0),
              ('bounded', 'llama_session_balance residency=off', 0),
              ('edges', 'llama_session_balance', 2)]
+    if os.environ.get('BENCH_BALANCE_SIDES'):
+        keep = os.environ['BENCH_BALANCE_SIDES'].split(',')
+        sides = [x for x in sides if x[0] in keep]
     ports = [free_port() for _ in range(nback)]
     ring = balance_ring(ports)
     system = filler('sys', 200)
     res = {'owners': nback, 'slots': 2, 'seeds': seeds,
-           'fa': os.environ.get('BENCH_FA', 'auto'), 'store_rate': rate}
+           'fa': fa, 'store_rate': rate}
     ctx = 2 * (hot_tok * 3 + 1024)
 
     for seed in seeds:
@@ -2095,7 +2111,7 @@ def bench_balance(work, quick):
                      if rate else None)
             llamas = [Llama(work, 'balance-%s-%d' % (side, i), ctx, np=2,
                             slots=folder, threads=threads,
-                            extra=['-fa', os.environ.get('BENCH_FA', 'auto')])
+                            extra=['-fa', fa])
                       for i in range(nback)]
             ngx, port = fleet_nginx(
                 work, 'nginx-balance-%s' % side, llamas, lambda i: folder,
@@ -2148,7 +2164,7 @@ def bench_balance(work, quick):
                 x['msgs'] = [{'role': 'system', 'content': system},
                              {'role': 'user', 'content': x['first']}]
 
-            rec, kinds, fill, spans, bykind = [], {}, {}, [], {}
+            rec, kinds, fill, spans, bykind, fresh = [], {}, {}, [], {}, []
             lock = threading.Lock()
             redo = [0]
 
@@ -2175,6 +2191,8 @@ def bench_balance(work, quick):
                         bykind.setdefault(k, []).append(ttft)
                         if (cache_n or 0) < 0.9 * prompt:
                             redo[0] += 1
+                        if k == 'fresh':
+                            fresh.append(x['sid'])
 
             # first turns before the clock, one at a time
             for x in sessions:
@@ -2234,6 +2252,17 @@ def bench_balance(work, quick):
                      '/'.join(str(v) for v in pre),
                      ', '.join('%s %s' % (k, fmt(v)) for k, v
                                in sorted(r['p50_by_kind'].items()))))
+            # a returning turn of a session with a file made fresh: what
+            # the owners' logs say of it (a re-prefill is never expected)
+            for sid in fresh:
+                for n in ngxs:
+                    with open(os.path.join(n.dir, 'error.log'),
+                              errors='replace') as f:
+                        for line in f:
+                            if sid + '-' in line and ('[info]' not in line
+                                                or 'swap' in line
+                                                or 'restore' in line):
+                                print('  %s: %s' % (sid, line.strip()[:300]))
             sys.stdout.flush()
             for n in ngxs:
                 n.stop()
