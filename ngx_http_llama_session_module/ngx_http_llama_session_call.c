@@ -589,6 +589,23 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
                       ctx->job->call_key_len, ctx->job->call_key,
                       u->headers_in.status_n);
 
+    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE
+               && ctx->zone->shared
+               && u->headers_in.status_n == NGX_HTTP_BAD_REQUEST)
+    {
+        /*
+         * llama-server opens the file twice, for its token count and then
+         * for the state: another owner's save of the session committed in
+         * between fails the restore ("token count ... exceeded capacity")
+         * with a whole file in place, and the session would start fresh
+         */
+
+        ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
+                      "llama_session: restoring \"%*s\" failed (400), sent "
+                      "again: another owner may have saved it while "
+                      "llama-server read its file",
+                      ctx->job->call_key_len, ctx->job->call_key);
+
     } else {
         return NGX_DECLINED;
     }
