@@ -117,11 +117,13 @@ static ngx_int_t ngx_http_llama_session_balance_init_peer(
     ngx_http_request_t *r, ngx_http_upstream_srv_conf_t *us);
 static ngx_int_t ngx_http_llama_session_balance_get(ngx_peer_connection_t *pc,
     void *data);
+static void ngx_http_llama_session_balance_sent(
+    ngx_http_llama_session_balance_peer_t *bp);
 static void ngx_http_llama_session_balance_zone_view(
     ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
     ngx_http_llama_session_view_t *v);
 static void ngx_http_llama_session_balance_copy_view(
-    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
+    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i, ngx_uint_t conns,
     ngx_http_llama_session_view_t *v);
 static ngx_int_t ngx_http_llama_session_balance_pick(
     ngx_http_llama_session_balance_peer_t *bp, ngx_log_t *log);
@@ -649,7 +651,7 @@ ngx_http_llama_session_balance_get(ngx_peer_connection_t *pc, void *data)
 {
     ngx_http_llama_session_balance_peer_t  *bp = data;
 
-    ngx_int_t  chosen;
+    ngx_int_t  rc, chosen;
 
     if (bp->key.len == 0 || bp->rrp.peers->single
         || bp->rrp.peers->number != bp->bal->npeers)
@@ -661,10 +663,41 @@ ngx_http_llama_session_balance_get(ngx_peer_connection_t *pc, void *data)
     chosen = ngx_http_llama_session_balance_pick(bp, pc->log);
 
     if (chosen == NGX_DECLINED) {
-        return ngx_http_upstream_get_round_robin_peer(pc, &bp->rrp);
+        rc = ngx_http_upstream_get_round_robin_peer(pc, &bp->rrp);
+
+    } else {
+        rc = ngx_http_llama_session_balance_take(pc, bp, (ngx_uint_t) chosen);
     }
 
-    return ngx_http_llama_session_balance_take(pc, bp, (ngx_uint_t) chosen);
+    if (rc == NGX_OK && bp->bal->sent) {
+        ngx_http_llama_session_balance_sent(bp);
+    }
+
+    return rc;
+}
+
+
+/* an edge counts the turns it sends each owner (copy_view) */
+
+static void
+ngx_http_llama_session_balance_sent(ngx_http_llama_session_balance_peer_t *bp)
+{
+    ngx_uint_t                     i;
+    ngx_http_upstream_rr_peer_t   *peer;
+    ngx_http_upstream_rr_peers_t  *peers;
+
+    peers = bp->rrp.peers;
+
+    ngx_http_upstream_rr_peers_rlock(peers);
+
+    for (peer = peers->peer, i = 0; peer; peer = peer->next, i++) {
+        if (peer == bp->rrp.current) {
+            (void) ngx_atomic_fetch_add(&bp->bal->sent[i], 1);
+            break;
+        }
+    }
+
+    ngx_http_upstream_rr_peers_unlock(peers);
 }
 
 
@@ -702,10 +735,11 @@ ngx_http_llama_session_balance_zone_view(
 
         /*
          * the slot a turn here would take: a free one, else the one idle
-         * longest (another worker's clock may be a little ahead)
+         * longest (another worker's clock may be a little ahead); bounded
+         * loads alone read no slot's content: ties go by the ring
          */
 
-        if (!sh->slots[s].busy) {
+        if (bal->residency && !sh->slots[s].busy) {
             idle = (sh->slots[s].state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
                    ? (ngx_msec_int_t) NGX_MAX_INT32_VALUE
                    : (ngx_msec_int_t) (ngx_current_msec
@@ -738,16 +772,17 @@ ngx_http_llama_session_balance_zone_view(
 
 /*
  * An owner on another host: as its last reply through this edge told; its
- * load counts for a turn's hold (a second at least), then only this nginx's
- * own connections to it do
+ * load counts for a turn's hold (a second at least), with the turns this
+ * edge sent it since, of its connections to it (conns); then only those
+ * connections do
  */
 
 static void
 ngx_http_llama_session_balance_copy_view(
-    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i,
+    ngx_http_llama_session_balance_peer_t *bp, ngx_uint_t i, ngx_uint_t conns,
     ngx_http_llama_session_view_t *v)
 {
-    ngx_uint_t                      s;
+    ngx_uint_t                      s, since;
     ngx_msec_int_t                  age;
     ngx_http_llama_session_copy_t  *c;
 
@@ -773,7 +808,8 @@ ngx_http_llama_session_balance_copy_view(
     if (age < (ngx_msec_int_t) ngx_max(c->turn_ms,
                                        NGX_HTTP_LLAMA_SESSION_BALANCE_FRESH))
     {
-        v->load = c->load;
+        since = bp->bal->sent[i] - c->sent;
+        v->load = c->load + ngx_min(since, conns);
     }
 
     if (!bp->bal->residency || bp->hash == 0) {
@@ -844,7 +880,7 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
         }
 
         if (bal->remote) {
-            ngx_http_llama_session_balance_copy_view(bp, i, v);
+            ngx_http_llama_session_balance_copy_view(bp, i, peer->conns, v);
 
         } else {
             ngx_http_llama_session_balance_zone_view(bp, i, v);

@@ -36,6 +36,8 @@ typedef struct {
     uint32_t                        crc[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
     u_char                          saved[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
     ngx_msec_t                      used[NGX_HTTP_LLAMA_SESSION_SLOTS_MAX];
+    ngx_atomic_uint_t               sent;       /* the edge's turns to it
+                                                   that its load counts */
 } ngx_http_llama_session_copy_t;
 
 
@@ -59,6 +61,7 @@ typedef struct {
     ngx_uint_t                      remote;     /* owners elsewhere */
     ngx_shm_zone_t                 *copies;     /* ... and what they told: */
     ngx_http_llama_session_copy_t  *told;       /* by peer, in shared memory */
+    ngx_atomic_t                   *sent;       /* ... the turns sent it */
     ngx_msec_t                      poll;       /* the owners not heard of */
     ngx_uint_t                      npoints;
     ngx_http_llama_session_point_t *points;

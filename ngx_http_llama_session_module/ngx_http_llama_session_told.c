@@ -25,10 +25,13 @@
 #include "ngx_http_llama_session_told.h"
 
 
-/* the edge's zone: a copy for each peer, and the slab pool's own */
-#define NGX_HTTP_LLAMA_SESSION_TOLD_SHM                                       \
+/* the edge's zone: a copy and a count of turns for each peer, and the
+ * slab pool's own */
+#define NGX_HTTP_LLAMA_SESSION_TOLD_SIZE                                      \
     (NGX_HTTP_LLAMA_SESSION_BALANCE_MAX                                       \
-     * sizeof(ngx_http_llama_session_copy_t) + 32 * 1024)
+     * (sizeof(ngx_http_llama_session_copy_t) + sizeof(ngx_atomic_t)))
+#define NGX_HTTP_LLAMA_SESSION_TOLD_SHM                                       \
+    (NGX_HTTP_LLAMA_SESSION_TOLD_SIZE + 32 * 1024)
 
 /* what an owner may say: more is taken as this much */
 #define NGX_HTTP_LLAMA_SESSION_TOLD_LOAD   65536
@@ -72,7 +75,7 @@ static void ngx_http_llama_session_told_learn(ngx_http_request_t *r,
     ngx_str_t *value);
 static void ngx_http_llama_session_told_keep(
     ngx_http_llama_session_balance_t *bal, ngx_uint_t peer, ngx_str_t *name,
-    u_char *p, u_char *last, ngx_log_t *log);
+    u_char *p, u_char *last, ngx_uint_t reply, ngx_log_t *log);
 static void ngx_http_llama_session_told_tick(ngx_event_t *ev);
 static void ngx_http_llama_session_told_poll(
     ngx_http_llama_session_poll_t *poll, ngx_log_t *log);
@@ -136,11 +139,11 @@ ngx_http_llama_session_told_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     ngx_http_llama_session_balance_t  *bal;
 
     bal = shm_zone->data;
-    size = NGX_HTTP_LLAMA_SESSION_BALANCE_MAX
-           * sizeof(ngx_http_llama_session_copy_t);
+    size = NGX_HTTP_LLAMA_SESSION_TOLD_SIZE;
 
     if (obal) {
         bal->told = obal->told;
+        bal->sent = obal->sent;
 
         for (i = 0; i < bal->npeers; i++) {
             if (i >= obal->npeers
@@ -162,6 +165,9 @@ ngx_http_llama_session_told_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     if (bal->told == NULL) {
         return NGX_ERROR;
     }
+
+    bal->sent = (ngx_atomic_t *) (bal->told
+                                  + NGX_HTTP_LLAMA_SESSION_BALANCE_MAX);
 
     return NGX_OK;
 }
@@ -418,7 +424,7 @@ ngx_http_llama_session_told_learn(ngx_http_request_t *r, ngx_str_t *value)
             ngx_http_llama_session_told_keep(bal, i, &peer->name,
                                              value->data,
                                              value->data + value->len,
-                                             r->connection->log);
+                                             1, r->connection->log);
             return;
         }
     }
@@ -427,12 +433,14 @@ ngx_http_llama_session_told_learn(ngx_http_request_t *r, ngx_str_t *value)
 
 /*
  * "l=3 s=2 t=1200 r=0 p=0 sh=1 k=1a2b3c4d+:40,0" into the owner's copy:
- * what is not said stays 0; a header with no slots is not an owner's
+ * what is not said stays 0; a header with no slots is not an owner's.
+ * reply: told in the reply to a turn, else in a poll's
  */
 
 static void
 ngx_http_llama_session_told_keep(ngx_http_llama_session_balance_t *bal,
-    ngx_uint_t peer, ngx_str_t *name, u_char *p, u_char *last, ngx_log_t *log)
+    ngx_uint_t peer, ngx_str_t *name, u_char *p, u_char *last,
+    ngx_uint_t reply, ngx_log_t *log)
 {
     u_char                         *start, *key, *value, *end;
     ngx_int_t                       n;
@@ -446,6 +454,15 @@ ngx_http_llama_session_told_keep(ngx_http_llama_session_balance_t *bal,
     ngx_memzero(&copy, sizeof(ngx_http_llama_session_copy_t));
 
     copy.heard = ngx_current_msec ? ngx_current_msec : 1;
+
+    /*
+     * the turns this edge sent the owner that its load counts: all but
+     * the one it answers (the owner leaves that out, as the edge counts it
+     * among its connections); a turn sent meanwhile is counted twice
+     */
+
+    copy.sent = bal->sent[peer] - (reply ? 1 : 0);
+
     start = p;
 
     while (p < last) {
@@ -850,7 +867,7 @@ ngx_http_llama_session_told_read(ngx_event_t *rev)
     }
 
     ngx_http_llama_session_told_keep(poll->bal, poll->peer, &poll->name, p,
-                                     last, c->log);
+                                     last, 0, c->log);
 
     ngx_http_llama_session_told_done(poll, NULL);
 }

@@ -12,6 +12,7 @@
 #      another owner at once instead of waiting; a session held in a slot
 #      under the bound stays a hit;
 #   3. an owner down: its sessions restore on the others, every turn 200;
+#      back, added, removed by a reload; residency=off goes by the ring;
 #   4. nginx -t: a server with no owner zone in this nginx, backup
 #      servers, a factor out of range.
 
@@ -143,8 +144,9 @@ is($t->chat_turn($new)->{backend}, $busy, "$new, new, goes to $busy, home");
 # restores there
 
 sub reload_owners {
+    my ($balance) = @_;
     $t->nginx($t->owners(names => \@names,
-                         balance => 'llama_session_balance',
+                         balance => $balance // 'llama_session_balance',
                          zone => ' slots=2 shared=on save_idle=200ms',
                          store => sub { "$dir/slots" }, fail => '1s'),
               write_only => 1);
@@ -180,6 +182,25 @@ for my $sid (@gone) {
     ok(($x->{cached} // 0) > 0.9 * ($x->{prompt} // 1e9),
        "$sid: restored, $x->{cached} of $x->{prompt} cached");
 }
+
+# 6b. residency=off (plain bounded loads, the bench's side): no slot is
+# read, ties go by the ring.  Every owner's two slots filled with new
+# sessions, s1's home last: s1, with a file, restores at home, not on the
+# owner whose slots have been idle longest
+
+sleep 0.5;
+reload_owners('llama_session_balance residency=off');
+my $h = home('s1');
+for my $o ((grep { $_ ne $h } @names), $h) {
+    for (1 .. 2) {
+        my $sid = new_of($o);
+        is($t->chat_turn($sid)->{backend}, $o, "residency=off: $sid, new, home");
+        sleep 0.3;
+    }
+}
+$r = $t->chat_turn('s1');
+is("$r->{backend} $r->{action}", "$h restore",
+   "residency=off: s1 restores at home $h, its slots used last");
 
 # 7. nginx -t
 

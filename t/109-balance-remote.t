@@ -16,6 +16,8 @@
 #      its next turn, straight to its home owner (another edge's), is
 #      seen there by the edge's polls of the owners: the turn after goes
 #      there, a hit;
+#      2c. an owner's told load counts with the turns the edge sent it
+#      since: a turn does not queue where one came another way;
 #   3. an owner down: its sessions answered elsewhere, restored;
 #   4. nginx -t: poll= out of range.
 
@@ -135,6 +137,50 @@ $r = turn($h3);
 is("$r->{backend} $r->{action}", "$busy hit",
    "$h3 through the edge: to $busy, where it was used last, a hit (its "
    . "older state in a slot of $moved)");
+
+# 2c. two ways into one owner: the load it told the edge counts with the
+# turns the edge sent it since.  Owner $x runs one turn it got another way
+# (held); a turn through the edge ends there and tells load 1; a second,
+# held, goes there too (1 of 2 slots busy, as told).  A third new session
+# of that home finds it full (told 1, and one sent since): it goes to
+# another owner at once, not into $x's queue behind the held turns
+
+my $x = (grep { $_ ne $busy && $_ ne $moved } @names)[0];
+my ($q1, $q0, $q2, $q3) = map { LlamaBalance::new_of(\&home, $x, 'q') } 1 .. 4;
+my $until = $o->dir . '/release-q';
+unlink $until;
+$o->fake_script({ completion => { match => "Session (?:$q1|$q2) note",
+                                  delay_ms => 1, until => $until } }, $x);
+my $held1 = $o->async_post('/v1/chat/completions',
+                           { messages => LlamaTest::first_conv($q1),
+                             max_tokens => 2 },
+                           port => $o->owner_port($x),
+                           headers => { 'X-Session-Id' => $q1 });
+sleep 0.5;
+$r = turn($q0);
+is("$r->{status} " . ($r->{backend} // '-'), "200 $x",
+   "$q0: home $x, one slot of it taken another way");
+my $held2 = $e->async_post('/v1/chat/completions',
+                           { messages => LlamaTest::first_conv($q2),
+                             max_tokens => 2 },
+                           headers => { 'X-Session-Id' => $q2 });
+sleep 0.3;
+my $third = $e->async_post('/v1/chat/completions',
+                           { messages => LlamaTest::first_conv($q3),
+                             max_tokens => 2 },
+                           headers => { 'X-Session-Id' => $q3 });
+my $t = $e->async_wait($third, 5);
+is($t->{status}, 200, "$q3: answered while both slots of $x are held");
+my $went = $t->{headers}{'x-backend'} // '-';
+ok($t->{status} == 200 && $went ne $x,
+   "$q3: to another owner ($went): $x told load 1 and got one turn since");
+open my $fh, '>', $until or die;
+close $fh;
+is($o->async_wait($held1, 30)->{status}, 200, "$q1 (held at $x) ends");
+my $w2 = $e->async_wait($held2, 30);
+is("$w2->{status} " . ($w2->{headers}{'x-backend'} // '-'), "200 $x",
+   "$q2 (held) went to $x and ends");
+$o->fake_script({}, $x);
 
 # 3. an owner down: its sessions answered elsewhere, from their files
 

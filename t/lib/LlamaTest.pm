@@ -548,12 +548,7 @@ sub owner_port { $_[0]{owner_port}{ $_[1] } }
 # action and backend (the owners' headers).
 sub chat_turn {
     my ($self, $sid, %o) = @_;
-    my $conv = $self->{conv}{$sid} //= [
-        { role => 'system', content => $o{system}
-                            // join ' ', map { "Rule $_ of the house." }
-                                             1 .. 40 },
-        { role => 'user', content => join ' ', map { "Session $sid note $_." }
-                                                   1 .. ($o{notes} // 40) } ];
+    my $conv = $self->{conv}{$sid} //= first_conv($sid, %o);
     my $r = $self->post('/v1/chat/completions',
                         { messages => $conv, max_tokens => $o{max_tokens} // 2,
                           temperature => 0 },
@@ -575,14 +570,21 @@ sub chat_turn {
              headers => $r->{headers} };
 }
 
+# chat_turn()'s conversation before its first turn (system, notes)
+sub first_conv {
+    my ($sid, %o) = @_;
+    return [
+        { role => 'system', content => $o{system}
+                            // join ' ', map { "Rule $_ of the house." }
+                                             1 .. 40 },
+        { role => 'user', content => join ' ', map { "Session $sid note $_." }
+                                                   1 .. ($o{notes} // 40) } ];
+}
+
 # the key of chat_turn()'s conversation before its first turn
 sub first_key {
     my ($sid) = @_;
-    return session_key($sid, body => { messages => [
-        { role => 'system',
-          content => join ' ', map { "Rule $_ of the house." } 1 .. 40 },
-        { role => 'user',
-          content => join ' ', map { "Session $sid note $_." } 1 .. 40 } ] });
+    return session_key($sid, body => { messages => first_conv($sid) });
 }
 
 # nginx's "hash ... consistent" ring over servers 127.0.0.1:PORT (name =>
