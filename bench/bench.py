@@ -2057,6 +2057,7 @@ def bench_balance(work, quick):
     BENCH_SEEDS: seeds (1); BENCH_THREADS: a llama-server's threads (1);
     BENCH_FA: its flash attention (off); BENCH_STORE_RATE: the store's
     bytes a second for slot files (128000000; 0: the page cache's speed);
+    BENCH_SAVE_IDLE: the owners' save_idle= (300ms);
     BENCH_BALANCE_SIDES: some of the sides (hash,least_conn,...)"""
     import random
     import threading
@@ -2079,6 +2080,10 @@ def bench_balance(work, quick):
     # speed, a restore of a few ms; without FUSE too)
     fa = os.environ.get('BENCH_FA', 'off')
     rate = int(os.environ.get('BENCH_STORE_RATE', '128000000'))
+    # a session idle that long is saved: 300ms saves every turn, and a
+    # turn that comes back after the save's call waits for it in
+    # llama-server (BENCH_SAVE_IDLE)
+    save_idle = os.environ.get('BENCH_SAVE_IDLE', '300ms')
     if rate and not (os.path.exists('/dev/fuse') and subprocess.call(
             ['/usr/bin/python3', '-c', 'import fusepy'],
             stderr=subprocess.DEVNULL) == 0):
@@ -2098,7 +2103,7 @@ def bench_balance(work, quick):
     ring = balance_ring(ports)
     system = filler('sys', 200)
     res = {'owners': nback, 'slots': 2, 'seeds': seeds,
-           'fa': fa, 'store_rate': rate}
+           'fa': fa, 'store_rate': rate, 'save_idle': save_idle}
     ctx = 2 * (hot_tok * 3 + 1024)
     # every seed's returning turns of a side together: a p95 of 112 turns
     # is its sixth slowest, of 336 its seventeenth
@@ -2118,7 +2123,7 @@ def bench_balance(work, quick):
                       for i in range(nback)]
             ngx, port = fleet_nginx(
                 work, 'nginx-balance-%s' % side, llamas, lambda i: folder,
-                ' slots=2 shared=on save_idle=300ms', balance, ports,
+                ' slots=2 shared=on save_idle=' + save_idle, balance, ports,
                 edges)
             # edges: the owners on another nginx, as on other hosts, and a
             # session's turns alternate between two edge nginx instances
