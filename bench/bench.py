@@ -67,7 +67,8 @@ request.  Results: a table on stdout and JSON (--out).
           (--only balance, BENCH_SEEDS=1,2,3; one thread a llama-server,
           BENCH_THREADS; the store at 128 MB/s through t/hangfs.py and no
           flash attention, so a restore costs what a real model's does:
-          BENCH_STORE_RATE, BENCH_FA)
+          BENCH_STORE_RATE, BENCH_FA; the owners' save_idle=300ms:
+          BENCH_SAVE_IDLE)
 
 usage: bench.py [--out FILE] [--only ttft,swap,hit,scale,warm,team,oneslot,models,kvq,clients,draft,returning,fleet,balance] [--quick]
 """
