@@ -25,8 +25,10 @@
 #include "ngx_http_llama_session_told.h"
 
 
-/* the edge's zone: a copy and a count of turns for each peer, and the
- * slab pool's own */
+/*
+ * the edge's zone: a copy and a count of turns for each peer, and the
+ * slab pool's own
+ */
 #define NGX_HTTP_LLAMA_SESSION_TOLD_SIZE                                      \
     (NGX_HTTP_LLAMA_SESSION_BALANCE_MAX                                       \
      * (sizeof(ngx_http_llama_session_copy_t) + sizeof(ngx_atomic_t)))
