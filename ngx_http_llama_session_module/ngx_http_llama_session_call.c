@@ -542,7 +542,11 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
  *     safe to send again: a connection from the keepalive cache that closed
  *     before any byte of a reply is tried once more;
  *   - a save that llama-server failed (500) while the store's disk was full:
- *     once room is made (store_room()), once more.
+ *     once room is made (store_room()), once more;
+ *   - a restore that llama-server failed (400) in a shared store: it opens
+ *     the file twice, for its token count and then for the state, and
+ *     another owner's save of the session committed in between fails it
+ *     ("token count ... exceeded capacity") with a whole file in place.
  *
  * Once per call.  A call that got a reply otherwise, timed out, or whose
  * client left stands as it is.
@@ -593,13 +597,6 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
                && ctx->zone->shared
                && u->headers_in.status_n == NGX_HTTP_BAD_REQUEST)
     {
-        /*
-         * llama-server opens the file twice, for its token count and then
-         * for the state: another owner's save of the session committed in
-         * between fails the restore ("token count ... exceeded capacity")
-         * with a whole file in place, and the session would start fresh
-         */
-
         ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
                       "llama_session: restoring \"%*s\" failed (400), sent "
                       "again: another owner may have saved it while "
