@@ -172,7 +172,15 @@ sub chat {
     my ($file) = grep { -f } $turn0, $turn1;
     is($t->post('/api/sessions/save', {})->{status}, 200, 'save');
     ok(!-e $file, 'the save\'s re-prime read and removed it');
+    # the clear removes both slots' turn files in the store's threads,
+    # after its reply: files planted before it show when that is done
+    for my $f ($turn0, $turn1) {
+        open my $fh, '>', $f or die;
+        close $fh;
+    }
     is($t->post('/api/sessions/clear', {})->{status}, 200, 'clear');
+    ok($t->wait_for(sub { !-e $turn0 && !-e $turn1 }, 5),
+       'its removals are done');
     my ($key) = map { m{/(ann-\w+)\.\w+\.bin$} } glob("$t->{slots}/ann-*.bin");
     open my $fh, '>', $file or die;
     print $fh qq({"seq":7,"key":"$key","message":{}}\n{"messages":"Secret of Ann."});
