@@ -100,6 +100,10 @@ typedef struct {
     ngx_atomic_t                   *after;      /* rm[] once it reaches
                                                    seq (store_timeout=) */
     ngx_atomic_uint_t               seq;
+    ngx_http_llama_session_names_pt names;      /* rm[0] only if it names
+                                                   key, NULL: whatever */
+    u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
+    size_t                          key_len;
 } ngx_http_llama_session_change_t;
 
 
@@ -1754,6 +1758,12 @@ ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
                       io->zone->store_timeout);
     }
 
+    if (ch->names
+        && !ch->names(ch->rm[0], ch->key, ch->key_len, &io->log))
+    {
+        ch->rm[0][0] = '\0';
+    }
+
     for (i = 0; i < 2; i++) {
         if (ch->rm[i][0]
             && ngx_delete_file(ch->rm[i]) == NGX_FILE_ERROR
@@ -1903,6 +1913,43 @@ ngx_http_llama_session_store_remove_after(ngx_http_llama_session_zone_t *zone,
 
     ch->after = done;
     ch->seq = seq;
+
+    ngx_http_llama_session_store_apply(io);
+}
+
+
+/*
+ * A file of the store goes if names() finds key in it (a turn file that
+ * names a deleted session, turn.c), off the loop: the file's read too
+ */
+
+void
+ngx_http_llama_session_store_remove_if(ngx_http_llama_session_zone_t *zone,
+    u_char *file, ngx_http_llama_session_names_pt names, u_char *key,
+    size_t len, ngx_log_t *log)
+{
+    ngx_http_llama_session_io_t      *io;
+    ngx_http_llama_session_change_t  *ch;
+
+    ch = ngx_http_llama_session_store_change(zone, log, &io);
+
+    if (ch == NULL) {
+        if (names(file, key, len, log)
+            && ngx_http_llama_session_store_delete(file) == NGX_FILE_ERROR
+            && ngx_errno != NGX_ENOENT)
+        {
+            ngx_log_error(NGX_LOG_WARN, log, ngx_errno,
+                          ngx_delete_file_n " \"%s\" failed", file);
+        }
+
+        return;
+    }
+
+    ngx_cpystrn(ch->rm[0], file, NGX_MAX_PATH);
+
+    ch->names = names;
+    ngx_memcpy(ch->key, key, len);
+    ch->key_len = len;
 
     ngx_http_llama_session_store_apply(io);
 }

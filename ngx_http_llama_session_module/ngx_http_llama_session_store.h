@@ -14,6 +14,11 @@
 #include "ngx_http_llama_session_io.h"
 
 
+/* does the file name key?  (store_remove_if(), in a thread of the store's) */
+typedef ngx_uint_t (*ngx_http_llama_session_names_pt)(u_char *file,
+    u_char *key, size_t len, ngx_log_t *log);
+
+
 ngx_int_t ngx_http_llama_session_store_sync(
     ngx_http_llama_session_zone_t *zone, ngx_log_t *log);
 ngx_int_t ngx_http_llama_session_store_sync_start(
@@ -48,6 +53,10 @@ ngx_int_t ngx_http_llama_session_store_put(
     ngx_atomic_uint_t seq, ngx_log_t *log);
 void ngx_http_llama_session_store_remove(ngx_http_llama_session_zone_t *zone,
     u_char *file, u_char *file2, ngx_log_t *log);
+void ngx_http_llama_session_store_remove_if(
+    ngx_http_llama_session_zone_t *zone, u_char *file,
+    ngx_http_llama_session_names_pt names, u_char *key, size_t len,
+    ngx_log_t *log);
 void ngx_http_llama_session_store_remove_after(
     ngx_http_llama_session_zone_t *zone, u_char *file, u_char *file2,
     ngx_atomic_t *done, ngx_atomic_uint_t seq, ngx_log_t *log);

@@ -76,6 +76,8 @@ typedef struct {
 
 static ngx_int_t ngx_http_llama_session_grow(ngx_pool_t *pool,
     ngx_http_llama_session_grow_t *g, u_char *p, size_t n, size_t max);
+static ngx_uint_t ngx_http_llama_session_turn_names(u_char *file,
+    u_char *key, size_t len, ngx_log_t *log);
 static void ngx_http_llama_session_turn_event(ngx_http_request_t *r,
     ngx_http_llama_session_turn_t *t, u_char *p, size_t len);
 static ngx_int_t ngx_http_llama_session_turn_delta(ngx_http_request_t *r,
@@ -146,18 +148,15 @@ ngx_http_llama_session_turn_drop(ngx_http_llama_session_zone_t *zone,
 
 /*
  * The API deleted a session (not in a slot, else it refuses): the turn
- * file of any slot that still names it goes.  A turn file starts with
- * {"seq":N,"key":"<key>",...: its first bytes tell whose it is.
+ * file of any slot that still names it goes, read and deleted in a thread
+ * of the store's (turn_names()).
  */
 
 void
 ngx_http_llama_session_turn_forget(ngx_http_llama_session_zone_t *zone,
     u_char *key, size_t len, ngx_log_t *log)
 {
-    u_char      path[NGX_MAX_PATH], head[NGX_HTTP_LLAMA_SESSION_KEY_MAX + 64];
-    u_char     *p, *last;
-    ssize_t     n;
-    ngx_fd_t    fd;
+    u_char      path[NGX_MAX_PATH];
     ngx_uint_t  i;
 
     if (zone->store.len == 0) {
@@ -167,35 +166,50 @@ ngx_http_llama_session_turn_forget(ngx_http_llama_session_zone_t *zone,
     for (i = 0; i < zone->sh->nslots; i++) {
         (void) ngx_http_llama_session_turn_path(zone, i, path);
 
-        fd = ngx_http_llama_session_file_open(path,
-                                              NGX_HTTP_LLAMA_SESSION_FILE_READ,
-                                              0, log);
-        if (fd == NGX_INVALID_FILE) {
-            continue;
-        }
-
-        n = ngx_read_fd(fd, head, sizeof(head));
-
-        if (ngx_close_file(fd) == NGX_FILE_ERROR) {
-            ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
-                          ngx_close_file_n " \"%s\" failed", path);
-        }
-
-        if (n <= 0) {
-            continue;
-        }
-
-        last = head + n;
-        p = ngx_strlcasestrn(head, last, (u_char *) ",\"key\":\"", 8 - 1);
-
-        if (p == NULL || (size_t) (last - p) < 8 + len + 1
-            || ngx_strncmp(p + 8, key, len) != 0 || p[8 + len] != '"')
-        {
-            continue;
-        }
-
-        ngx_http_llama_session_turn_drop(zone, i, 0, log);
+        ngx_http_llama_session_store_remove_if(zone, path,
+                                     ngx_http_llama_session_turn_names,
+                                     key, len, log);
     }
+}
+
+
+/*
+ * Does the turn file name the session?  It starts with
+ * {"seq":N,"key":"<key>",...: its first bytes tell whose it is.
+ */
+
+static ngx_uint_t
+ngx_http_llama_session_turn_names(u_char *file, u_char *key, size_t len,
+    ngx_log_t *log)
+{
+    u_char    head[NGX_HTTP_LLAMA_SESSION_KEY_MAX + 64];
+    u_char   *p, *last;
+    ssize_t   n;
+    ngx_fd_t  fd;
+
+    fd = ngx_http_llama_session_file_open(file,
+                                          NGX_HTTP_LLAMA_SESSION_FILE_READ,
+                                          0, log);
+    if (fd == NGX_INVALID_FILE) {
+        return 0;
+    }
+
+    n = ngx_read_fd(fd, head, sizeof(head));
+
+    if (ngx_close_file(fd) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
+                      ngx_close_file_n " \"%s\" failed", file);
+    }
+
+    if (n <= 0) {
+        return 0;
+    }
+
+    last = head + n;
+    p = ngx_strlcasestrn(head, last, (u_char *) ",\"key\":\"", 8 - 1);
+
+    return p != NULL && (size_t) (last - p) >= 8 + len + 1
+           && ngx_strncmp(p + 8, key, len) == 0 && p[8 + len] == '"';
 }
 
 
