@@ -2059,7 +2059,8 @@ def bench_balance(work, quick):
     BENCH_FA: its flash attention (off); BENCH_STORE_RATE: the store's
     bytes a second for slot files (128000000; 0: the page cache's speed);
     BENCH_SAVE_IDLE: the owners' save_idle= (300ms);
-    BENCH_BALANCE_SIDES: some of the sides (hash,least_conn,...)"""
+    BENCH_BALANCE_SIDES: some of the sides (hash,least_conn,...);
+    BENCH_TRACE: each session's turns, owner and kind"""
     import random
     import threading
     nback = 4
@@ -2174,6 +2175,7 @@ def bench_balance(work, quick):
                              {'role': 'user', 'content': x['first']}]
 
             rec, kinds, fill, spans, bykind, fresh = [], {}, {}, [], {}, []
+            trace = {}
             lock = threading.Lock()
             redo = [0]
 
@@ -2192,6 +2194,10 @@ def bench_balance(work, quick):
                 b = h.get('x-backend', '?')
                 with lock:
                     fill[b] = fill.get(b, 0) + prompt - (cache_n or 0)
+                    trace.setdefault(x['sid'], []).append(
+                        '%s%s%s' % (b[1:], h.get('x-s-action', '?')[0],
+                                    '!' if (cache_n or 0) < 0.9 * prompt
+                                    else ''))
                     if timed:
                         rec.append(ttft)
                         spans.append((t0, t1, b))
@@ -2264,6 +2270,15 @@ def bench_balance(work, quick):
                      '/'.join(str(v) for v in pre),
                      ', '.join('%s %s' % (k, fmt(v)) for k, v
                                in sorted(r['p50_by_kind'].items()))))
+            # BENCH_TRACE: each session's turns, owner and kind (1h: a hit
+            # on o1, 2r: a restore on o2, f: fresh; !: under 90 % cached),
+            # first turn first
+            if os.environ.get('BENCH_TRACE'):
+                for x in sessions:
+                    print('  %-12s %s %s' % (x['sid'],
+                                             'hot ' if x['hot'] else 'cold',
+                                             ' '.join(trace.get(x['sid'],
+                                                                []))))
             # a returning turn of a session with a file made fresh: what
             # the owners' logs say of it (a re-prefill is never expected)
             for sid in fresh:

@@ -23,11 +23,12 @@
  *      for one it holds there, the file's restore at the owner's learned
  *      speed, the turns newer than the file at its prefill speed; with
  *      one store, the owners' mean speeds); of the owners within a
- *      tenth of the least, the one that holds it, else the one whose slot
- *      to give up has been idle longest (a free one first: the turn
- *      displaces no session that still talks; not at an edge, whose
- *      copy of the owners' slots is up to a poll old), else the first on
- *      the ring from home;
+ *      tenth of the least, the one that holds it, else the one that has
+ *      run no turn the longest (its slots' least idle: an owner where a
+ *      session still talks keeps its slots for it, and the sessions that
+ *      talk spread over the owners, their work with them; not at an edge,
+ *      whose copy of the owners' slots is up to a poll old), else the
+ *      first on the ring from home;
  *   5. with no owner under the bound, the least loaded.
  *
  * With folders per owner (a zone not shared=on) a session with a file
@@ -89,9 +90,9 @@ typedef struct {
     ngx_int_t                       slot;       /* holds the key, or -1 */
     ngx_uint_t                      held;       /* ... its tokens, 0: unknown */
     ngx_msec_t                      used;       /* ... its last turn's end */
-    ngx_msec_t                      idle;       /* ms the slot a turn would
-                                                   take has been idle (one
-                                                   free: the most), 0: none */
+    ngx_msec_t                      quiet;      /* ms since the owner ran
+                                                   a turn: its slots' least
+                                                   idle (a busy one: 0) */
     ngx_uint_t                      turn_ms;    /* a turn's hold of a slot */
     double                          restore;    /* ms a byte, 0: unknown */
     double                          prefill;    /* ms a token, 0: unknown */
@@ -730,24 +731,25 @@ ngx_http_llama_session_balance_zone_view(
                                           : 0;
     v->shared = (zone->shared != 0);
 
+    /*
+     * how long the owner has run no turn: its slots' least idle, a free
+     * one never used (another worker's clock may be a little ahead);
+     * bounded loads alone read no slot's content: ties go by the ring
+     */
+
+    v->quiet = bal->residency ? NGX_MAX_INT32_VALUE : 0;
+
     for (s = 0; s < v->slots; s++) {
         v->load += sh->slots[s].busy;
 
-        /*
-         * the slot a turn here would take: a free one, else the one idle
-         * longest (another worker's clock may be a little ahead); bounded
-         * loads alone read no slot's content: ties go by the ring
-         */
+        if (sh->slots[s].busy) {
+            v->quiet = 0;
 
-        if (bal->residency && !sh->slots[s].busy) {
-            idle = (sh->slots[s].state != NGX_HTTP_LLAMA_SESSION_SLOT_SESSION)
-                   ? (ngx_msec_int_t) NGX_MAX_INT32_VALUE
-                   : (ngx_msec_int_t) (ngx_current_msec
-                                       - sh->slots[s].last_used);
+        } else if (sh->slots[s].state == NGX_HTTP_LLAMA_SESSION_SLOT_SESSION) {
+            idle = (ngx_msec_int_t) (ngx_current_msec
+                                     - sh->slots[s].last_used);
 
-            if (idle > 0 && (ngx_msec_t) idle > v->idle) {
-                v->idle = idle;
-            }
+            v->quiet = ngx_min(v->quiet, (ngx_msec_t) ngx_max(idle, 0));
         }
 
         if (bal->residency && bp->hash && sh->slots[s].crc == bp->hash) {
@@ -1019,11 +1021,11 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
     if (least != NGX_HTTP_LLAMA_SESSION_BALANCE_NONE) {
         /*
          * of the owners as soon, the one that holds it; else, of owners
-         * in this nginx, the one whose slot to give up has been idle the
-         * longest (a free one first: the turn displaces no session that
-         * still talks); then the first from home.  An edge's copy of the
+         * in this nginx, the one quiet the longest (a session that talks
+         * keeps its owner: two that talk on one owner would make it the
+         * busiest); then the first from home.  An edge's copy of the
          * owners' slots is up to a poll old: every turn of a poll would
-         * go to the one slot it saw free
+         * go to the one owner it saw quiet
          */
 
         for (k = 0; k < n; k++) {
@@ -1034,7 +1036,7 @@ ngx_http_llama_session_balance_pick(ngx_http_llama_session_balance_peer_t *bp,
                 && (best == NGX_DECLINED
                     || (ngx_int_t) i == resident
                     || (best != resident && !bal->remote
-                        && view[i].idle > view[best].idle)))
+                        && view[i].quiet > view[best].quiet)))
             {
                 best = i;
             }

@@ -7,7 +7,8 @@
 # other owner has a slot free.  The turn goes where it displaces nobody
 # (nginx's ring alone would send it home, to push out a session that
 # still talks), and the two at home stay hits.  Then, with no slot free
-# anywhere, it goes where the slot to give up has been idle longest.
+# anywhere, it goes where the slot to give up has been idle longest; and
+# where a session talks it does not go, a slot free there or not.
 
 use strict;
 use warnings;
@@ -89,6 +90,41 @@ is($r->{backend}, $other, "$w (home $home): restored on $other, whose "
 is($r->{action}, 'restore', "$w: restored");
 is(turn($y1, 'again')->{action}, 'hit', "$y1: still a hit at $home");
 is(turn($y2, 'again')->{action}, 'hit', "$y2: still a hit at $home");
+
+$t->stop;
+
+# 3. an owner that runs a session that talks is not where a turn that
+# must restore goes, a slot free there or not: the owner quiet longest
+# is.  Home a holds y1 and y2, quiet; b holds q, which has just talked,
+# and a slot free.  x (home a, with a file) restores at home, giving up a
+# slot of a quiet session, and the talking q keeps b to itself (the
+# sessions that talk spread over the owners, and with them the work)
+
+$t = LlamaTest->new(workers => 2);
+$dir = $t->dir;
+LlamaTest::slots_dir("$dir/slots");
+$t->fake(name => $_, np => 2, slots => "$dir/slots") for @names;
+$t->nginx($t->owners(names => \@names,
+                     balance => 'llama_session_balance',
+                     zone => ' slots=2 shared=on save_idle=200ms',
+                     store => sub { "$dir/slots" }, fail => '1s'));
+$ring = LlamaTest::chash_ring(map { $_ => $t->owner_port($_) } @names);
+
+$x = LlamaBalance::new_of(\&home, $home, 'p');
+($y1, $y2) = map { LlamaBalance::new_of(\&home, $home, 'p') } 1 .. 2;
+my $qb = LlamaBalance::new_of(\&home, $other, 'p');
+is(turn($x, 'first turn')->{backend}, $home, "$x: home $home");
+is(turn($y1, 'first turn')->{backend}, $home, "$y1: home $home");
+is(turn($y2, 'first turn')->{backend}, $home, "$y2: home $home, $x out");
+is(turn($qb, 'first turn')->{backend}, $other, "$qb: home $other");
+sleep 1.5;    # both owners quiet
+$r = $t->chat_turn($qb);
+is($r->{action}, 'hit', "$qb talks: a hit on $other");
+$r = $t->chat_turn($x);
+is($r->{backend}, $home, "$x: restored at home, where no session talks, "
+                         . "not beside $qb on ${other}'s free slot");
+is($r->{action}, 'restore', "$x: restored");
+is(turn($qb, 'again')->{action}, 'hit', "$qb: still a hit on $other");
 
 $t->stop;
 done_testing;
