@@ -51,7 +51,9 @@
 # says keep-alive and the connection is closed unanswered when the next
 # request comes on it, as a llama-server that closes after an error races
 # nginx's next request; cut: N (completion, not streamed): the reply's
-# headers and N bytes of its body, then the connection dropped.
+# headers and N bytes of its body, then the connection dropped;
+# prefill_us (top level): a completion takes that many microseconds for
+# each character of its prompt not in the slot, as a prefill does.
 # --idle-close S: a request that comes on a connection idle for S seconds
 # or more gets the connection closed, no answer, as cpp-httplib (which
 # closes idle keep-alive connections after 5 s) does to a request that
@@ -523,8 +525,14 @@ sub completion {
         }
     }
 
+    # the prefill of what the slot did not hold: "prefill_us" (top level)
+    # microseconds a character, spent (else none, reported at 0.5 ms)
+    my $us = script()->{prefill_us};
+    sleep((length($text) - $cache_n) * $us / 1e6) if $us;
+
     my %timings = (cache_n => $cache_n, prompt_n => length($text) - $cache_n,
-                   prompt_ms => (length($text) - $cache_n) * 0.5);
+                   prompt_ms => (length($text) - $cache_n)
+                                * ($us ? $us / 1000 : 0.5));
     # a draft model: 16 tokens generated, slower on a slot restored since
     # its last erase (the draft's own context is not in a slot file)
     if (my $d = script()->{draft}) {
