@@ -27,15 +27,9 @@ use LlamaTest;
 use Test::More;
 use Time::HiRes qw(sleep);
 
-my $t = LlamaTest->new(workers => 2);
-my $dir = $t->dir;
 my @names = qw(a b c d);
-LlamaTest::slots_dir("$dir/slots");
-$t->fake(name => $_, np => 2, slots => "$dir/slots") for @names;
-$t->nginx($t->owners(names => \@names,
-                     balance => 'llama_session_balance',
-                     zone => ' slots=2 shared=on save_idle=200ms',
-                     store => sub { "$dir/slots" }, fail => '1s'));
+my $t = LlamaBalance::fleet(names => \@names);
+my $dir = $t->dir;
 
 # nginx's consistent hash ring over the owners, and a new session's home
 my $ring;

@@ -21,15 +21,8 @@ use LlamaTest;
 use Test::More;
 use Time::HiRes qw(sleep);
 
-my $t = LlamaTest->new(workers => 2);
-my $dir = $t->dir;
 my @names = qw(a b);
-LlamaTest::slots_dir("$dir/slots");
-$t->fake(name => $_, np => 2, slots => "$dir/slots") for @names;
-$t->nginx($t->owners(names => \@names,
-                     balance => 'llama_session_balance',
-                     zone => ' slots=2 shared=on save_idle=200ms',
-                     store => sub { "$dir/slots" }, fail => '1s'));
+my $t = LlamaBalance::fleet(names => \@names);
 
 my $ring = LlamaTest::chash_ring(map { $_ => $t->owner_port($_) } @names);
 sub home { LlamaTest::chash_home($ring, LlamaTest::first_key($_[0])) }
@@ -100,14 +93,7 @@ $t->stop;
 # slot of a quiet session, and the talking q keeps b to itself (the
 # sessions that talk spread over the owners, and with them the work)
 
-$t = LlamaTest->new(workers => 2);
-$dir = $t->dir;
-LlamaTest::slots_dir("$dir/slots");
-$t->fake(name => $_, np => 2, slots => "$dir/slots") for @names;
-$t->nginx($t->owners(names => \@names,
-                     balance => 'llama_session_balance',
-                     zone => ' slots=2 shared=on save_idle=200ms',
-                     store => sub { "$dir/slots" }, fail => '1s'));
+$t = LlamaBalance::fleet(names => \@names);
 $ring = LlamaTest::chash_ring(map { $_ => $t->owner_port($_) } @names);
 
 $x = LlamaBalance::new_of(\&home, $home, 'p');

@@ -24,6 +24,7 @@ use FindBin;
 use lib "$FindBin::Bin/lib";
 
 use JSON::PP;
+use LlamaBalance;
 use LlamaTest;
 use POSIX ();
 use Test::More;
@@ -64,18 +65,11 @@ my $json = JSON::PP->new->canonical;
 sub side {
     my ($balance) = @_;
 
-    my $t = LlamaTest->new(workers => 2);
+    my $t = LlamaBalance::fleet(
+        names => \@names, balance => $balance, ports => \%port,
+        script => { prefill_us => 100, completion => { delay_ms => 60 },
+                    restore => { delay_ms => 40, restore_ms => 40 } });
     my $dir = $t->dir;
-    LlamaTest::slots_dir("$dir/slots");
-    $t->{owner_port} = { %port };
-    $t->fake(name => $_, np => 2, slots => "$dir/slots",
-             script => { prefill_us => 100,
-                         completion => { delay_ms => 60 },
-                         restore => { delay_ms => 40, restore_ms => 40 } })
-        for @names;
-    $t->nginx($t->owners(names => \@names, balance => $balance,
-                         zone => ' slots=2 shared=on save_idle=200ms',
-                         store => sub { "$dir/slots" }, fail => '1s'));
 
     for my $sid (@hot, @cold) {
         my $r = $t->chat_turn($sid, notes => $notes{$sid});

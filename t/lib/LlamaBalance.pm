@@ -7,8 +7,29 @@ package LlamaBalance;
 use strict;
 use warnings;
 
+use LlamaTest;
 use Test::More;
 use Time::HiRes qw(sleep time);
+
+# owners "names" of two slots each over one store (shared=on, saves 200 ms
+# after a turn), fake backends (with "script"), a front that balances by
+# "balance" (llama_session_balance); "ports": the owners' ports, the same
+# ring on every run.  Returns the running LlamaTest
+sub fleet {
+    my (%o) = @_;
+    my $t = LlamaTest->new(workers => 2);
+    my $dir = $t->dir;
+    LlamaTest::slots_dir("$dir/slots");
+    $t->{owner_port} = { %{ $o{ports} } } if $o{ports};
+    $t->fake(name => $_, np => 2, slots => "$dir/slots",
+             script => $o{script} // {})
+        for @{ $o{names} };
+    $t->nginx($t->owners(names => $o{names},
+                         balance => $o{balance} // 'llama_session_balance',
+                         zone => ' slots=2 shared=on save_idle=200ms',
+                         store => sub { "$dir/slots" }, fail => '1s'));
+    return $t;
+}
 
 # three new sessions of one home ($home: a session id's home), turned once
 # each through the front $front (the third first, so that it has a file);
