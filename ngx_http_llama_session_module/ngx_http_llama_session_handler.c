@@ -213,7 +213,11 @@ ngx_http_llama_session_handler(ngx_http_request_t *r)
         return ngx_http_llama_session_loaded(r, ctx);
 
     case NGX_HTTP_LLAMA_SESSION_ST_WARM:
-        if (!ctx->job->call_done) {
+        if (!ctx->job->call_done
+            || ngx_http_llama_session_io_pending(ctx->job->io,
+                                                 &ctx->job->wait_ev))
+        {
+            /* a call, or the base's commit in a thread (store_commit()) */
             return NGX_AGAIN;
         }
 

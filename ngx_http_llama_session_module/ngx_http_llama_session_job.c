@@ -263,8 +263,9 @@ ngx_http_llama_session_may_save(ngx_http_llama_session_ctx_t *ctx)
  * what llama-server says it wrote (it does not check its last fclose: a
  * full disk or NFS can answer 200 with a short file).  Then the file
  * takes its name and the session is recorded.  Else its previous file is
- * kept, untouched.  NGX_OK: saved.  With "wake", the commit's file calls
- * run in a thread: NGX_AGAIN, and the caller calls again when woken.
+ * kept, untouched.  NGX_OK: saved.  With the zone's threads the commit's
+ * file calls run in one: NGX_AGAIN, and the caller calls again when "wake"
+ * is woken.
  */
 
 ngx_int_t

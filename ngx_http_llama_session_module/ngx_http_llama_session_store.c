@@ -104,7 +104,15 @@ typedef struct {
                                                    key, NULL: whatever */
     u_char                          key[NGX_HTTP_LLAMA_SESSION_KEY_MAX];
     size_t                          key_len;
+    ngx_http_llama_session_evicted_t evict;     /* rm[] an eviction's, */
+    ngx_uint_t                      evict_why;  /* ... 0: none (evicted()) */
 } ngx_http_llama_session_change_t;
+
+
+/* why a file is evicted (store_evicted()) */
+
+#define NGX_HTTP_LLAMA_SESSION_EVICT_LIMITS  1
+#define NGX_HTTP_LLAMA_SESSION_EVICT_DISK    2
 
 
 static ngx_http_llama_session_change_t *ngx_http_llama_session_store_change(
@@ -163,6 +171,12 @@ static void ngx_http_llama_session_store_commit_late(
 static ngx_int_t ngx_http_llama_session_store_superseded(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_commit_t *cm,
     ngx_log_t *log);
+static void ngx_http_llama_session_store_evict_file(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_evicted_t *e,
+    ngx_uint_t why, ngx_log_t *log);
+static ngx_uint_t ngx_http_llama_session_store_evicted(
+    ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_evicted_t *e,
+    ngx_uint_t why, ngx_log_t *log);
 static ngx_uint_t ngx_http_llama_session_store_evictable(
     ngx_http_llama_session_zone_t *zone, ngx_http_llama_session_evicted_t *e,
     ngx_log_t *log);
@@ -1764,6 +1778,13 @@ ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
         ch->rm[0][0] = '\0';
     }
 
+    if (ch->evict_why
+        && !ngx_http_llama_session_store_evicted(io->zone, &ch->evict,
+                                                 ch->evict_why, &io->log))
+    {
+        return;
+    }
+
     for (i = 0; i < 2; i++) {
         if (ch->rm[i][0]
             && ngx_delete_file(ch->rm[i]) == NGX_FILE_ERROR
@@ -2222,9 +2243,9 @@ ngx_http_llama_session_doomed_handler(ngx_event_t *ev)
  * temporary file must be a regular file (no link) of the size llama-server
  * says it wrote.
  *
- * With "wake" (a request that can wait for it), the file calls run in a
- * thread (io.c): NGX_AGAIN, and the request calls again once they are done
- * or their bound (store_timeout=) passed.
+ * With the zone's threads the file calls run in one (io.c): NGX_AGAIN,
+ * "wake" is woken and the request calls again once they are done or their
+ * bound (store_timeout=) passed.
  *
  * The previous file is first moved aside to ".bin.old", then the new one
  * takes its name, then the old one goes: a rename over an existing file
@@ -2279,7 +2300,7 @@ ngx_http_llama_session_store_commit(ngx_log_t *log,
 
     cm = &local;
 
-    if (wake && ngx_http_llama_session_io_threads(ctx->zone)) {
+    if (ngx_http_llama_session_io_threads(ctx->zone)) {
         io = ngx_http_llama_session_io_create(ctx->zone, log,
                                    sizeof(ngx_http_llama_session_commit_t));
         if (io) {
@@ -2624,7 +2645,7 @@ ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
 /*
  * Keeps the folder within max_files and max_size: the zone picks the
  * least recently used files (never a session in a slot nor "keep"), then
- * they are deleted here, outside the lock.
+ * they go outside the lock (store_evict_file()).
  */
 
 #define NGX_HTTP_LLAMA_SESSION_EVICT_BATCH  64
@@ -2644,21 +2665,77 @@ ngx_http_llama_session_store_evict(ngx_log_t *log,
                                           NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
 
     for (i = 0; i < n; i++) {
-        if (zone->shared
-            && !ngx_http_llama_session_store_evictable(zone, &out[i], log))
-        {
-            continue;
+        ngx_http_llama_session_store_evict_file(zone, &out[i],
+                                          NGX_HTTP_LLAMA_SESSION_EVICT_LIMITS,
+                                          log);
+    }
+}
+
+
+/*
+ * A file eviction picked goes with its .json, off the loop: with shared=on
+ * the look whether another owner used it since (store_evictable()) too
+ */
+
+static void
+ngx_http_llama_session_store_evict_file(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_evicted_t *e, ngx_uint_t why, ngx_log_t *log)
+{
+    ngx_http_llama_session_io_t      *io;
+    ngx_http_llama_session_change_t  *ch;
+
+    ch = ngx_http_llama_session_store_change(zone, log, &io);
+
+    if (ch == NULL) {
+        /* no threads: here */
+
+        if (ngx_http_llama_session_store_evicted(zone, e, why, log)) {
+            (void) ngx_http_llama_session_store_unlink(zone, e->name, e->len,
+                                                       log);
         }
 
+        return;
+    }
+
+    ngx_snprintf(ch->rm[0], NGX_MAX_PATH, "%V/%*s.bin%Z", &zone->store,
+                 e->len, e->name);
+    ngx_snprintf(ch->rm[1], NGX_MAX_PATH, "%V/%*s.json%Z", &zone->store,
+                 e->len, e->name);
+
+    ch->evict = *e;
+    ch->evict_why = why;
+
+    ngx_http_llama_session_store_apply(io);
+}
+
+
+/* may the file go (shared=on: store_evictable()), logged if it does */
+
+static ngx_uint_t
+ngx_http_llama_session_store_evicted(ngx_http_llama_session_zone_t *zone,
+    ngx_http_llama_session_evicted_t *e, ngx_uint_t why, ngx_log_t *log)
+{
+    if (zone->shared
+        && !ngx_http_llama_session_store_evictable(zone, e, log))
+    {
+        return 0;
+    }
+
+    if (why == NGX_HTTP_LLAMA_SESSION_EVICT_LIMITS) {
         ngx_log_error(NGX_LOG_INFO, log, 0,
                       "llama_session: evicted session \"%*s\" (%O bytes) to "
                       "keep zone \"%V\" within max_files=%ui max_size=%O",
-                      out[i].len, out[i].name, out[i].bytes, &zone->name,
+                      e->len, e->name, e->bytes, &zone->name,
                       zone->max_files, zone->max_size);
 
-        (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
-                                                   out[i].len, log);
+    } else {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: evicted session \"%*s\" (%O bytes) to "
+                      "make room on the disk of zone \"%V\"'s store",
+                      e->len, e->name, e->bytes, &zone->name);
     }
+
+    return 1;
 }
 
 
@@ -2800,7 +2877,7 @@ done:
  * session saved, whose previous file stays until the new one is whole).
  * Files of other zones or programs in the folder are never touched.
  * failed: the save failed (llama-server's 500), its partial temporary file
- * goes first.  NGX_OK: files were deleted, a save may be tried (again).
+ * goes first.  NGX_OK: files go, a save may be tried (again).
  */
 
 ngx_int_t
@@ -2810,7 +2887,7 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
 {
     off_t                              avail, file, min, need, freed;
     u_char                             path[NGX_MAX_PATH];
-    ngx_uint_t                         i, n, bpt, level, deleted;
+    ngx_uint_t                         i, n, bpt, level;
     ngx_http_llama_session_zone_t     *zone;
     ngx_http_llama_session_evicted_t   out[NGX_HTTP_LLAMA_SESSION_EVICT_BATCH];
 
@@ -2879,24 +2956,11 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
     n = ngx_http_llama_session_evict_pick(zone, key, len, need, out,
                                           NGX_HTTP_LLAMA_SESSION_EVICT_BATCH);
     freed = 0;
-    deleted = 0;
 
     for (i = 0; i < n; i++) {
-        if (zone->shared
-            && !ngx_http_llama_session_store_evictable(zone, &out[i], log))
-        {
-            continue;
-        }
-
-        deleted++;
-
-        ngx_log_error(NGX_LOG_WARN, log, 0,
-                      "llama_session: evicted session \"%*s\" (%O bytes) to "
-                      "make room on the disk of zone \"%V\"'s store",
-                      out[i].len, out[i].name, out[i].bytes, &zone->name);
-
-        (void) ngx_http_llama_session_store_unlink(zone, out[i].name,
-                                                   out[i].len, log);
+        ngx_http_llama_session_store_evict_file(zone, &out[i],
+                                            NGX_HTTP_LLAMA_SESSION_EVICT_DISK,
+                                            log);
         freed += out[i].bytes;
     }
 
@@ -2905,14 +2969,14 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
     ngx_log_error(level, log, 0,
                   "llama_session: the disk of \"%V\" is %s: %O bytes free, "
                   "the save of \"%*s\" needs about %O and min_free=%O; "
-                  "%ui least recently used files of zone \"%V\" deleted "
+                  "%ui least recently used files of zone \"%V\" go "
                   "(%O bytes)%s",
                   &zone->store, failed ? "full" : "nearly full", avail,
-                  len, key, file, min, deleted, &zone->name, freed,
-                  deleted ? "" : ", nothing more of this zone to delete: "
-                            "free space there, or lower max_size/max_files");
+                  len, key, file, min, n, &zone->name, freed,
+                  n ? "" : ", nothing more of this zone to delete: "
+                      "free space there, or lower max_size/max_files");
 
-    return deleted ? NGX_OK : NGX_DECLINED;
+    return n ? NGX_OK : NGX_DECLINED;
 }
 
 

@@ -395,12 +395,19 @@ ngx_http_llama_session_warm_done(ngx_http_request_t *r,
 
     case NGX_HTTP_LLAMA_SESSION_WARM_SAVE:
 
-        if (ngx_http_llama_session_save_done(r->connection->log, ctx,
-                                             NGX_HTTP_LLAMA_SESSION_SAVE_BASE,
-                                             ctx->base_key,
-                                             ctx->base_len, NULL)
-            == NGX_OK)
-        {
+        rc = ngx_http_llama_session_save_done(r->connection->log, ctx,
+                                              NGX_HTTP_LLAMA_SESSION_SAVE_BASE,
+                                              ctx->base_key, ctx->base_len,
+                                              &ctx->job->wait_ev);
+
+        if (rc == NGX_AGAIN) {
+            /* the commit's file calls run in a thread (store_commit()) */
+            r->read_event_handler = ngx_http_test_reading;
+            r->write_event_handler = ngx_http_core_run_phases;
+            return NGX_AGAIN;
+        }
+
+        if (rc == NGX_OK) {
             ctx->warm->base_built = 1;
             ngx_http_llama_session_job_remember(ctx, ctx->base_key,
                                                 ctx->base_len,

@@ -6,10 +6,10 @@
 # as a hard NFS mount waits for its server; the backend (the fake, as
 # root) reads and writes the folder beneath as before.  One worker, the
 # store's calls in nginx's thread pool (the default): while a swap, an
-# idle save, the API's list, a chat client's swap (its turn file read)
-# and a hit's check of a shared store each wait on the store, a plain
-# location of the same worker answers within a second; each waiting request is
-# answered at its bound (store_timeout=2s); once the store answers, the
+# idle save, the API's list, a chat client's swap (its turn file read), a
+# hit's check of a shared store and a warm start's base each wait on the
+# store, a plain location of the same worker answers within a second;
+# each waiting request is answered at its bound (store_timeout=2s); once the store answers, the
 # calls left in their threads finish: the saves take their names, no
 # temporary file stays, a session restores from the file committed late.
 # Then the same with thread_pool=off: the plain location waits for the
@@ -21,6 +21,7 @@ use warnings;
 use FindBin;
 use lib "$FindBin::Bin/lib";
 
+use HTTP::Tiny;
 use LlamaTest;
 use Test::More;
 use Time::HiRes qw(time sleep);
@@ -70,13 +71,15 @@ sub ask {
     return $r;
 }
 
-# GET /ping n times while something else waits: the slowest answer
+# GET /ping n times while something else waits: the slowest answer (a
+# worker held by the store fails each after 3 s, and the test goes on)
 sub pings {
     my ($t, $n) = @_;
     my ($worst, $ok) = (0, 0);
+    my $http = HTTP::Tiny->new(timeout => 3);
     for (1 .. $n) {
         my $t0 = time;
-        my $r = $t->get('/ping');
+        my $r = $http->get($t->url('/ping'));
         my $secs = time - $t0;
         $worst = $secs if $secs > $worst;
         $ok++ if $r->{status} == 200;
@@ -86,25 +89,26 @@ sub pings {
 }
 
 sub nginx_with {
-    my ($t, $mnt, $more) = @_;
+    my ($t, $mnt, $more, $server) = @_;
     $t->nginx($t->site(
         zone => "llama_session_zone zone=llama:1m store=$mnt "
                 . "store_timeout=2s save_idle=1s $more;",
+        server => $server // '',
         location => 'add_header X-S-Action $llama_session_action always;',
         extra => 'location = /ping { return 200 "pong\n"; }
                   location /api/ { llama_session_api llama; }'));
 }
 
 # one block: a worker, the fake backend on the store's root folder, nginx
-# on its mount with the zone's PARAMS; the mount and the servers go even
-# when the block dies
+# on its mount with the zone's PARAMS (and SERVER's directives); the mount
+# and the servers go even when the block dies
 sub with_hung_store {
-    my ($params, $code) = @_;
+    my ($params, $code, $server) = @_;
     my $t = LlamaTest->new(workers => 1);
     my ($root, $mnt, $control) = hung_store($t);
     eval {
         $t->fake(np => 1, slots => $root);
-        nginx_with($t, $mnt, $params);
+        nginx_with($t, $mnt, $params, $server);
         $code->($t, $root, $mnt, $control);
     };
     my $err = $@;
@@ -299,6 +303,43 @@ with_hung_store('shared=on', sub {
            sprintf('shared: in %.1f s', $r->{end} - $r->{start}));
     unlink $control;
 });
+
+# 5. a warm start's base: the store stops answering while llama-server
+# saves it; its commit waits in a thread, the new conversation goes on
+# fresh at the bound, and the base takes its name once the store answers
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    $t->fake_script({ save => { delay_ms => 1000, match => 'base-' } });
+    my $h = $t->async_post('/v1/chat/completions',
+                           { messages => [ { role => 'system', content =>
+                                             'You answer in one line. ' x 4 },
+                                           { role => 'user',
+                                             content => 'wes: first' } ],
+                             max_tokens => 2 },
+                           headers => { 'X-Session-Id' => 'wes' });
+    ok($t->wait_for(sub { grep { ($_->{query} // '') =~ /action=save/
+                                 && ($_->{body} // '') =~ /base-/ }
+                               @{ $t->fake_calls } }, 10),
+       'warm: the base\'s save is on its way');
+    open my $fh, '>', $control or die;
+    close $fh;
+    sleep 1;    # the save's reply: its commit waits on the store
+    my ($ok, $worst) = pings($t, 5);
+    is($ok, 5, 'warm: while the base\'s commit waits on the store, /ping '
+               . 'is answered');
+    cmp_ok($worst, '<', 1, sprintf('warm: within a second (%.3f s)',
+                                   $worst));
+    my $r = $t->async_wait($h, 30);
+    is($r->{status}, 200, 'warm: the new conversation is answered at the '
+                          . 'bound');
+    ok($t->log_lines(qr/the save is not committed yet/),
+       'warm: the log says the base is not committed yet');
+    unlink $control;
+    ok($t->wait_for(sub { glob("$root/base-*.bin") }, 10),
+       'warm: the store answers, the base takes its name');
+    ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
+       'warm: no temporary file stays');
+}, 'llama_session_warm system min=16;');
 
 # 2. thread_pool=off: the calls in the event loop, a plain location of the
 # worker waits for the store (what the threads are for)
