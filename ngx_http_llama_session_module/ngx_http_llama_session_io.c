@@ -27,6 +27,10 @@
 
 
 #if (NGX_THREADS)
+static ngx_int_t ngx_http_llama_session_io_task(
+    ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_io_later(ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev);
 static void ngx_http_llama_session_io_thread(void *data, ngx_log_t *log);
 static void ngx_http_llama_session_io_event(ngx_event_t *ev);
 #endif
@@ -36,10 +40,65 @@ static void ngx_http_llama_session_io_event(ngx_event_t *ev);
 static ngx_uint_t  ngx_http_llama_session_io_ready;
 
 
+#if (NGX_THREADS)
+
+/*
+ * The backlog: tasks a pool's queue could not take (max_queue, 65536 by
+ * default: a store silent for long), posted again in their order, never
+ * run in the event loop.  Beyond NGX_HTTP_LLAMA_SESSION_IO_BACKLOG_MAX
+ * the oldest that nobody waits for is given up.
+ */
+
+#define NGX_HTTP_LLAMA_SESSION_IO_BACKLOG_MAX  4096
+
+static ngx_queue_t       ngx_http_llama_session_io_backlog;
+static ngx_uint_t        ngx_http_llama_session_io_backlogged;
+static ngx_msec_t        ngx_http_llama_session_io_backoff;
+static ngx_event_t       ngx_http_llama_session_io_backlog_ev;
+static ngx_connection_t  ngx_http_llama_session_io_backlog_conn;
+
+#endif
+
+
 void
 ngx_http_llama_session_io_init_process(void)
 {
     ngx_http_llama_session_io_ready = 1;
+
+#if (NGX_THREADS)
+    ngx_queue_init(&ngx_http_llama_session_io_backlog);
+#endif
+}
+
+
+/* a worker exits: the backlog's tasks run here, as its threads end theirs */
+
+void
+ngx_http_llama_session_io_exit_process(void)
+{
+#if (NGX_THREADS)
+    ngx_queue_t                  *q;
+    ngx_http_llama_session_io_t  *io;
+
+    if (!ngx_http_llama_session_io_ready) {
+        return;
+    }
+
+    while (!ngx_queue_empty(&ngx_http_llama_session_io_backlog)) {
+        q = ngx_queue_head(&ngx_http_llama_session_io_backlog);
+        ngx_queue_remove(q);
+
+        io = ngx_queue_data(q, ngx_http_llama_session_io_t, queue);
+
+        io->work(io);
+
+        if (io->late) {
+            io->late(io);
+        }
+
+        ngx_destroy_pool(io->pool);
+    }
+#endif
 }
 
 
@@ -100,8 +159,8 @@ ngx_http_llama_session_io_create(ngx_http_llama_session_zone_t *zone,
  * Runs io->work in the zone's thread pool and wakes "wake" when it is
  * done, or after the zone's store_timeout=, whichever comes first (the
  * waiter tells by io->done); wake NULL: nobody waits, the task cleans up
- * after itself.  NGX_AGAIN: posted; NGX_OK: done here (no threads);
- * NGX_ERROR: not run.
+ * after itself.  NGX_AGAIN: posted, or in the backlog when the pool's
+ * queue is full; NGX_OK: done here (no threads); NGX_ERROR: not run.
  */
 
 ngx_int_t
@@ -109,24 +168,23 @@ ngx_http_llama_session_io_post(ngx_http_llama_session_io_t *io,
     ngx_event_t *wake)
 {
 #if (NGX_THREADS)
-    ngx_thread_task_t  *task;
+    ngx_int_t  rc;
 
     if (ngx_http_llama_session_io_threads(io->zone)) {
-        task = ngx_thread_task_alloc(io->pool, 0);
-        if (task == NULL) {
+        io->start = ngx_current_msec;
+
+        rc = ngx_http_llama_session_io_task(io);
+
+        if (rc == NGX_ERROR) {
             return NGX_ERROR;
         }
 
-        task->ctx = io;
-        task->handler = ngx_http_llama_session_io_thread;
-        task->event.handler = ngx_http_llama_session_io_event;
-        task->event.data = io;
-        task->event.log = &io->log;
-
-        io->start = ngx_current_msec;
-
-        if (ngx_thread_task_post(io->zone->tp, task) != NGX_OK) {
-            return NGX_ERROR;
+        if (rc == NGX_BUSY) {
+            /*
+             * the pool's queue is full: later, its waiter waits as long;
+             * not given up there, "left" is not set yet
+             */
+            ngx_http_llama_session_io_later(io);
         }
 
         io->wake = wake;
@@ -234,6 +292,133 @@ ngx_http_llama_session_io_wait(ngx_atomic_t *done, ngx_atomic_uint_t seq,
 
 
 #if (NGX_THREADS)
+
+/*
+ * io's task to the zone's pool, after the backlog's: NGX_OK: posted;
+ * NGX_BUSY: the queue is full, or the backlog not empty
+ */
+
+static ngx_int_t
+ngx_http_llama_session_io_task(ngx_http_llama_session_io_t *io)
+{
+    ngx_thread_task_t  *task;
+
+    if (io->task == NULL) {
+        task = ngx_thread_task_alloc(io->pool, 0);
+        if (task == NULL) {
+            return NGX_ERROR;
+        }
+
+        task->ctx = io;
+        task->handler = ngx_http_llama_session_io_thread;
+        task->event.handler = ngx_http_llama_session_io_event;
+        task->event.data = io;
+        task->event.log = &io->log;
+
+        io->task = task;
+
+        if (ngx_http_llama_session_io_backlogged) {
+            /* the changes keep their order */
+            return NGX_BUSY;
+        }
+    }
+
+    if (ngx_thread_task_post(io->zone->tp, io->task) != NGX_OK) {
+        return NGX_BUSY;
+    }
+
+    return NGX_OK;
+}
+
+
+static void
+ngx_http_llama_session_io_later(ngx_http_llama_session_io_t *io)
+{
+    ngx_queue_t                  *q;
+    ngx_http_llama_session_io_t  *old;
+
+    if (ngx_http_llama_session_io_backlogged == 0) {
+        ngx_log_error(NGX_LOG_WARN, &io->log, 0,
+                      "llama_session: the thread pool of zone \"%V\"'s "
+                      "store has a full queue: its calls wait in the worker "
+                      "and are posted again as it drains", &io->zone->name);
+
+        ngx_http_llama_session_io_backoff = 1000;
+    }
+
+    ngx_queue_insert_tail(&ngx_http_llama_session_io_backlog, &io->queue);
+    ngx_http_llama_session_io_backlogged++;
+
+    if (ngx_http_llama_session_io_backlogged
+        > NGX_HTTP_LLAMA_SESSION_IO_BACKLOG_MAX)
+    {
+        for (q = ngx_queue_head(&ngx_http_llama_session_io_backlog);
+             q != ngx_queue_sentinel(&ngx_http_llama_session_io_backlog);
+             q = ngx_queue_next(q))
+        {
+            old = ngx_queue_data(q, ngx_http_llama_session_io_t, queue);
+
+            if (old->left) {
+                ngx_log_error(NGX_LOG_ERR, &old->log, 0,
+                              "llama_session: %ui calls on zone \"%V\"'s "
+                              "store wait in the worker, the oldest is "
+                              "given up: the store did not answer for %M ms",
+                              ngx_http_llama_session_io_backlogged,
+                              &old->zone->name,
+                              ngx_current_msec - old->start);
+
+                ngx_queue_remove(q);
+                ngx_http_llama_session_io_backlogged--;
+                ngx_destroy_pool(old->pool);
+                break;
+            }
+        }
+    }
+
+    if (!ngx_http_llama_session_io_backlog_ev.timer_set) {
+        ngx_http_llama_session_io_backlog_ev.handler =
+                                    ngx_http_llama_session_io_backlog_handler;
+        ngx_http_llama_session_io_backlog_ev.log = ngx_cycle->log;
+        ngx_http_llama_session_io_backlog_ev.data =
+                                    &ngx_http_llama_session_io_backlog_conn;
+        ngx_http_llama_session_io_backlog_ev.cancelable = 1;
+        ngx_http_llama_session_io_backlog_conn.fd = (ngx_socket_t) -1;
+
+        ngx_add_timer(&ngx_http_llama_session_io_backlog_ev,
+                      ngx_http_llama_session_io_backoff);
+    }
+}
+
+
+/* the backlog posted again, in its order, until a queue is full */
+
+static void
+ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev)
+{
+    ngx_queue_t                  *q;
+    ngx_http_llama_session_io_t  *io;
+
+    while (!ngx_queue_empty(&ngx_http_llama_session_io_backlog)) {
+        q = ngx_queue_head(&ngx_http_llama_session_io_backlog);
+        io = ngx_queue_data(q, ngx_http_llama_session_io_t, queue);
+
+        if (ngx_thread_task_post(io->zone->tp, io->task) != NGX_OK) {
+            /* each try logs the pool's overflow: less often */
+            ngx_http_llama_session_io_backoff =
+                       ngx_min(2 * ngx_http_llama_session_io_backoff, 60000);
+            ngx_add_timer(ev, ngx_http_llama_session_io_backoff);
+            return;
+        }
+
+        ngx_queue_remove(q);
+        ngx_http_llama_session_io_backlogged--;
+    }
+
+    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
+                  "llama_session: the calls that waited in the worker for a "
+                  "store's thread pool are posted");
+}
+
 
 static void
 ngx_http_llama_session_io_thread(void *data, ngx_log_t *log)

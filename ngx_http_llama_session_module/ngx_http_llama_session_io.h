@@ -33,6 +33,10 @@ struct ngx_http_llama_session_io_s {
                                                    it went on */
     ngx_msec_t                      start;
     void                           *data;       /* the call's, in pool */
+#if (NGX_THREADS)
+    ngx_thread_task_t              *task;
+#endif
+    ngx_queue_t                     queue;      /* in the backlog (io.c) */
     unsigned                        done:1;
     unsigned                        left:1;     /* no waiter (any more) */
     unsigned                        late_log:1; /* its waiter went on
@@ -41,6 +45,7 @@ struct ngx_http_llama_session_io_s {
 
 
 void ngx_http_llama_session_io_init_process(void);
+void ngx_http_llama_session_io_exit_process(void);
 ngx_uint_t ngx_http_llama_session_io_threads(
     ngx_http_llama_session_zone_t *zone);
 ngx_http_llama_session_io_t *ngx_http_llama_session_io_create(

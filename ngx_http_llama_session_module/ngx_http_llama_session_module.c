@@ -1860,6 +1860,7 @@ ngx_http_llama_session_init_process(ngx_cycle_t *cycle)
 static void
 ngx_http_llama_session_exit_process(ngx_cycle_t *cycle)
 {
+    ngx_http_llama_session_io_exit_process();
     ngx_http_llama_session_sha256_free();
 }
 

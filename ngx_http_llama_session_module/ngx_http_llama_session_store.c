@@ -1745,7 +1745,7 @@ ngx_http_llama_session_store_apply(ngx_http_llama_session_io_t *io)
     }
 
     if (rc == NGX_ERROR) {
-        /* not posted (the pool's queue is full): here */
+        /* no memory for its task: here */
         io->work(io);
     }
 

@@ -89,26 +89,28 @@ sub pings {
 }
 
 sub nginx_with {
-    my ($t, $mnt, $more, $server) = @_;
+    my ($t, $mnt, $more, %o) = @_;
     $t->nginx($t->site(
         zone => "llama_session_zone zone=llama:1m store=$mnt "
                 . "store_timeout=2s save_idle=1s $more;",
-        server => $server // '',
+        server => $o{server} // '',
         location => 'add_header X-S-Action $llama_session_action always;',
         extra => 'location = /ping { return 200 "pong\n"; }
-                  location /api/ { llama_session_api llama; }'));
+                  location /api/ { llama_session_api llama; }'),
+              main => $o{main});
 }
 
 # one block: a worker, the fake backend on the store's root folder, nginx
-# on its mount with the zone's PARAMS (and SERVER's directives); the mount
-# and the servers go even when the block dies
+# on its mount with the zone's PARAMS (%o: more directives of the "server"
+# and "main" contexts); the mount and the servers go even when the block
+# dies
 sub with_hung_store {
-    my ($params, $code, $server) = @_;
+    my ($params, $code, %o) = @_;
     my $t = LlamaTest->new(workers => 1);
     my ($root, $mnt, $control) = hung_store($t);
     eval {
         $t->fake(np => 1, slots => $root);
-        nginx_with($t, $mnt, $params, $server);
+        nginx_with($t, $mnt, $params, %o);
         $code->($t, $root, $mnt, $control);
     };
     my $err = $@;
@@ -339,7 +341,38 @@ with_hung_store('', sub {
        'warm: the store answers, the base takes its name');
     ok($t->wait_for(sub { !glob("$root/*.tmp") }, 10),
        'warm: no temporary file stays');
-}, 'llama_session_warm system min=16;');
+}, server => 'llama_session_warm system min=16;');
+
+# 6. the thread pool's queue full (one thread, a queue of one): the calls
+# it cannot take wait in the worker, not run there, and are posted again
+# once the store answers
+with_hung_store('thread_pool=tiny', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    is(ask($t, $_, 'first')->{status}, 200, "full queue: $_") for qw(ann bob cy);
+    ok(glob("$root/ann-*.bin") && glob("$root/bob-*.bin"),
+       'full queue: ann and bob saved');
+    open my $fh, '>', $control or die;
+    close $fh;
+    my @h = map { $t->async_post("/api/sessions/$_", undef,
+                                 method => 'DELETE') } qw(ann bob);
+    sleep 0.5;
+    my ($ok, $worst) = pings($t, 5);
+    is($ok, 5, 'full queue: /ping is answered');
+    cmp_ok($worst, '<', 1, sprintf('full queue: within a second (%.3f s)',
+                                   $worst));
+    is($t->async_wait($_, 30)->{status}, 200,
+       'full queue: a DELETE is answered') for @h;
+    ok($t->log_lines(qr/the thread pool of zone "llama"'s store has a full queue: its calls wait in the worker/),
+       'full queue: the log says the calls wait in the worker');
+    ok(glob("$root/ann-*.bin"), 'full queue: ann\'s file stays while the '
+                                . 'store hangs');
+    unlink $control;
+    ok($t->wait_for(sub { !glob("$root/ann-*") && !glob("$root/bob-*") },
+                    40),
+       'full queue: the store answers, the deletions are made');
+    ok($t->wait_for(sub { $t->log_lines(qr/the calls that waited in the worker for a store's thread pool are posted/) }, 70),
+       'full queue: the log says the calls were posted');
+}, main => 'thread_pool tiny threads=1 max_queue=1;');
 
 # 2. thread_pool=off: the calls in the event loop, a plain location of the
 # worker waits for the store (what the threads are for)

@@ -869,7 +869,8 @@ sub raw_open {
     return $s;
 }
 
-# a request in a child process: returns a handle for async_wait
+# a request in a child process (a POST; get => 1: a GET; method => M:
+# another): returns a handle for async_wait
 sub async_post {
     my ($self, $path, $body, %o) = @_;
 
@@ -880,7 +881,10 @@ sub async_post {
     if ($pid == 0) {
         my $t0 = time;
         my $get = delete $o{get};
-        my $r = $get ? $self->get($path, %o) : $self->post($path, $body, %o);
+        my $method = delete $o{method};
+        my $r = $get ? $self->get($path, %o)
+              : $method ? $self->request($method, $path, %o)
+              : $self->post($path, $body, %o);
         open my $fh, '>', "$file.tmp" or die;
         print $fh $JSON->encode({ status => $r->{status},
                                   headers => $r->{headers},
