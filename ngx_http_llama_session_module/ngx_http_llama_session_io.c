@@ -29,6 +29,7 @@
 #if (NGX_THREADS)
 static ngx_int_t ngx_http_llama_session_io_task(
     ngx_http_llama_session_io_t *io);
+static ngx_uint_t ngx_http_llama_session_io_behind(ngx_thread_pool_t *tp);
 static void ngx_http_llama_session_io_later(ngx_http_llama_session_io_t *io);
 static void ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev);
 static void ngx_http_llama_session_io_thread(void *data, ngx_log_t *log);
@@ -45,8 +46,9 @@ static ngx_uint_t  ngx_http_llama_session_io_ready;
 /*
  * The backlog: tasks a pool's queue could not take (max_queue, 65536 by
  * default: a store silent for long), posted again in their order, never
- * run in the event loop.  Beyond NGX_HTTP_LLAMA_SESSION_IO_BACKLOG_MAX
- * the oldest that nobody waits for is given up.
+ * run in the event loop; another pool's tasks pass them.  Beyond
+ * NGX_HTTP_LLAMA_SESSION_IO_BACKLOG_MAX the oldest that nobody waits for
+ * is given up.
  */
 
 #define NGX_HTTP_LLAMA_SESSION_IO_BACKLOG_MAX  4096
@@ -317,8 +319,8 @@ ngx_http_llama_session_io_task(ngx_http_llama_session_io_t *io)
 
         io->task = task;
 
-        if (ngx_http_llama_session_io_backlogged) {
-            /* the changes keep their order */
+        if (ngx_http_llama_session_io_behind(io->zone->tp)) {
+            /* the pool's changes keep their order */
             return NGX_BUSY;
         }
     }
@@ -328,6 +330,33 @@ ngx_http_llama_session_io_task(ngx_http_llama_session_io_t *io)
     }
 
     return NGX_OK;
+}
+
+
+/* does the backlog hold a task of that pool? */
+
+static ngx_uint_t
+ngx_http_llama_session_io_behind(ngx_thread_pool_t *tp)
+{
+    ngx_queue_t                  *q;
+    ngx_http_llama_session_io_t  *io;
+
+    if (ngx_http_llama_session_io_backlogged == 0) {
+        return 0;
+    }
+
+    for (q = ngx_queue_head(&ngx_http_llama_session_io_backlog);
+         q != ngx_queue_sentinel(&ngx_http_llama_session_io_backlog);
+         q = ngx_queue_next(q))
+    {
+        io = ngx_queue_data(q, ngx_http_llama_session_io_t, queue);
+
+        if (io->zone->tp == tp) {
+            return 1;
+        }
+    }
+
+    return 0;
 }
 
 
@@ -390,28 +419,55 @@ ngx_http_llama_session_io_later(ngx_http_llama_session_io_t *io)
 }
 
 
-/* the backlog posted again, in its order, until a queue is full */
+/*
+ * the backlog posted again, in its order, each pool's tasks until its
+ * queue is full (of at most 8 pools full at once, the rest next time)
+ */
 
 static void
 ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev)
 {
-    ngx_queue_t                  *q;
+    ngx_uint_t                    i, n;
+    ngx_queue_t                  *q, *next;
+    ngx_thread_pool_t            *full[8];
     ngx_http_llama_session_io_t  *io;
 
-    while (!ngx_queue_empty(&ngx_http_llama_session_io_backlog)) {
-        q = ngx_queue_head(&ngx_http_llama_session_io_backlog);
+    n = 0;
+
+    for (q = ngx_queue_head(&ngx_http_llama_session_io_backlog);
+         q != ngx_queue_sentinel(&ngx_http_llama_session_io_backlog);
+         q = next)
+    {
+        next = ngx_queue_next(q);
         io = ngx_queue_data(q, ngx_http_llama_session_io_t, queue);
 
+        for (i = 0; i < n && full[i] != io->zone->tp; i++) {
+            /* void */
+        }
+
+        if (i < n) {
+            continue;
+        }
+
         if (ngx_thread_task_post(io->zone->tp, io->task) != NGX_OK) {
-            /* each try logs the pool's overflow: less often */
-            ngx_http_llama_session_io_backoff =
-                       ngx_min(2 * ngx_http_llama_session_io_backoff, 60000);
-            ngx_add_timer(ev, ngx_http_llama_session_io_backoff);
-            return;
+            if (n == 8) {
+                break;
+            }
+
+            full[n++] = io->zone->tp;
+            continue;
         }
 
         ngx_queue_remove(q);
         ngx_http_llama_session_io_backlogged--;
+    }
+
+    if (ngx_http_llama_session_io_backlogged) {
+        /* each try logs the pool's overflow: less often */
+        ngx_http_llama_session_io_backoff =
+                       ngx_min(2 * ngx_http_llama_session_io_backoff, 60000);
+        ngx_add_timer(ev, ngx_http_llama_session_io_backoff);
+        return;
     }
 
     ngx_log_error(NGX_LOG_INFO, ev->log, 0,
