@@ -31,6 +31,7 @@ static ngx_int_t ngx_http_llama_session_io_task(
     ngx_http_llama_session_io_t *io);
 static ngx_uint_t ngx_http_llama_session_io_behind(ngx_thread_pool_t *tp);
 static void ngx_http_llama_session_io_later(ngx_http_llama_session_io_t *io);
+static void ngx_http_llama_session_io_drain(ngx_log_t *log);
 static void ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev);
 static void ngx_http_llama_session_io_thread(void *data, ngx_log_t *log);
 static void ngx_http_llama_session_io_event(ngx_event_t *ev);
@@ -421,11 +422,13 @@ ngx_http_llama_session_io_later(ngx_http_llama_session_io_t *io)
 
 /*
  * the backlog posted again, in its order, each pool's tasks until its
- * queue is full (of at most 8 pools full at once, the rest next time)
+ * queue is full (of at most 8 pools full at once, the rest next time):
+ * as soon as one of our tasks ends (its pool has room), else by the timer
+ * (a pool that other modules' tasks fill)
  */
 
 static void
-ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev)
+ngx_http_llama_session_io_drain(ngx_log_t *log)
 {
     ngx_uint_t                    i, n;
     ngx_queue_t                  *q, *next;
@@ -463,16 +466,30 @@ ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev)
     }
 
     if (ngx_http_llama_session_io_backlogged) {
+        return;
+    }
+
+    if (ngx_http_llama_session_io_backlog_ev.timer_set) {
+        ngx_del_timer(&ngx_http_llama_session_io_backlog_ev);
+    }
+
+    ngx_log_error(NGX_LOG_INFO, log, 0,
+                  "llama_session: the calls that waited in the worker for a "
+                  "store's thread pool are posted");
+}
+
+
+static void
+ngx_http_llama_session_io_backlog_handler(ngx_event_t *ev)
+{
+    ngx_http_llama_session_io_drain(ev->log);
+
+    if (ngx_http_llama_session_io_backlogged) {
         /* each try logs the pool's overflow: less often */
         ngx_http_llama_session_io_backoff =
                        ngx_min(2 * ngx_http_llama_session_io_backoff, 60000);
         ngx_add_timer(ev, ngx_http_llama_session_io_backoff);
-        return;
     }
-
-    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
-                  "llama_session: the calls that waited in the worker for a "
-                  "store's thread pool are posted");
 }
 
 
@@ -493,6 +510,10 @@ ngx_http_llama_session_io_event(ngx_event_t *ev)
 
     io = ev->data;
     io->done = 1;
+
+    if (ngx_http_llama_session_io_backlogged) {
+        ngx_http_llama_session_io_drain(ev->log);
+    }
 
     if (io->left) {
         if (io->late_log) {
