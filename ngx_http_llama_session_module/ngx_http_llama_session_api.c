@@ -1425,6 +1425,17 @@ ngx_http_llama_session_api_step(ngx_http_request_t *r,
         return NGX_AGAIN;
     }
 
+    if (ctx->job->state == NGX_HTTP_LLAMA_SESSION_ST_TURN) {
+        if (ngx_http_llama_session_io_pending(ctx->job->io,
+                                              &ctx->job->wait_ev))
+        {
+            return NGX_AGAIN;
+        }
+
+        /* the slot's turn file read in a thread (reprime.c), or its bound */
+        return ngx_http_llama_session_save(r, ctx);
+    }
+
     if (ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_PROPS
         || ctx->job->call == NGX_HTTP_LLAMA_SESSION_CALL_MODELS)
     {

@@ -193,15 +193,13 @@ ngx_http_llama_session_models_take(ngx_http_llama_session_zone_t *lead,
         return NULL;
     }
 
-    /*
-     * the file first, then the zone's memory, under the lock (once per
-     * model ever): a crash in between leaves the file, read at start
-     */
+    /* the zone's memory under the lock (once per model ever), then the file */
 
-    ngx_http_llama_session_models_write(free, model, len, log);
     ngx_http_llama_session_models_set(free->sh, model, len);
 
     ngx_shmtx_unlock(&lead->shpool->mutex);
+
+    ngx_http_llama_session_models_write(free, model, len, log);
 
     (void) ngx_http_llama_session_models_adopt(free);
 
@@ -232,26 +230,36 @@ ngx_http_llama_session_models_set(ngx_http_llama_session_sh_t *sh,
 
 
 /*
- * "<store>/<zone>.model", the model's name and a line feed (store.c
- * writes it whole); a failure is logged: the binding holds until nginx
- * restarts, when the zone may be given another model (its files then
- * stay unused, their fingerprint being the old model's)
+ * "<store>/<zone>.model", the model's name and a line feed, written whole
+ * in a thread of the zone's store (store_put()); a failure is logged
+ * there: the binding holds until nginx restarts, when the zone may be
+ * given another model (its files then stay unused, their fingerprint
+ * being the old model's), as after a crash before the write
  */
 
 static void
 ngx_http_llama_session_models_write(ngx_http_llama_session_zone_t *zone,
     u_char *model, size_t len, ngx_log_t *log)
 {
-    u_char  name[NGX_HTTP_LLAMA_SESSION_PREFIX_MAX + sizeof(".model")];
-    u_char  line[NGX_HTTP_LLAMA_SESSION_MODEL_SHOW + 1];
+    u_char     file[NGX_MAX_PATH], tmp[NGX_MAX_PATH];
+    u_char     lf;
+    ngx_str_t  parts[2];
 
-    ngx_snprintf(name, sizeof(name), "%V.model%Z", &zone->name);
+    ngx_snprintf(file, sizeof(file), "%V/%V.model%Z", &zone->store,
+                 &zone->name);
+    ngx_snprintf(tmp, sizeof(tmp), "%V/%V.model%V%Z", &zone->store,
+                 &zone->name, &zone->tmp);
 
-    ngx_memcpy(line, model, len);
-    line[len] = LF;
+    lf = LF;
 
-    if (ngx_http_llama_session_store_write(&zone->store, name, &zone->tmp,
-                                           line, len + 1, log)
+    parts[0].data = model;
+    parts[0].len = len;
+    parts[1].data = &lf;
+    parts[1].len = 1;
+
+    if (ngx_http_llama_session_store_put(zone, file, tmp, parts, 2,
+                                         NGX_FILE_DEFAULT_ACCESS, NULL, 0,
+                                         log)
         != NGX_OK)
     {
         ngx_log_error(NGX_LOG_ERR, log, 0,

@@ -259,7 +259,7 @@ ngx_http_llama_session_reprime_yield(ngx_http_llama_session_ctx_t *ctx)
 /*
  * The slot's turn file, read once and deleted (the conversation's text
  * stays no longer than needed): in a thread of the store's (io.c), or
- * here without threads and for the API.  The turn's reply has reached its
+ * here without threads.  The turn's reply has reached its
  * client before its file is written (in a thread of the worker that
  * passed it, store_put()): a client that goes on at once, or another
  * session's turn that needs the slot, may be here first.  The thread
@@ -431,9 +431,7 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
 
     io->work = ngx_http_llama_session_reprime_read;
 
-    /* the API's save reads here (its steps are not re-entered) */
-
-    if (ctx->api == NULL && ngx_http_llama_session_io_threads(zone)) {
+    if (ngx_http_llama_session_io_threads(zone)) {
         tr->wait = zone->store_timeout;
     }
 
@@ -444,12 +442,13 @@ ngx_http_llama_session_reprime_start(ngx_http_request_t *r,
         ctx->job->io = io;
         ngx_http_llama_session_job_state(ctx, NGX_HTTP_LLAMA_SESSION_ST_TURN);
 
-        if (!ctx->job->own) {
+        if (!ctx->job->own && ctx->api == NULL) {
             /* a client's request: the phases again when woken */
             r->read_event_handler = ngx_http_test_reading;
             r->write_event_handler = ngx_http_core_run_phases;
         }
 
+        /* the API's step (api.c) and an idle save's (idle.c) go on alike */
         return NGX_AGAIN;
     }
 

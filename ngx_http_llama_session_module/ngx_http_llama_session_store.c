@@ -1818,9 +1818,10 @@ ngx_http_llama_session_store_change_work(ngx_http_llama_session_io_t *io)
 
 
 /*
- * A small file of the store written whole (a slot's turn, turn.c): its
- * bytes, n parts, go to "tmp", then take the name "file"; off the loop.
- * "done" takes "seq" once the write ended, written or failed.
+ * A small file of the store written whole (a slot's turn, turn.c; a
+ * router zone's model, models.c): its bytes, n parts, go to "tmp", then
+ * take the name "file"; off the loop.  "done", unless NULL, takes "seq"
+ * once the write ended, written or failed.
  */
 
 ngx_int_t
@@ -1866,7 +1867,11 @@ ngx_http_llama_session_store_put(ngx_http_llama_session_zone_t *zone,
         rc = ngx_http_llama_session_store_write_path(file, tmp, text, len,
                                                      access, log);
         ngx_destroy_pool(pool);
-        *done = seq;
+
+        if (done) {
+            *done = seq;
+        }
+
         return rc;
     }
 

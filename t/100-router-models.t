@@ -89,6 +89,14 @@ sub binding {
     return scalar <$fh>;
 }
 
+# the binding as it is once written (in a thread of the store's, after
+# the zone took the model)
+sub bound {
+    my ($zone) = @_;
+    $t->wait_for(sub { defined binding($zone) }, 5);
+    return binding($zone);
+}
+
 sub files {
     my ($prefix) = @_;
     opendir my $d, $t->{slots} or die;
@@ -175,7 +183,7 @@ my $f2 = ask('f', 'small');
 is($f2->{status}, 200, 'the next request goes on: 200')
     or diag $f2->{content};
 like($f2->{headers}{'x-s-key'} // '', qr/^r\.1@/, 'on r.1');
-is(binding('r.1'), "small\n", 'given small once');
+is(bound('r.1'), "small\n", 'given small once');
 ok(!-l "$t->{slots}/r.1.model", 'in a file of its own, not a link');
 is($t->read_file('victim'), "keep\n",
    'the file a planted link pointed to is untouched');
@@ -203,7 +211,7 @@ for my $sid (qw(p q)) {
 my $a1 = turn('a', 'big');
 is($a1->{cached}, 0, 'a\'s first turn on big is a prefill');
 like($a1->{key}, qr/^r\.1@/, 'on the set\'s first zone');
-is(binding('r.1'), "big\n", 'which keeps the model in the store: r.1.model');
+is(bound('r.1'), "big\n", 'which keeps the model in the store: r.1.model');
 
 # a model the router does not list never gets a zone
 
@@ -219,7 +227,7 @@ ok($t->log_lines(qr/router has no model "nosuch" \(zone "r"\): refused/),
 
 my $b1 = turn('b', 'small');
 like($b1->{key}, qr/^r\.2@/, 'b on small: the next zone of the set');
-is(binding('r.2'), "small\n", 'r.2 keeps small');
+is(bound('r.2'), "small\n", 'r.2 keeps small');
 my $m = $t->router_models;
 is($m->{small}, 'loaded', 'small is loaded');
 is($m->{big}, 'unloaded', 'big was unloaded for it');

@@ -282,6 +282,39 @@ with_hung_store('', sub {
     ok(!glob("$root/.turn.*"), 'cleared: and stays gone');
 });
 
+# 3d. the API's save re-primes a slot first: its turn file is read in a
+# thread, the request waits its bound, /ping does not
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    is($t->post('/v1/chat/completions',
+                { messages => [ { role => 'user', content => 'hal: first' } ] },
+                headers => { 'X-Session-Id' => 'hal' })->{status}, 200,
+       'api save: hal\'s turn');
+    ok($t->wait_for(sub { glob("$root/.turn.*") }, 5),
+       'api save: its turn file is written');
+    open my $fh, '>', $control or die;
+    print $fh "open /.turn.*\n";
+    close $fh;
+    my $h = $t->async_post('/api/sessions/save', {});
+    sleep 0.3;
+    my ($ok, $worst) = pings($t, 5);
+    is($ok, 5, 'api save: while its read waits on the store, /ping is '
+               . 'answered');
+    cmp_ok($worst, '<', 1, sprintf('api save: within a second (%.3f s)',
+                                   $worst));
+    my $r = $t->async_wait($h, 30);
+    is($r->{status}, 200, 'api save: answered at the bound');
+    like($r->{content}, qr/"saved":\[\{[^]]*"key":"hal/,
+         'api save: hal is saved');
+    ok($t->log_lines(qr/did not answer within store_timeout=2000 \(\d+ ms\): the session is saved without a re-prime/),
+       'api save: the turn file\'s read had its bound');
+    unlink $control;
+    ok(glob("$root/hal-*.bin"), 'api save: hal\'s file is there');
+    ok($t->wait_for(sub { !glob("$root/.turn.*") }, 5),
+       'api save: once the store answers, the read ends and the turn file '
+       . 'goes');
+});
+
 # 4. shared=on: a hit looks at the store for another owner's newer file
 # first; with the store silent it stays a hit, at its bound
 with_hung_store('shared=on', sub {
