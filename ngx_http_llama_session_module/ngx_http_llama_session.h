@@ -889,6 +889,11 @@ typedef struct {
                                                    outlived its bound: no
                                                    more for this request */
     ngx_http_llama_session_disk_t   disk;
+
+    /* a failed save's look at the disk (store_room_after()): 0, 1 on its way,
+       2 done; the free space it found */
+    ngx_uint_t                      room;
+    off_t                           room_avail;
 } ngx_http_llama_session_job_t;
 
 

@@ -225,6 +225,7 @@ ngx_http_llama_session_call(ngx_http_request_t *r,
 
     if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE && !ctx->job->call_retried) {
         /* the file it writes and min_free must fit on the store's disk */
+        ctx->job->room = 0;
         (void) ngx_http_llama_session_store_room(r->connection->log, ctx,
                                                  key, len, 0);
     }
@@ -541,15 +542,15 @@ ngx_http_llama_session_call_done(ngx_http_request_t *sr, void *data,
  *     (proxy_next_upstream's non_idempotent).  The module's slot calls are
  *     safe to send again: a connection from the keepalive cache that closed
  *     before any byte of a reply is tried once more;
- *   - a save that llama-server failed (500) while the store's disk was full:
- *     once room is made (store_room()), once more;
  *   - a restore that llama-server failed (400) in a shared store: it opens
  *     the file twice, for its token count and then for the state, and
  *     another owner's save of the session committed in between fails it
  *     ("token count ... exceeded capacity") with a whole file in place.
  *
  * Once per call.  A call that got a reply otherwise, timed out, or whose
- * client left stands as it is.
+ * client left stands as it is.  (A save that llama-server failed on a
+ * full disk is sent again after a look at the disk in a thread, by its
+ * waiter: save_done(), store_room_after().)
  */
 
 static ngx_int_t
@@ -579,19 +580,6 @@ ngx_http_llama_session_call_retry(ngx_http_request_t *sr,
                       "again (keep the upstream's keepalive_timeout below "
                       "llama-server's 5 s)",
                       ngx_http_llama_session_call_name(call));
-
-    } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_SAVE
-               && u->headers_in.status_n >= NGX_HTTP_INTERNAL_SERVER_ERROR
-               && ngx_http_llama_session_store_room(sr->connection->log, ctx,
-                                                    ctx->job->call_key,
-                                                    ctx->job->call_key_len, 1)
-                  == NGX_OK)
-    {
-        ngx_log_error(NGX_LOG_WARN, sr->connection->log, 0,
-                      "llama_session: the save of \"%*s\" failed on a full "
-                      "disk (%i), sent again after the eviction",
-                      ctx->job->call_key_len, ctx->job->call_key,
-                      u->headers_in.status_n);
 
     } else if (call == NGX_HTTP_LLAMA_SESSION_CALL_RESTORE
                && ctx->zone->shared

@@ -349,6 +349,39 @@ ngx_http_llama_session_save_done(ngx_log_t *log,
         return NGX_ERROR;
     }
 
+    /* a full disk: room made, the save sent once more */
+
+    rc = ngx_http_llama_session_store_room_after(log, ctx, key, len, wake);
+
+    if (rc == NGX_AGAIN) {
+        /* the look at the disk in a thread: back here after it */
+        return NGX_AGAIN;
+    }
+
+    if (rc == NGX_OK) {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "llama_session: the save of \"%*s\" failed on a full "
+                      "disk (%i), sent again after the eviction", len, key,
+                      ctx->job->call_status);
+
+        /* call() makes no room again for it; call_done() clears the flag */
+        ctx->job->call_retried = 1;
+
+        if (ngx_http_llama_session_call(ctx->request, ctx,
+                                        NGX_HTTP_LLAMA_SESSION_CALL_SAVE,
+                                        key, len)
+            == NGX_AGAIN)
+        {
+            return NGX_AGAIN;
+        }
+
+        ctx->job->call_retried = 0;
+
+        ngx_log_error(NGX_LOG_ERR, log, 0,
+                      "llama_session: the save of \"%*s\" could not be sent "
+                      "again", len, key);
+    }
+
     ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
 
     if (ngx_http_llama_session_media_refused(log, ctx, key, len) == NGX_OK) {

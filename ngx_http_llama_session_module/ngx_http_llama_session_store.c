@@ -131,6 +131,8 @@ static ngx_uint_t ngx_http_llama_session_disk_ok(
     ngx_http_llama_session_ctx_t *ctx);
 static ngx_int_t ngx_http_llama_session_store_stat(u_char *path,
     ngx_http_llama_session_fid_t *fid);
+static void ngx_http_llama_session_store_room_work(
+    ngx_http_llama_session_io_t *io);
 static void ngx_http_llama_session_store_look_work(
     ngx_http_llama_session_io_t *io);
 static ssize_t ngx_http_llama_session_store_read(u_char *file, u_char *buf,
@@ -2881,8 +2883,9 @@ done:
  * used files of this zone go (never a session in a slot, nor "keep": the
  * session saved, whose previous file stays until the new one is whole).
  * Files of other zones or programs in the folder are never touched.
- * failed: the save failed (llama-server's 500), its partial temporary file
- * goes first.  NGX_OK: files go, a save may be tried (again).
+ * failed: the save failed (llama-server's 500), the free space its look
+ * found after it (store_room_after()).  NGX_OK: files go, a save may be tried
+ * (again).
  */
 
 ngx_int_t
@@ -2902,10 +2905,6 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
         return NGX_DECLINED;
     }
 
-    if (failed) {
-        ngx_http_llama_session_store_drop_tmp(log, ctx, key, len);
-    }
-
     /* the file ahead: by the bytes per token, else the files' average */
 
     bpt = zone->sh->bytes_per_token;
@@ -2920,11 +2919,15 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
 
     min = (zone->min_free >= 0) ? zone->min_free : 0;
 
-    if (ngx_http_llama_session_disk_ok(ctx) && !failed) {
+    if (failed) {
+        /* as the look after the failed save saw it (store_room_after()) */
+        avail = ctx->job->room_avail;
+
+    } else if (ngx_http_llama_session_disk_ok(ctx)) {
         /* as the look before the swap saw it, in a thread */
         avail = ctx->job->disk.avail;
 
-    } else if (ngx_http_llama_session_io_threads(zone) && !failed) {
+    } else if (ngx_http_llama_session_io_threads(zone)) {
         /* as a look last saw it (an idle save): no file call here */
         avail = zone->avail ? zone->avail : NGX_MAX_OFF_T_VALUE;
 
@@ -2982,6 +2985,123 @@ ngx_http_llama_session_store_room(ngx_log_t *log,
                       "free space there, or lower max_size/max_files");
 
     return n ? NGX_OK : NGX_DECLINED;
+}
+
+
+/*
+ * A save that llama-server failed (5xx), maybe on a full disk: its partial
+ * temporary file goes and the free space is looked at, in a thread (the
+ * waiter's wake, within store_timeout=), then room is made (store_room()).
+ * Once per save.  NGX_AGAIN: the look is on its way, back here after it;
+ * NGX_OK: room was made, the save may be sent once more; NGX_DECLINED:
+ * the failure stands.
+ */
+
+typedef struct {
+    u_char                          store[NGX_MAX_PATH];
+    u_char                          tmp[NGX_MAX_PATH];
+    off_t                           avail;
+} ngx_http_llama_session_room_t;
+
+
+ngx_int_t
+ngx_http_llama_session_store_room_after(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_event_t *wake)
+{
+    u_char                          name[NGX_HTTP_LLAMA_SESSION_NAME_MAX];
+    size_t                          n;
+    ngx_int_t                       rc;
+    ngx_http_llama_session_io_t    *io;
+    ngx_http_llama_session_zone_t  *zone;
+    ngx_http_llama_session_room_t  *room;
+
+    zone = ctx->zone;
+
+    if (ctx->job->room == 0) {
+
+        if (zone->store.len == 0
+            || ctx->job->call_status < NGX_HTTP_INTERNAL_SERVER_ERROR
+            || ctx->request->connection->error)
+        {
+            return NGX_DECLINED;
+        }
+
+        ctx->job->room = 2;
+
+        io = ngx_http_llama_session_io_create(zone, log,
+                                     sizeof(ngx_http_llama_session_room_t));
+        if (io == NULL) {
+            return NGX_DECLINED;
+        }
+
+        room = io->data;
+        n = ngx_http_llama_session_file_name(name, key, len, ctx->job->fp);
+
+        ngx_snprintf(room->store, sizeof(room->store), "%V%Z", &zone->store);
+        ngx_snprintf(room->tmp, sizeof(room->tmp), "%V/%*s.bin%V%Z",
+                     &zone->store, n, name, &zone->tmp);
+
+        io->work = ngx_http_llama_session_store_room_work;
+
+        rc = ngx_http_llama_session_io_post(io, wake);
+
+        if (rc == NGX_ERROR) {
+            ngx_http_llama_session_io_free(io);
+            return NGX_DECLINED;
+        }
+
+        ctx->job->io = io;
+        ctx->job->room = 1;
+
+        if (rc == NGX_AGAIN) {
+            return NGX_AGAIN;
+        }
+    }
+
+    if (ctx->job->room != 1) {
+        return NGX_DECLINED;
+    }
+
+    /* back from the look, or its bound passed */
+
+    ctx->job->room = 2;
+
+    io = ctx->job->io;
+    ctx->job->io = NULL;
+
+    if (!io->done) {
+        ngx_http_llama_session_io_leave(io, log, "the failed save is not "
+                                        "sent again");
+        return NGX_DECLINED;
+    }
+
+    room = io->data;
+    ctx->job->room_avail = room->avail;
+
+    ngx_http_llama_session_io_free(io);
+
+    return ngx_http_llama_session_store_room(log, ctx, key, len, 1);
+}
+
+
+/* in a thread */
+
+static void
+ngx_http_llama_session_store_room_work(ngx_http_llama_session_io_t *io)
+{
+    ngx_http_llama_session_room_t  *room;
+
+    room = io->data;
+
+    if (ngx_delete_file(room->tmp) == NGX_FILE_ERROR
+        && ngx_errno != NGX_ENOENT)
+    {
+        ngx_log_error(NGX_LOG_WARN, &io->log, ngx_errno,
+                      ngx_delete_file_n " \"%s\" failed", room->tmp);
+    }
+
+    room->avail = ngx_fs_available(room->store);
 }
 
 

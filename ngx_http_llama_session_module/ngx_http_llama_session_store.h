@@ -36,6 +36,9 @@ void ngx_http_llama_session_store_drop_tmp(ngx_log_t *log,
 ngx_int_t ngx_http_llama_session_store_room(ngx_log_t *log,
     ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
     ngx_uint_t failed);
+ngx_int_t ngx_http_llama_session_store_room_after(ngx_log_t *log,
+    ngx_http_llama_session_ctx_t *ctx, u_char *key, size_t len,
+    ngx_event_t *wake);
 void ngx_http_llama_session_store_evict(ngx_log_t *log,
     ngx_http_llama_session_zone_t *zone, u_char *keep, size_t keep_len);
 ngx_int_t ngx_http_llama_session_store_check(

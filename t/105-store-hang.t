@@ -6,10 +6,12 @@
 # as a hard NFS mount waits for its server; the backend (the fake, as
 # root) reads and writes the folder beneath as before.  One worker, the
 # store's calls in nginx's thread pool (the default): while a swap, an
-# idle save, the API's list, a chat client's swap (its turn file read), a
-# hit's check of a shared store and a warm start's base each wait on the
-# store, a plain location of the same worker answers within a second;
-# each waiting request is answered at its bound (store_timeout=2s); once the store answers, the
+# idle save, the API's list, a chat client's swap (its turn file read),
+# the API's save (the same read), a failed save's look at the disk, a
+# hit's check of a shared store, a warm start's base and a full pool's
+# queue each wait on the store, a plain location of the same worker
+# answers within a second; each waiting request is answered at its bound
+# (store_timeout=2s); once the store answers, the
 # calls left in their threads finish: the saves take their names, no
 # temporary file stays, a session restores from the file committed late.
 # Then the same with thread_pool=off: the plain location waits for the
@@ -313,6 +315,39 @@ with_hung_store('', sub {
     ok($t->wait_for(sub { !glob("$root/.turn.*") }, 5),
        'api save: once the store answers, the read ends and the turn file '
        . 'goes');
+});
+
+# 3e. a save that llama-server fails (500, a full disk?): the look at the
+# disk before it is sent again runs in a thread, within its bound
+with_hung_store('', sub {
+    my ($t, $root, $mnt, $control) = @_;
+    is(ask($t, 'ian', 'first')->{status}, 200, 'failed save: ian');
+    $t->fake_script({ save => { status => 500, times => 1 } });
+    open my $fh, '>', $control or die;
+    print $fh "statfs *\n";
+    close $fh;
+    my $h = $t->async_post('/completion', { prompt => 'jo: first',
+                                           n_predict => 2 },
+                           headers => { 'X-Session-Id' => 'jo' });
+    # the swap's own look waits its bound first, then ian's save fails
+    ok($t->wait_for(sub { grep { $_->{query} eq 'action=save' }
+                               @{ $t->fake_calls } }, 10),
+       'failed save: ian\'s save reached the backend');
+    sleep 0.3;
+    my ($ok, $worst) = pings($t, 8);
+    is($ok, 8, 'failed save: while its look at the disk waits, /ping is '
+               . 'answered');
+    cmp_ok($worst, '<', 1, sprintf('failed save: within a second (%.3f s)',
+                                   $worst));
+    is($t->async_wait($h, 30)->{status}, 200,
+       'failed save: jo\'s swap is answered');
+    ok($t->log_lines(qr/did not answer within store_timeout=2000 \(\d+ ms\): the failed save is not sent again/),
+       'failed save: the look had its bound, the save is not sent again');
+    ok($t->log_lines(qr/saving session "ian-\w+" from slot 0 failed \(500/),
+       'failed save: its failure is logged');
+    unlink $control;
+    ok($t->wait_for(sub { !glob("$root/*.tmp") }, 5),
+       'failed save: no temporary file stays');
 });
 
 # 4. shared=on: a hit looks at the store for another owner's newer file

@@ -141,9 +141,12 @@ SKIP: {
 
 # a save that llama-server fails while the disk is full (the estimate
 # before it was short: another program filled the disk meanwhile): room is
-# made, and the save is sent once more (the fake backend fails it once)
-{
+# made, and the save is sent once more (the fake backend fails it once);
+# the look at the disk after the failure runs in a thread, or, with
+# thread_pool=off, in the worker
+for my $tp ('', 'thread_pool=off') {
     my $f = LlamaTest->new(workers => 1);
+    my $w = $tp ? "fake, $tp" : 'fake';
     my $tiny = $f->dir . '/tiny';
     mkdir $tiny;
     system("mount -t tmpfs -o size=1m tmpfs $tiny") == 0 or die;
@@ -151,11 +154,11 @@ SKIP: {
     eval {
         $f->fake(np => 1, slots => $tiny);
         $f->nginx($f->site(
-            zone => "llama_session_zone zone=llama:1m store=$tiny min_free=0;"));
+            zone => "llama_session_zone zone=llama:1m store=$tiny min_free=0 $tp;"));
         for my $n (qw(a b c d)) {
             is($f->post('/completion', { prompt => "$n " x 10000, n_predict => 2 },
                         headers => { 'X-Session-Id' => $n })->{status}, 200,
-               "fake: $n");
+               "$w: $n");
         }
         # another program fills the disk while llama-server saves d (its
         # estimate before the save had room enough)
@@ -164,19 +167,19 @@ SKIP: {
                                headers => { 'X-Session-Id' => 'e' });
         ok($f->wait_for(sub { grep { ($_->{body} // '') =~ /"d-\w+\.\w+\.bin\.tmp"/ }
                                    @{ $f->fake_calls } }, 10),
-           'fake: d\'s save reached the backend');
+           "$w: d's save reached the backend");
         my $free = `df -B1 --output=avail $tiny | tail -1` + 0;
         system("dd if=/dev/zero of=$tiny/filler.dat bs=4096 count="
                . int($free / 4096) . " 2>/dev/null");
         is($f->async_wait($h)->{status}, 200,
-           'fake: e takes the slot; d\'s save fails on the full disk');
+           "$w: e takes the slot; d's save fails on the full disk");
         ok($f->log_lines(qr/the save of "d-\w+" failed on a full disk \(500\), sent again after the eviction/),
-           'fake: it is sent again after the eviction');
+           "$w: it is sent again after the eviction");
         ok($f->log_lines(qr/the disk of "\Q$tiny\E" is full: \d+ bytes free/),
-           'fake: the log says the disk is full');
-        ok(scalar(() = glob("$tiny/d-*.bin")), 'fake: d is saved');
-        ok(!glob("$tiny/a-*.bin"), 'fake: a, the least recently used, went');
-        ok(-e "$tiny/filler.dat", 'fake: the other program\'s file stays');
+           "$w: the log says the disk is full");
+        ok(scalar(() = glob("$tiny/d-*.bin")), "$w: d is saved");
+        ok(!glob("$tiny/a-*.bin"), "$w: a, the least recently used, went");
+        ok(-e "$tiny/filler.dat", "$w: the other program's file stays");
     };
     my $e = $@;
     $f->stop_nginx;
