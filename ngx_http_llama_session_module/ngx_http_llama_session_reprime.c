@@ -259,12 +259,12 @@ ngx_http_llama_session_reprime_yield(ngx_http_llama_session_ctx_t *ctx)
 /*
  * The slot's turn file, read once and deleted (the conversation's text
  * stays no longer than needed): in a thread of the store's (io.c), or
- * here without threads.  The turn's reply has reached its
- * client before its file is written (in a thread of the worker that
- * passed it, store_put()): a client that goes on at once, or another
- * session's turn that needs the slot, may be here first.  The thread
- * waits for the write to end, within the zone's store_timeout= (the
- * waiter's own bound); in the event loop nothing waits.
+ * here without threads.  The turn's reply has reached its client before
+ * its file is written (in a thread of the worker that passed it,
+ * store_put()): a client that goes on at once, or another session's turn
+ * that needs the slot, may be here first.  The thread waits for the
+ * write to end, within the zone's store_timeout= (the waiter's own
+ * bound); in the event loop nothing waits.
  */
 
 typedef struct {
