@@ -291,7 +291,11 @@ EOF2
     is($st2, 200, 'its second turn');
     ok(($j2->{timings}{cache_n} // 0) >= ($j1->{usage}{prompt_tokens} // 1e9) - 1,
        'comes back with its cache: ' . ($j2->{timings}{cache_n} // 'none'));
-    my $alog = $t->read_file("$pd/llama-session.log");
+    # the log phase may end a moment after curl has the reply
+    my $alog = '';
+    $t->wait_for(sub {
+        $alog = $t->read_file("$pd/llama-session.log");
+        $alog =~ /session=site-a action=\w+ .*\n.*session=site-a /s }, 5);
     like($alog, qr/session=site-a action=ram slot=0 cached=\d+/,
          'the access log shows the action (out of llama-server\'s RAM, no '
          . 'slot action) and the cached tokens');
